@@ -1,0 +1,188 @@
+"""Presets and the byte layout of one KVarN cache record.
+
+A *record* holds one tile (``G`` consecutive tokens) of one KV head of one layer: the packed K
+codes, the packed V codes and the six scale vectors that dequantize them. In vLLM one cache block
+is one tile, so the paged cache is ``cache: [num_blocks, Hkv, record_bytes] uint8``.
+
+Record layout (byte offsets grow downwards; ``D`` = head_dim, ``G`` = group_size,
+``pk = 8 // k_bits`` and ``pv = 8 // v_bits`` codes per byte)::
+
+    offset                      field      shape            dtype   meaning
+    0                           k_codes    [D // pk, G]     uint8   K codes, channel-major, packed
+                                                                    along channels (planar)
+    k_codes_bytes               v_codes    [G // pv, D]     uint8   V codes, token-major, packed
+                                                                    along tokens (planar)
+    scales_offset               k_scale    [D]              fp16    per channel: r_d * step_d
+                                k_zero     [D]              fp16    per channel: r_d * lo_d
+                                k_tok      [G]              bf16    per token:   c_t
+                                v_scale    [G]              fp16    per token:   r_t * step_t
+                                v_zero     [G]              fp16    per token:   r_t * lo_t
+                                v_chan     [D]              bf16    per channel: c_d
+    record_bytes
+
+Planar packing: in a tile ``M`` of ``R`` rows (K: channels, V: tokens), byte ``[j, c]`` holds
+the codes of rows ``j, j + R/p, j + 2R/p, ...`` in bit fields ``[0, b), [b, 2b), ...``: the
+first of them in the lowest bits. A kernel unpacks with one shift and one mask per field and
+gets ``p`` contiguous row slices, each ready for ``tl.dot`` without interleaving.
+
+Reconstruction in the rotated frame (see ``docs/algorithm.md``)::
+
+    K~[t, d] = (k_codes[d, t] * k_scale[d] + k_zero[d]) * k_tok[t]
+    V~[t, d] = (v_codes[t, d] * v_scale[t] + v_zero[t]) * v_chan[d]
+
+Column scales are stored in bf16 and row parameters in fp16. Each tile moves a power of two
+from its row parameters to its column scale so that the largest row parameter lies in
+``[0.5, 1)``: fp16 then keeps its full precision for the row parameters and bf16 carries any
+magnitude a finite fp16 or bf16 input can reach, so no finite input stores ``inf``.
+
+For ``kvarn_k4v2_g128`` at ``D = 128``: 8192 + 4096 + 6 * 256 = 13 824 bytes per record,
+108 bytes per token per KV head against 512 for fp16 (4.74x) and 256 for fp8 (2.37x).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+PRESETS: dict[str, tuple[int, int, int]] = {
+    "kvarn_k4v2_g128": (4, 2, 128),
+    "kvarn_k4v2_g64": (4, 2, 64),
+    "kvarn_k4v4_g128": (4, 4, 128),
+    "kvarn_k4v4_g64": (4, 4, 64),
+    "kvarn_k2v2_g128": (2, 2, 128),
+}
+DEFAULT_PRESET = "kvarn_k4v2_g128"
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_BITS = (2, 4)
+SUPPORTED_GROUP_SIZES = (64, 128)
+DEFAULT_SINKHORN_ITERS = 8
+
+SCALE_FIELDS = ("k_scale", "k_zero", "k_tok", "v_scale", "v_zero", "v_chan")
+
+
+@dataclass(frozen=True)
+class KVarNConfig:
+    """One KVarN format: bit widths, tile length, head dim and the derived record layout.
+
+    Build it from a preset name with :meth:`from_preset`. ``rotate`` and ``normalize`` switch
+    off the Hadamard and the variance-normalization stages; the presets keep both on, and the
+    switches exist for ablations and baselines (with both off the format is KIVI-style RTN:
+    per-channel K, per-token V). The byte layout does not depend on them.
+
+    Example:
+        >>> cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
+        >>> cfg.record_bytes, cfg.bytes_per_token, round(cfg.capacity_vs_fp16, 2)
+        (13824, 108.0, 4.74)
+    """
+
+    k_bits: int = 4
+    v_bits: int = 2
+    group_size: int = 128
+    head_dim: int = 128
+    sinkhorn_iters: int = DEFAULT_SINKHORN_ITERS
+    rotate: bool = True
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("k_bits", "v_bits"):
+            bits = getattr(self, name)
+            if bits not in SUPPORTED_BITS:
+                raise ValueError(f"{name} must be one of {SUPPORTED_BITS}, got {bits!r}")
+        if self.group_size not in SUPPORTED_GROUP_SIZES:
+            raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES} tokens, got {self.group_size!r}")
+        check_head_dim(self.head_dim)
+        if not isinstance(self.sinkhorn_iters, int) or self.sinkhorn_iters < 0:
+            raise ValueError(f"sinkhorn_iters must be a non-negative int, got {self.sinkhorn_iters!r}")
+
+    @classmethod
+    def from_preset(cls, name: str = DEFAULT_PRESET, head_dim: int = 128, **overrides) -> KVarNConfig:
+        """The config of preset ``name`` (e.g. ``"kvarn_k4v2_g128"``) for ``head_dim``."""
+        if isinstance(name, KVarNConfig):
+            return dataclasses.replace(name, head_dim=head_dim, **overrides)
+        if name not in PRESETS:
+            valid = ", ".join(PRESETS)
+            raise ValueError(f"unknown KVarN preset {name!r}; valid presets are: {valid}")
+        k_bits, v_bits, group = PRESETS[name]
+        return cls(k_bits=k_bits, v_bits=v_bits, group_size=group, head_dim=head_dim, **overrides)
+
+    @property
+    def name(self) -> str:
+        """The preset name of this format, e.g. ``kvarn_k4v2_g128``."""
+        return f"kvarn_k{self.k_bits}v{self.v_bits}_g{self.group_size}"
+
+    @property
+    def k_per_byte(self) -> int:
+        return 8 // self.k_bits
+
+    @property
+    def v_per_byte(self) -> int:
+        return 8 // self.v_bits
+
+    @property
+    def k_codes_bytes(self) -> int:
+        return self.head_dim * self.group_size * self.k_bits // 8
+
+    @property
+    def v_codes_bytes(self) -> int:
+        return self.head_dim * self.group_size * self.v_bits // 8
+
+    @property
+    def scales_offset(self) -> int:
+        return self.k_codes_bytes + self.v_codes_bytes
+
+    @property
+    def field_lengths(self) -> dict[str, int]:
+        """Number of 2-byte elements of each scale field, in record order."""
+        d, g = self.head_dim, self.group_size
+        return {"k_scale": d, "k_zero": d, "k_tok": g, "v_scale": g, "v_zero": g, "v_chan": d}
+
+    @property
+    def offsets(self) -> dict[str, int]:
+        """Byte offset of every field of the record."""
+        out = {"k_codes": 0, "v_codes": self.k_codes_bytes}
+        pos = self.scales_offset
+        for field, n in self.field_lengths.items():
+            out[field] = pos
+            pos += 2 * n
+        return out
+
+    @property
+    def record_bytes(self) -> int:
+        """Bytes of one record: one tile of one KV head, K and V."""
+        return self.scales_offset + 2 * sum(self.field_lengths.values())
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Cache bytes per token per KV head (K and V together)."""
+        return self.record_bytes / self.group_size
+
+    @property
+    def bits_per_element(self) -> float:
+        """Average stored bits per K or V element, scales included."""
+        return 8 * self.record_bytes / (2 * self.group_size * self.head_dim)
+
+    @property
+    def capacity_vs_fp16(self) -> float:
+        """How many more tokens fit than with an fp16 cache of the same size."""
+        return 2 * 2 * self.head_dim / self.bytes_per_token
+
+    @property
+    def capacity_vs_fp8(self) -> float:
+        """How many more tokens fit than with an fp8 cache of the same size."""
+        return 2 * self.head_dim / self.bytes_per_token
+
+
+def check_head_dim(head_dim: int) -> None:
+    """Raise a ``ValueError`` unless ``head_dim`` is a supported power of two."""
+    if not isinstance(head_dim, int) or head_dim <= 0 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two for the Hadamard stage, got {head_dim!r}")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+
+
+def bits_per_element(bits: int, rows: int, cols: int) -> float:
+    """Average stored bits per element of one quantized ``rows x cols`` tile half.
+
+    Counts ``bits`` per code, two fp16 row parameters per row and one column scale per column.
+    """
+    return bits + 16 * (2 * rows + cols) / (rows * cols)

@@ -1,0 +1,102 @@
+"""The one dispatch point between the reference and the Triton kernels.
+
+Every function takes ``impl="auto" | "reference" | "triton"``. ``"auto"`` picks Triton for CUDA
+tensors when the kernels import, the reference otherwise (CPU, or no Triton). Integrations call
+these functions only, never a kernel or a reference module directly.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from kvarn import reference
+
+IMPLS = ("auto", "reference", "triton")
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_ops():
+    """The Triton implementations keyed by op name, or ``None`` when they cannot be imported."""
+    try:
+        from kvarn.kernels import OPS
+    except ImportError:
+        return None
+    return OPS
+
+
+def triton_available() -> bool:
+    """Whether the Triton kernels import on this machine."""
+    return _triton_ops() is not None
+
+
+def _pick(name: str, impl: str, device: torch.device) -> Callable:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    ops = _triton_ops()
+    if impl == "triton":
+        if ops is None or name not in ops:
+            raise RuntimeError(f"impl='triton' asked for {name}, but no Triton kernel for it imports")
+        return ops[name]
+    if impl == "auto" and device.type == "cuda" and ops is not None and name in ops:
+        return ops[name]
+    return getattr(reference, name)
+
+
+def write_tail(k, v, tail_k, tail_v, tail_slot_mapping, cfg, *, impl: str = "auto") -> None:
+    """Rotate new tokens into the full-precision tile pool. See :func:`kvarn.reference.write_tail`."""
+    _pick("write_tail", impl, k.device)(k, v, tail_k, tail_v, tail_slot_mapping, cfg)
+
+
+def commit_tiles(tail_k, tail_v, tail_slots, block_ids, cache, cfg, *, impl: str = "auto") -> None:
+    """Quantize full pool tiles into cache records. See :func:`kvarn.reference.commit_tiles`."""
+    _pick("commit_tiles", impl, cache.device)(tail_k, tail_v, tail_slots, block_ids, cache, cfg)
+
+
+def store_tiles(k, v, block_ids, cache, cfg, *, impl: str = "auto") -> None:
+    """Quantize whole model-frame tiles into cache records. See :func:`kvarn.reference.store_tiles`."""
+    _pick("store_tiles", impl, cache.device)(k, v, block_ids, cache, cfg)
+
+
+def encode_records(k, v, cfg, *, impl: str = "auto") -> torch.Tensor:
+    """Prepared tiles to records. See :func:`kvarn.reference.encode_records`."""
+    return _pick("encode_records", impl, k.device)(k, v, cfg)
+
+
+def decode_records(records, cfg, *, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Records to rotated fp32 K/V tiles. See :func:`kvarn.reference.decode_records`."""
+    return _pick("decode_records", impl, records.device)(records, cfg)
+
+
+def paged_attention(
+    query,
+    cache,
+    block_table,
+    seq_lens,
+    tail_k,
+    tail_v,
+    tail_slots,
+    cfg,
+    query_start_loc=None,
+    sink_slots=None,
+    scale=None,
+    *,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Attention over the paged cache. See :func:`kvarn.reference.paged_attention`."""
+    fn = _pick("paged_attention", impl, query.device)
+    return fn(
+        query,
+        cache,
+        block_table,
+        seq_lens,
+        tail_k,
+        tail_v,
+        tail_slots,
+        cfg,
+        query_start_loc,
+        sink_slots,
+        scale,
+    )

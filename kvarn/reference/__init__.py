@@ -1,0 +1,46 @@
+"""Readable pure-PyTorch KVarN: the specification and the oracle.
+
+One module per stage, in pipeline order: :mod:`tiling`, :mod:`hadamard`, :mod:`normalize`,
+:mod:`rtn`, :mod:`packing`, :mod:`dequant`; :mod:`quantize` composes them for one tile half,
+:mod:`record` lays K and V out as cache records, :mod:`cache` stores into and gathers from the
+paged cache, :mod:`attention` attends over it.
+"""
+
+from kvarn.reference.attention import attend, paged_attention
+from kvarn.reference.cache import commit_tiles, gather_sequence, store_tiles, write_tail
+from kvarn.reference.dequant import dequantize_rows
+from kvarn.reference.hadamard import hadamard_matrix, rotate
+from kvarn.reference.normalize import imbalance, sinkhorn
+from kvarn.reference.packing import pack_codes, unpack_codes
+from kvarn.reference.quantize import TileHalf, dequantize_half, prepare, quantize_half
+from kvarn.reference.record import decode_records, encode_records, pack_record, unpack_record
+from kvarn.reference.rtn import choose_qparams, quantize_rows
+from kvarn.reference.tiling import merge_tiles, split_tiles
+
+__all__ = [
+    "TileHalf",
+    "attend",
+    "choose_qparams",
+    "commit_tiles",
+    "decode_records",
+    "dequantize_half",
+    "dequantize_rows",
+    "encode_records",
+    "gather_sequence",
+    "hadamard_matrix",
+    "imbalance",
+    "merge_tiles",
+    "pack_codes",
+    "pack_record",
+    "paged_attention",
+    "prepare",
+    "quantize_half",
+    "quantize_rows",
+    "rotate",
+    "sinkhorn",
+    "split_tiles",
+    "store_tiles",
+    "unpack_codes",
+    "unpack_record",
+    "write_tail",
+]

@@ -1,0 +1,87 @@
+"""Attention over the paged KVarN cache: the oracle for the Triton kernels and the vLLM backend.
+
+Queries and outputs are in the model frame; the cache is in the rotated frame. Per step::
+
+    q~ = q @ H                      (rotation leaves scores unchanged: q~ . k~ = q . k)
+    o~ = softmax(scale * q~ K~^T) V~   over the sequence's dequantized tiles, tail and sink
+    o  = o~ @ H
+
+Sequences are ragged. ``query_start_loc: [B + 1]`` gives each sequence's queries, as in vLLM;
+the ``n`` queries of sequence ``b`` are its last ``n`` tokens, so query ``i`` sits at position
+``seq_lens[b] - n + i`` and sees keys ``0 .. seq_lens[b] - n + i`` (causal within the chunk).
+Decode is the case of one query per sequence (``query_start_loc=None``). Grouped-query
+attention: query head ``h`` reads KV head ``h // (Hq // Hkv)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvarn.config import KVarNConfig
+from kvarn.reference.cache import gather_sequence
+from kvarn.reference.hadamard import rotate
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal GQA attention of the last ``n`` positions. ``q: [n, Hq, D]``, ``k, v: [L, Hkv, D]`` -> ``[n, Hq, D]`` fp32."""
+    n, hq, _ = q.shape
+    length, hkv, _ = k.shape
+    group = hq // hkv
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    pos_q = torch.arange(length - n, length, device=q.device)[:, None]
+    pos_k = torch.arange(length, device=q.device)[None, :]
+    s = s.masked_fill(pos_k > pos_q, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return torch.einsum("hqk,khd->qhd", p, v)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    tail_k: torch.Tensor,
+    tail_v: torch.Tensor,
+    tail_slots: torch.Tensor,
+    cfg: KVarNConfig,
+    query_start_loc: torch.Tensor | None = None,
+    sink_slots: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of ``query: [Nq, Hq, D]`` over a paged KVarN cache -> ``[Nq, Hq, D]`` in ``query.dtype``.
+
+    Args:
+        cache: ``[num_blocks, Hkv, record_bytes]`` uint8 records.
+        block_table: ``[B, max_blocks]`` int, the block of each full tile of each sequence.
+        seq_lens: ``[B]`` int, tokens in the cache per sequence, the queries' own included.
+        tail_k, tail_v: ``[num_slots, G, Hkv, D]`` the full-precision tile pool (rotated).
+        tail_slots: ``[B]`` int, each sequence's tail slot (read only if ``seq_len % G``).
+        query_start_loc: ``[B + 1]`` int offsets of each sequence's queries; ``None`` = one each.
+        sink_slots: ``[B]`` int or ``None``; a slot ``>= 0`` replaces the first tile's record by
+            its full-precision copy in that slot.
+        scale: softmax scale, default ``1 / sqrt(D)``.
+    """
+    nq, hq, d = query.shape
+    hkv = cache.shape[1]
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    batch = seq_lens.shape[0]
+    if query_start_loc is None:
+        query_start_loc = torch.arange(batch + 1, device=query.device)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    q = rotate(query) if cfg.rotate else query.float()
+    out = torch.empty(nq, hq, d, dtype=torch.float32, device=query.device)
+    for b in range(batch):
+        q0, q1 = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        if q1 == q0:
+            continue
+        sink = -1 if sink_slots is None else int(sink_slots[b])
+        k, v = gather_sequence(cache, block_table[b], int(seq_lens[b]), tail_k, tail_v, int(tail_slots[b]), cfg, sink)
+        out[q0:q1] = attend(q[q0:q1], k, v, scale)
+    if cfg.rotate:
+        out = rotate(out)
+    return out.to(query.dtype)

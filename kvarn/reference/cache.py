@@ -1,0 +1,105 @@
+"""The paged KVarN cache: store tokens, commit tiles, gather a sequence back.
+
+Storage a KVarN attention layer owns:
+
+- ``cache: [num_blocks, Hkv, record_bytes]`` uint8: one record per (full tile, KV head), the
+  block id being vLLM's (a block is one tile of ``G`` tokens).
+- ``tail_k, tail_v: [num_slots, G, Hkv, D]`` in the model dtype: a pool of full-precision tiles in
+  the rotated frame. A sequence's last, not yet full tile lives in one slot (its *tail slot*);
+  where the fp16 sink is used, the sequence's first tile also keeps a full-precision copy in a
+  slot (its *sink slot*). How slots are handed out is the integration's business.
+
+Tokens reach a record on one of two paths, which give identical bytes because both quantize
+:func:`~kvarn.reference.quantize.prepare`'d values: :func:`write_tail` then :func:`commit_tiles`
+(decode, chunks ending inside a tile), or :func:`store_tiles` (whole tiles of a prompt).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvarn.config import KVarNConfig
+from kvarn.reference.quantize import prepare
+from kvarn.reference.record import decode_records, encode_records
+
+
+def write_tail(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tail_k: torch.Tensor,
+    tail_v: torch.Tensor,
+    tail_slot_mapping: torch.Tensor,
+    cfg: KVarNConfig,
+) -> None:
+    """Rotate new tokens ``k, v: [T, Hkv, D]`` into the tail pool, in place.
+
+    ``tail_slot_mapping: [T]`` holds ``slot * G + offset`` for each token; a negative entry (vLLM's
+    padding) skips the token.
+    """
+    g = cfg.group_size
+    keep = tail_slot_mapping >= 0
+    idx = tail_slot_mapping[keep].long()
+    slot, off = idx // g, idx % g
+    tail_k[slot, off] = prepare(k[keep], tail_k.dtype, cfg.rotate)
+    tail_v[slot, off] = prepare(v[keep], tail_v.dtype, cfg.rotate)
+
+
+def commit_tiles(
+    tail_k: torch.Tensor,
+    tail_v: torch.Tensor,
+    tail_slots: torch.Tensor,
+    block_ids: torch.Tensor,
+    cache: torch.Tensor,
+    cfg: KVarNConfig,
+) -> None:
+    """Quantize full tail tiles ``tail_*[tail_slots[i]]`` into ``cache[block_ids[i]]``, in place.
+
+    ``tail_slots, block_ids: [N]``. The caller promises every token of those tiles is written
+    and committed (no speculative drafts).
+    """
+    if tail_slots.numel() == 0:
+        return
+    k = tail_k[tail_slots.long()].transpose(1, 2)  # [N, Hkv, G, D]
+    v = tail_v[tail_slots.long()].transpose(1, 2)
+    cache[block_ids.long()] = encode_records(k, v, cfg)
+
+
+def store_tiles(
+    k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor, cache: torch.Tensor, cfg: KVarNConfig
+) -> None:
+    """Quantize whole tiles ``k, v: [N, G, Hkv, D]`` (model frame) into ``cache[block_ids]``, in place."""
+    if block_ids.numel() == 0:
+        return
+    kr = prepare(k, k.dtype, cfg.rotate).transpose(1, 2)  # [N, Hkv, G, D]
+    vr = prepare(v, v.dtype, cfg.rotate).transpose(1, 2)
+    cache[block_ids.long()] = encode_records(kr, vr, cfg)
+
+
+def gather_sequence(
+    cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    seq_len: int,
+    tail_k: torch.Tensor,
+    tail_v: torch.Tensor,
+    tail_slot: int,
+    cfg: KVarNConfig,
+    sink_slot: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V one sequence attends over: ``[seq_len, Hkv, D]`` fp32 in the rotated frame.
+
+    Full tiles come from ``cache[block_ids[:seq_len // G]]``, dequantized; the ``seq_len % G``
+    tokens after them from tail slot ``tail_slot``. With ``sink_slot >= 0`` the first tile is read
+    from that slot in full precision instead of its record.
+    """
+    g = cfg.group_size
+    n_full, rem = divmod(int(seq_len), g)
+    k, v = decode_records(cache[block_ids[:n_full].long()], cfg)  # [n, Hkv, G, D]
+    k = k.transpose(1, 2).reshape(n_full * g, *k.shape[1:2], cfg.head_dim)
+    v = v.transpose(1, 2).reshape(n_full * g, *v.shape[1:2], cfg.head_dim)
+    if sink_slot >= 0 and n_full > 0:
+        k[:g] = tail_k[sink_slot].float()
+        v[:g] = tail_v[sink_slot].float()
+    if rem:
+        k = torch.cat([k, tail_k[tail_slot, :rem].float()])
+        v = torch.cat([v, tail_v[tail_slot, :rem].float()])
+    return k, v

@@ -1,0 +1,79 @@
+"""K and V tiles to and from the bytes of a cache record (layout: :mod:`kvarn.config`).
+
+``encode_records`` takes tiles that :func:`kvarn.reference.quantize.prepare` already rotated and
+rounded: ``k, v: [..., G, D]`` (tokens, channels) for one (tile, head) each. K is transposed to
+``[D, G]`` so its rows are channels (per-channel parameters, per-token scale); V stays ``[G, D]``
+(per-token parameters, per-channel scale). Both halves are quantized by the same routine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvarn.config import SCALE_FIELDS, KVarNConfig
+from kvarn.reference.packing import pack_codes, unpack_codes
+from kvarn.reference.quantize import COL_DTYPE, ROW_DTYPE, TileHalf, dequantize_half, quantize_half
+
+_FIELD_DTYPES = {
+    "k_scale": ROW_DTYPE,
+    "k_zero": ROW_DTYPE,
+    "k_tok": COL_DTYPE,
+    "v_scale": ROW_DTYPE,
+    "v_zero": ROW_DTYPE,
+    "v_chan": COL_DTYPE,
+}
+
+
+def quantize_kv_tiles(k: torch.Tensor, v: torch.Tensor, cfg: KVarNConfig) -> tuple[TileHalf, TileHalf]:
+    """Quantize prepared tiles ``k, v: [..., G, D]`` -> (K half ``[..., D, G]``, V half ``[..., G, D]``)."""
+    k_half = quantize_half(k.transpose(-1, -2), cfg.k_bits, cfg.sinkhorn_iters, cfg.normalize)
+    v_half = quantize_half(v, cfg.v_bits, cfg.sinkhorn_iters, cfg.normalize)
+    return k_half, v_half
+
+
+def pack_record(k_half: TileHalf, v_half: TileHalf, cfg: KVarNConfig) -> torch.Tensor:
+    """Lay two tile halves out as records ``[..., record_bytes]`` uint8."""
+    lead = k_half.codes.shape[:-2]
+    parts = [
+        pack_codes(k_half.codes, cfg.k_bits).reshape(*lead, -1),
+        pack_codes(v_half.codes, cfg.v_bits).reshape(*lead, -1),
+    ]
+    fields = dict(zip(SCALE_FIELDS, (*k_half[1:], *v_half[1:]), strict=True))
+    for name in SCALE_FIELDS:
+        t = fields[name].to(_FIELD_DTYPES[name]).contiguous()
+        parts.append(t.view(torch.uint8).reshape(*lead, -1))
+    out = torch.cat(parts, dim=-1)
+    assert out.shape[-1] == cfg.record_bytes
+    return out
+
+
+def unpack_record(records: torch.Tensor, cfg: KVarNConfig) -> tuple[TileHalf, TileHalf]:
+    """Records ``[..., record_bytes]`` uint8 -> (K half ``[..., D, G]``, V half ``[..., G, D]``)."""
+    if records.dtype != torch.uint8 or records.shape[-1] != cfg.record_bytes:
+        raise ValueError(
+            f"records must be uint8 [..., {cfg.record_bytes}] for {cfg.name} at head_dim "
+            f"{cfg.head_dim}, got {records.dtype} {tuple(records.shape)}"
+        )
+    d, g = cfg.head_dim, cfg.group_size
+    lead = records.shape[:-1]
+    off = cfg.offsets
+    k_packed = records[..., : cfg.k_codes_bytes].reshape(*lead, d // cfg.k_per_byte, g)
+    v_packed = records[..., off["v_codes"] : cfg.scales_offset].reshape(*lead, g // cfg.v_per_byte, d)
+    fields = {}
+    for name, n in cfg.field_lengths.items():
+        raw = records[..., off[name] : off[name] + 2 * n].contiguous()
+        fields[name] = raw.view(_FIELD_DTYPES[name])
+    k_half = TileHalf(unpack_codes(k_packed, cfg.k_bits), fields["k_scale"], fields["k_zero"], fields["k_tok"])
+    v_half = TileHalf(unpack_codes(v_packed, cfg.v_bits), fields["v_scale"], fields["v_zero"], fields["v_chan"])
+    return k_half, v_half
+
+
+def encode_records(k: torch.Tensor, v: torch.Tensor, cfg: KVarNConfig) -> torch.Tensor:
+    """Prepared tiles ``k, v: [..., G, D]`` (rotated, model dtype) -> records ``[..., record_bytes]`` uint8."""
+    return pack_record(*quantize_kv_tiles(k, v, cfg), cfg)
+
+
+def decode_records(records: torch.Tensor, cfg: KVarNConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Records ``[..., record_bytes]`` -> ``(k, v): [..., G, D]`` fp32 in the rotated frame."""
+    k_half, v_half = unpack_record(records, cfg)
+    return dequantize_half(k_half).transpose(-1, -2), dequantize_half(v_half)
