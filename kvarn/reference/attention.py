@@ -25,7 +25,10 @@ from kvarn.reference.hadamard import rotate
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal GQA attention of the last ``n`` positions. ``q: [n, Hq, D]``, ``k, v: [L, Hkv, D]`` -> ``[n, Hq, D]`` fp32."""
+    """Causal GQA attention of the last ``n`` positions.
+
+    ``q: [n, Hq, D]``, ``k, v: [L, Hkv, D]`` -> ``[n, Hq, D]`` fp32.
+    """
     n, hq, _ = q.shape
     length, hkv, _ = k.shape
     group = hq // hkv
