@@ -103,7 +103,8 @@ class KVarNConfig:
             valid = ", ".join(PRESETS)
             raise ValueError(f"unknown KVarN preset {name!r}; valid presets are: {valid}")
         k_bits, v_bits, group = PRESETS[name]
-        return cls(k_bits=k_bits, v_bits=v_bits, group_size=group, head_dim=head_dim, **overrides)
+        fields = {"k_bits": k_bits, "v_bits": v_bits, "group_size": group, "head_dim": head_dim}
+        return cls(**{**fields, **overrides})
 
     @property
     def name(self) -> str:

@@ -36,7 +36,19 @@ def hadamard_matrix(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """``x @ H`` along the last axis, in fp32. ``x: [..., D]`` -> ``[..., D]`` fp32.
 
-    Being its own inverse, the same function also un-rotates.
+    Computed as the fast Walsh-Hadamard transform: ``log2(D)`` butterfly stages ``(a, b) -> (a + b,
+    a - b)`` on element pairs ``h`` apart (``h = 1, 2, 4, ...``), then one multiply by
+    ``1 / sqrt(D)``. Elementwise only, so a token rotates to the same bits whatever else is in the
+    batch (a BLAS matmul may not), which keeps the store paths byte-identical. Being its own
+    inverse, the same function also un-rotates.
     """
-    h = hadamard_matrix(x.shape[-1], x.device)
-    return x.to(torch.float32) @ h
+    d = x.shape[-1]
+    check_head_dim(d)
+    y = x.to(torch.float32)
+    h = 1
+    while h < d:
+        pairs = y.unflatten(-1, (d // (2 * h), 2, h))  # [..., blocks, 2, h]
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack([a + b, a - b], dim=-2).flatten(-3)
+        h *= 2
+    return y * d**-0.5

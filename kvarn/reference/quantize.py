@@ -86,6 +86,14 @@ def quantize_half(m: torch.Tensor, bits: int, iters: int = 8, normalize: bool = 
     ``normalize=False`` skips the Sinkhorn stage (all scales 1): plain per-row RTN.
     """
     m = m.to(torch.float32)
+    if m.numel() == 0:  # no tiles: empty outputs of the right shapes
+        rows, cols = m.shape[:-1], m.shape[:-2] + m.shape[-1:]
+        return TileHalf(
+            m.to(torch.uint8),
+            m.new_empty(rows, dtype=ROW_DTYPE),
+            m.new_empty(rows, dtype=ROW_DTYPE),
+            m.new_empty(cols, dtype=COL_DTYPE),
+        )
     if normalize:
         r, c = sinkhorn(m, iters)
     else:

