@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test command: lint, then the CPU test suite, then the Triton kernels under the interpreter.
+# The test command: lint, the Triton kernels under the interpreter, then the CPU test suite.
 # Extra arguments go to both pytest runs (e.g. `scripts/test.sh -k attention`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,9 +8,6 @@ PY="$VENV/bin/python"
 
 "$PY" -m ruff check .
 "$PY" -m ruff format --check .
-
-# Everything that runs on the CPU as it is; GPU tests run on a CUDA machine with `pytest -m gpu`.
-"$PY" -m pytest -m "not gpu and not interpreter" "$@"
 
 # Triton kernels on tiny shapes through TRITON_INTERPRET=1 (it must be set before triton imports,
 # hence a separate process). Exit code 5 means no such test was collected.
@@ -21,3 +18,6 @@ set -e
 if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then
   exit "$rc"
 fi
+
+# Everything that runs on the CPU as it is; GPU tests run on a CUDA machine with `pytest -m gpu`.
+"$PY" -m pytest -m "not gpu and not interpreter" "$@"
