@@ -35,13 +35,15 @@ def triton_available() -> bool:
 def _pick(name: str, impl: str, device: torch.device) -> Callable:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    ops = _triton_ops()
     if impl == "triton":
+        ops = _triton_ops()
         if ops is None or name not in ops:
             raise RuntimeError(f"impl='triton' asked for {name}, but no Triton kernel for it imports")
         return ops[name]
-    if impl == "auto" and device.type == "cuda" and ops is not None and name in ops:
-        return ops[name]
+    if impl == "auto" and device.type == "cuda":  # Triton is not even imported for CPU tensors
+        ops = _triton_ops()
+        if ops is not None and name in ops:
+            return ops[name]
     return getattr(reference, name)
 
 
