@@ -1,4 +1,4 @@
-# Two commands set everything up on a fresh clone:  `make demo`  and  `make test`.
+# Two commands set everything up on a fresh clone:  `make report`  and  `make test`.
 VENV ?= .venv
 STAMP := $(VENV)/.kvarn-installed
 

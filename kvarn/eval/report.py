@@ -1,0 +1,309 @@
+"""``kvarn report``: run the fidelity harness, print a table, write ``report.md``, ``results.json`` and plots.
+
+Example::
+
+    kvarn report                                   # SmolLM2-135M, default methods, ./report
+    kvarn report --model qwen2.5-coder-0.5b --methods all --regions tail,sink --out docs/run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import platform
+import sys
+import time
+
+from kvarn.eval.methods import ALL_BASELINES, DEFAULT_METHODS
+from kvarn.eval.models import BUNDLED_MODELS, DEFAULT_MODEL
+
+GOALS = (
+    ("kvarn_k4v2_g128", "kivi_k4v2_g128", 0.4),
+    ("kvarn_k4v2_g128", "hadrtn_k4v2_g128", 0.8),
+    ("kvarn_k2v2_g128", "kivi_k2v2_g128", 0.3),
+)
+TOP1_GOAL = ("kvarn_k4v2_g128", "sink", 0.95)
+
+
+class _Progress:
+    """tqdm when installed, plain lines on stderr otherwise."""
+
+    def __init__(self, total: int, quiet: bool = False):
+        self.total, self.n, self.quiet, self.label = total, 0, quiet, ""
+        self.bar = None
+        self.t0 = time.perf_counter()
+        if not quiet:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
+            except ImportError:
+                self.bar = None
+
+    def tick(self) -> None:
+        self.n += 1
+        if self.bar is not None:
+            self.bar.update(1)
+        elif not self.quiet and (self.n % 50 == 0 or self.n == self.total):
+            print(
+                f"  {self.label}: step {self.n}/{self.total} ({time.perf_counter() - self.t0:.0f} s)", file=sys.stderr
+            )
+
+    def describe(self, label: str) -> None:
+        self.label = label
+        if self.bar is not None:
+            self.bar.set_description(label)
+        elif not self.quiet:
+            print(f"  running {label}", file=sys.stderr)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="kvarn report",
+        description="Measure KVarN against fp16, fp8 and RTN baselines on a bundled model and bundled text.",
+    )
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"bundled model(s), comma-separated, or 'all' ({', '.join(BUNDLED_MODELS)}); default {DEFAULT_MODEL}",
+    )
+    p.add_argument(
+        "--methods",
+        "--presets",
+        dest="methods",
+        default=",".join(DEFAULT_METHODS),
+        help="comma-separated methods (kvarn_k4v2_g128, kivi_k4v2_g128, hadrtn_..., sinkhorn_..., fp16, "
+        "fp8_e4m3, fp8_e4m3_amax) or 'all'",
+    )
+    p.add_argument(
+        "--regions",
+        default="sink",
+        help="full-precision regions, comma-separated: 'tail' (last incomplete tile only) and/or 'sink' "
+        "(first tile too); default sink",
+    )
+    p.add_argument("--prefix", type=int, default=1024, help="prefix tokens, a multiple of 128 (default 1024)")
+    p.add_argument("--continuation", type=int, default=256, help="teacher-forced tokens after it (default 256)")
+    p.add_argument("--greedy", type=int, default=64, help="greedy tokens to compare, 0 to skip (default 64)")
+    p.add_argument("--out", default="report", help="output folder (default ./report)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = p.parse_args(argv)
+    args.models = list(BUNDLED_MODELS) if args.model == "all" else [m.strip() for m in args.model.split(",")]
+    for m in args.models:
+        if m not in BUNDLED_MODELS:
+            p.error(f"unknown model {m!r}; valid: {', '.join(BUNDLED_MODELS)}")
+    if args.methods == "all":
+        extra = ("kvarn_k4v4_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g64")
+        args.method_list = [*ALL_BASELINES, *extra]
+    else:
+        args.method_list = [m.strip() for m in args.methods.split(",") if m.strip()]
+    args.region_list = [r.strip() for r in args.regions.split(",") if r.strip()]
+    for r in args.region_list:
+        if r not in ("tail", "sink"):
+            p.error(f"--regions takes 'tail' and/or 'sink', got {r!r}")
+    return args
+
+
+def _fmt(x, spec: str) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return format(x, spec)
+
+
+def _mean_tail(rows: list, skip_first: bool = True) -> float:
+    vals = [v for row in rows for v in (row[1:] if skip_first and len(row) > 1 else row)]
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
+def table(run: dict) -> str:
+    """The results of one model as a markdown table."""
+    lines = [
+        "| method | family | bits/elem | capacity vs fp16 | regions | KL vs exact | ppl | top-1 | greedy match | "
+        "greedy common prefix | attn err static | attn err accumulated | cache MiB (fp16 MiB) |",
+        "|" + "---|" * 13,
+    ]
+    g = run["greedy"]
+    for r in run["results"]:
+        regions = "sink+tail" if r["region"] == "sink" else "tail"
+        lines.append(
+            f"| {r['method']} | {r['family']} | {r['bits_per_element']:.2f} | {r['capacity_vs_fp16']:.2f}x | "
+            f"{regions} | {r['kl']:.4f} | {r['ppl']:.3f} | {100 * r['top1']:.1f}% | "
+            f"{_fmt(None if r['greedy_match'] is None else 100 * r['greedy_match'], '.1f')}% | "
+            f"{_fmt(r['greedy_prefix'], 'd')}/{g} | {_mean_tail(r['attn_static']):.4f} | "
+            f"{_mean_tail(r['attn_accum']):.4f} | {r['cache_bytes'] / 2**20:.2f} ({r['fp16_bytes'] / 2**20:.2f}) |"
+        )
+    return "\n".join(lines)
+
+
+def goals(run: dict) -> list[str]:
+    """The issue's goals checked against one model's results (only where both methods ran)."""
+    by = {(r["method"], r["region"]): r for r in run["results"]}
+    out = []
+    for region in sorted({r["region"] for r in run["results"]}):
+        for num, den, limit in GOALS:
+            if (num, region) in by and (den, region) in by:
+                a, b = by[(num, region)]["kl"], by[(den, region)]["kl"]
+                ratio = a / b if b > 0 else float("inf")
+                verdict = "met" if ratio <= limit else "MISSED"
+                out.append(
+                    f"- [{region}] KL {num} / KL {den} = {a:.4f} / {b:.4f} = {ratio:.2f} (goal <= {limit}): {verdict}"
+                )
+    name, region, limit = TOP1_GOAL
+    if (name, region) in by:
+        t = by[(name, region)]["top1"]
+        verdict = "met" if t >= limit else "MISSED"
+        out.append(f"- [{region}] top-1 agreement of {name} = {100 * t:.1f}% (goal >= {100 * limit:.0f}%): {verdict}")
+    return out
+
+
+def plots(run: dict, out: pathlib.Path, stem: str) -> list[str]:
+    """Error vs tile position and per layer (static vs accumulated), and KL per method. Returns file names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    results = run["results"]
+    regions = sorted({r["region"] for r in results})
+    for region in regions:
+        rs = [r for r in results if r["region"] == region and r["method"] != "fp16"]
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for i, r in enumerate(rs):
+            color = f"C{i % 10}"
+            for key, style in (("attn_accum", "-"), ("attn_static", "--")):
+                rows = r[key]
+                by_pos = [sum(row[j] for row in rows) / len(rows) for j in range(len(rows[0]))]
+                by_layer = [sum(row[1:]) / max(len(row) - 1, 1) for row in rows]
+                label = r["method"] if key == "attn_accum" else None
+                axes[0].plot(range(len(by_pos)), by_pos, style, color=color, label=label, marker=".")
+                axes[1].plot(range(len(by_layer)), by_layer, style, color=color, label=label)
+        axes[0].set(xlabel="tile position (128 tokens)", ylabel="relative attention-output error", yscale="log")
+        axes[1].set(xlabel="layer", ylabel="relative attention-output error", yscale="log")
+        axes[0].set_title("vs position: solid accumulated, dashed static")
+        axes[1].set_title("vs layer (tiles 1..): solid accumulated, dashed static")
+        axes[1].legend(fontsize=7, ncol=2)
+        fig.suptitle(f"{run['model']} [{'sink+tail' if region == 'sink' else 'tail'}]")
+        fig.tight_layout()
+        name = f"{stem}_attn_error_{region}.png"
+        fig.savefig(out / name, dpi=80)
+        plt.close(fig)
+        files.append(name)
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    methods = list(dict.fromkeys(r["method"] for r in results))
+    width = 0.8 / max(len(regions), 1)
+    for j, region in enumerate(regions):
+        kl = {r["method"]: r["kl"] for r in results if r["region"] == region}
+        xs = [i + j * width for i in range(len(methods))]
+        ax.bar(xs, [max(kl.get(m, float("nan")), 1e-6) for m in methods], width, label=region)
+    ax.set_xticks([i + width * (len(regions) - 1) / 2 for i in range(len(methods))])
+    ax.set_xticklabels(methods, rotation=30, ha="right", fontsize=8)
+    ax.set(ylabel="KL vs exact (nats/token)", yscale="log", title=f"{run['model']}: next-token KL")
+    ax.legend()
+    fig.tight_layout()
+    name = f"{stem}_kl.png"
+    fig.savefig(out / name, dpi=80)
+    plt.close(fig)
+    files.append(name)
+    return files
+
+
+def write_markdown(runs: list[dict], out: pathlib.Path, command: str) -> pathlib.Path:
+    import torch
+    import transformers
+
+    lines = [
+        "# kvarn fidelity report",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {platform.machine()} "
+        f"{platform.system()}, {torch.get_num_threads()} thread(s).",
+        "",
+        "KL, top-1 and perplexity are over the teacher-forced continuation against the exact run (model dtype, "
+        "unquantized cache); every method stores K/V in fp16 before quantizing. Attention errors are mean "
+        "relative L2 errors of the attention output over tile positions 1.. (tile 0 has no quantized history).",
+    ]
+    for run in runs:
+        lines += [
+            "",
+            f"## {run['model']}",
+            "",
+            f"Prefix {run['prefix']} tokens tile by tile, {run['continuation']} teacher-forced tokens, "
+            f"{run['greedy']} greedy tokens; exact-run perplexity {run['reference']['ppl']:.3f}; "
+            f"wall time {run['seconds']:.0f} s.",
+            "",
+            table(run),
+            "",
+            "Goals of issue 5:",
+            "",
+            *(goals(run) or ["- (the methods the goals compare were not run)"]),
+            "",
+        ]
+        lines += [f"![{f}]({f})" for f in run.get("plots", [])]
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``kvarn report ARGS...``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parse(argv)
+    try:
+        import torch
+
+        from kvarn.eval.harness import evaluate
+        from kvarn.eval.models import load_model
+    except ImportError as e:
+        print(f"kvarn report needs transformers, gguf and accelerate: pip install 'kvarn[hf]' ({e})", file=sys.stderr)
+        return 2
+    torch.set_num_threads(max(1, args.threads))
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for name in args.models:
+        t0 = time.perf_counter()
+        print(f"kvarn report: {name} (converting it on first use), methods {', '.join(args.method_list)}")
+        try:
+            model, tok = load_model(name)
+        except (ModuleNotFoundError, ImportError) as e:
+            print(f"kvarn report: {e}", file=sys.stderr)
+            return 2
+        run = evaluate(
+            model,
+            tok,
+            args.method_list,
+            args.region_list,
+            prefix=args.prefix,
+            continuation=args.continuation,
+            greedy=args.greedy,
+            progress_factory=lambda total: _Progress(total, args.quiet),
+        )
+        run["model"] = name
+        run["seconds"] = time.perf_counter() - t0
+        run["plots"] = plots(run, out, name.replace(".", "_"))
+        runs.append(run)
+        print()
+        print(f"{name}: exact-run perplexity {run['reference']['ppl']:.3f}")
+        print(table(run))
+        for line in goals(run):
+            print(line)
+        del model
+    (out / "results.json").write_text(json.dumps(runs, indent=1) + "\n")
+    command = "kvarn report " + " ".join(argv)
+    path = write_markdown(runs, out, command.strip())
+    print(f"\nwrote {path}, {out / 'results.json'} and {sum(len(r['plots']) for r in runs)} plots")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    raise SystemExit(main())

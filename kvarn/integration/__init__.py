@@ -1,0 +1,7 @@
+"""Integrations of kvarn into serving and modelling libraries, each imported only when used.
+
+- :mod:`kvarn.integration.vllm`: the vLLM plugin (``--kv-cache-dtype kvarn_k4v2_g128``), loaded by
+  vLLM through the ``vllm.general_plugins`` entry point.
+
+Importing this package imports neither vLLM nor transformers.
+"""

