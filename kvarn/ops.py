@@ -1,7 +1,8 @@
 """The one dispatch point between the reference and the Triton kernels.
 
 Every function takes ``impl="auto" | "reference" | "triton"``. ``"auto"`` picks Triton for CUDA
-tensors when the kernels import, the reference otherwise (CPU, or no Triton). Integrations call
+tensors in fp16 or bf16 (the dtypes the kernels are built for) when the kernels import, and the
+reference otherwise (CPU, fp32, or no Triton). Integrations call
 these functions only, never a kernel or a reference module directly.
 """
 
@@ -15,6 +16,8 @@ import torch
 from kvarn import reference
 
 IMPLS = ("auto", "reference", "triton")
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.uint8)
+"""Dtypes of the deciding tensor for which ``auto`` uses Triton (uint8: the records themselves)."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -32,7 +35,8 @@ def triton_available() -> bool:
     return _triton_ops() is not None
 
 
-def _pick(name: str, impl: str, device: torch.device) -> Callable:
+def _pick(name: str, impl: str, like: torch.Tensor) -> Callable:
+    """The implementation of op ``name`` for ``impl``, deciding ``auto`` by ``like``'s device and dtype."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "triton":
@@ -40,7 +44,8 @@ def _pick(name: str, impl: str, device: torch.device) -> Callable:
         if ops is None or name not in ops:
             raise RuntimeError(f"impl='triton' asked for {name}, but no Triton kernel for it imports")
         return ops[name]
-    if impl == "auto" and device.type == "cuda":  # Triton is not even imported for CPU tensors
+    if impl == "auto" and like.device.type == "cuda" and like.dtype in KERNEL_DTYPES:
+        # Triton is not even imported for CPU tensors
         ops = _triton_ops()
         if ops is not None and name in ops:
             return ops[name]
@@ -49,27 +54,27 @@ def _pick(name: str, impl: str, device: torch.device) -> Callable:
 
 def write_tail(k, v, tail_k, tail_v, tail_slot_mapping, cfg, *, impl: str = "auto") -> None:
     """Rotate new tokens into the full-precision tile pool. See :func:`kvarn.reference.write_tail`."""
-    _pick("write_tail", impl, k.device)(k, v, tail_k, tail_v, tail_slot_mapping, cfg)
+    _pick("write_tail", impl, k)(k, v, tail_k, tail_v, tail_slot_mapping, cfg)
 
 
 def commit_tiles(tail_k, tail_v, tail_slots, block_ids, cache, cfg, *, impl: str = "auto") -> None:
     """Quantize full pool tiles into cache records. See :func:`kvarn.reference.commit_tiles`."""
-    _pick("commit_tiles", impl, cache.device)(tail_k, tail_v, tail_slots, block_ids, cache, cfg)
+    _pick("commit_tiles", impl, tail_k)(tail_k, tail_v, tail_slots, block_ids, cache, cfg)
 
 
 def store_tiles(k, v, block_ids, cache, cfg, *, impl: str = "auto") -> None:
     """Quantize whole model-frame tiles into cache records. See :func:`kvarn.reference.store_tiles`."""
-    _pick("store_tiles", impl, cache.device)(k, v, block_ids, cache, cfg)
+    _pick("store_tiles", impl, k)(k, v, block_ids, cache, cfg)
 
 
 def encode_records(k, v, cfg, *, impl: str = "auto") -> torch.Tensor:
     """Prepared tiles to records. See :func:`kvarn.reference.encode_records`."""
-    return _pick("encode_records", impl, k.device)(k, v, cfg)
+    return _pick("encode_records", impl, k)(k, v, cfg)
 
 
 def decode_records(records, cfg, *, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Records to rotated fp32 K/V tiles. See :func:`kvarn.reference.decode_records`."""
-    return _pick("decode_records", impl, records.device)(records, cfg)
+    return _pick("decode_records", impl, records)(records, cfg)
 
 
 def paged_attention(
@@ -88,7 +93,7 @@ def paged_attention(
     impl: str = "auto",
 ) -> torch.Tensor:
     """Attention over the paged cache. See :func:`kvarn.reference.paged_attention`."""
-    fn = _pick("paged_attention", impl, query.device)
+    fn = _pick("paged_attention", impl, query)
     return fn(
         query,
         cache,

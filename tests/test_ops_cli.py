@@ -36,3 +36,24 @@ def test_demo_prints_every_preset(capsys):
 def test_cli_unknown_command(capsys):
     assert main(["frobnicate"]) == 2
     assert "unknown command 'frobnicate'" in capsys.readouterr().err
+
+
+def test_auto_picks_triton_only_for_cuda_half_tensors(monkeypatch):
+    from types import SimpleNamespace
+
+    sentinel = object()
+    monkeypatch.setattr(ops, "_triton_ops", lambda: {"paged_attention": sentinel})
+
+    def like(device, dtype):
+        return SimpleNamespace(device=torch.device(device), dtype=dtype)
+
+    assert ops._pick("paged_attention", "auto", like("cuda", torch.float16)) is sentinel
+    assert ops._pick("paged_attention", "auto", like("cuda", torch.bfloat16)) is sentinel
+    from kvarn import reference
+
+    assert ops._pick("paged_attention", "auto", like("cuda", torch.float32)) is reference.paged_attention
+    assert ops._pick("paged_attention", "auto", like("cpu", torch.float16)) is reference.paged_attention
+    assert ops._pick("decode_records", "auto", like("cuda", torch.uint8)) is reference.decode_records  # no kernel
+    assert ops._pick("paged_attention", "triton", like("cpu", torch.float32)) is sentinel
+    with pytest.raises(RuntimeError, match="no Triton kernel"):
+        ops._pick("decode_records", "triton", like("cuda", torch.uint8))

@@ -1,0 +1,47 @@
+"""Shared timing and environment helpers of the benchmarks (CUDA only)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import torch
+import triton
+
+
+def environment() -> dict:
+    """GPU, torch, triton and the git commit the numbers belong to."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = "unknown"
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": commit or "unknown",
+    }
+
+
+def time_graph(fn, warmup_ms: float = 25, rep_ms: float = 200) -> float:
+    """Median device time of ``fn`` in microseconds, replayed from a CUDA graph (L2 flushed per replay)."""
+    fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    return ms * 1e3
+
+
+def copy_bandwidth(n_bytes: int = 2**31) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    src = torch.empty(n_bytes, dtype=torch.uint8, device="cuda").random_(0, 256)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    return 2 * n_bytes / ms / 1e6

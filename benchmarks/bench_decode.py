@@ -1,0 +1,255 @@
+"""Decode attention over the paged KVarN cache vs fp16 SDPA (flash) on the same shapes.
+
+For each shape: a synthetic cache (random codes, plausible scales) of ``B`` sequences of ``ctx + 37``
+tokens (37 in the fp16 tail), the same shape as fp16 K/V for SDPA, both timed from CUDA graphs
+with L2 flushed between replays. Before any number is reported, the kernel is checked against the
+reference: on a small cache stored by the reference (per preset, head dim, dtype and GQA), and on
+the first sequence of every timed shape. A failed check stops the run.
+
+    PYTHONPATH=. python benchmarks/bench_decode.py --out decode.json [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from benchmarks._common import copy_bandwidth, environment, time_graph
+from kvarn import reference as R
+from kvarn.config import KVarNConfig
+from kvarn.kernels import attention as A
+
+TAIL = 37
+REL_TOL = {torch.float16: 1e-2, torch.bfloat16: 1.6e-2}  # as tests/test_kernels_common.ATTN_REL
+
+
+def synthetic_cache(cfg: KVarNConfig, batch: int, ctx: int, hkv: int, dtype: torch.dtype, seed: int) -> dict:
+    g, d = cfg.group_size, cfg.head_dim
+    n_full = ctx // g
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    num_blocks = batch * n_full + 1
+    cache = torch.empty(num_blocks, hkv, cfg.record_bytes, dtype=torch.uint8, device="cuda").random_(
+        0, 256, generator=gen
+    )
+    off, lens = cfg.offsets, cfg.field_lengths
+
+    def field(name, dt):
+        return cache[..., off[name] : off[name] + 2 * lens[name]].view(dt)
+
+    field("k_scale", torch.float16).uniform_(0.02, 0.2, generator=gen)
+    field("k_zero", torch.float16).copy_(-7.5 * field("k_scale", torch.float16))
+    field("k_tok", torch.bfloat16).uniform_(0.5, 2.0, generator=gen)
+    field("v_scale", torch.float16).uniform_(0.1, 0.6, generator=gen)
+    field("v_zero", torch.float16).copy_(-1.5 * field("v_scale", torch.float16))
+    field("v_chan", torch.bfloat16).uniform_(0.5, 2.0, generator=gen)
+    perm = torch.randperm(num_blocks - 1, device="cuda", generator=gen) + 1
+    block_table = perm.reshape(batch, n_full).to(torch.int32)
+    tail_k = torch.randn(batch, g, hkv, d, device="cuda", generator=gen).to(dtype)
+    tail_v = torch.randn(batch, g, hkv, d, device="cuda", generator=gen).to(dtype)
+    return {
+        "cache": cache,
+        "block_table": block_table,
+        "seq_lens": torch.full((batch,), ctx + TAIL, dtype=torch.int32, device="cuda"),
+        "tail_k": tail_k,
+        "tail_v": tail_v,
+        "tail_slots": torch.arange(batch, dtype=torch.int32, device="cuda"),
+    }
+
+
+def stored_cache(cfg: KVarNConfig, lengths: list[int], hkv: int, dtype: torch.dtype, seed: int) -> dict:
+    """A small cache written by the reference store (real KVarN records)."""
+    g, d = cfg.group_size, cfg.head_dim
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    n_full = [n // g for n in lengths]
+    num_blocks = sum(n_full) + 1
+    cache = torch.zeros(num_blocks, hkv, cfg.record_bytes, dtype=torch.uint8, device="cuda")
+    block_table = torch.zeros(len(lengths), max(n_full), dtype=torch.int32, device="cuda")
+    perm = torch.randperm(num_blocks - 1, device="cuda", generator=gen) + 1
+    i = 0
+    for b, n in enumerate(n_full):
+        ids = perm[i : i + n]
+        i += n
+        block_table[b, :n] = ids.to(torch.int32)
+        k = torch.randn(n, g, hkv, d, device="cuda", generator=gen) * torch.rand(1, 1, hkv, d, device="cuda") * 3
+        v = torch.randn(n, g, hkv, d, device="cuda", generator=gen)
+        R.store_tiles(k.to(dtype), v.to(dtype), ids, cache, cfg)
+    tail_k = torch.randn(len(lengths), g, hkv, d, device="cuda", generator=gen).to(dtype)
+    tail_v = torch.randn(len(lengths), g, hkv, d, device="cuda", generator=gen).to(dtype)
+    return {
+        "cache": cache,
+        "block_table": block_table,
+        "seq_lens": torch.tensor(lengths, dtype=torch.int32, device="cuda"),
+        "tail_k": tail_k,
+        "tail_v": tail_v,
+        "tail_slots": torch.arange(len(lengths), dtype=torch.int32, device="cuda"),
+    }
+
+
+def args_of(st: dict, q: torch.Tensor, cfg: KVarNConfig, rows=None) -> tuple:
+    sel = slice(None) if rows is None else slice(0, rows)
+    return (
+        q[sel],
+        st["cache"],
+        st["block_table"][sel],
+        st["seq_lens"][sel],
+        st["tail_k"],
+        st["tail_v"],
+        st["tail_slots"][sel],
+        cfg,
+    )
+
+
+def check(out: torch.Tensor, st: dict, q: torch.Tensor, cfg: KVarNConfig, rows: int, what: str) -> float:
+    ref = R.paged_attention(*args_of(st, q.float(), cfg, rows))
+    got = out[:rows].float()
+    if not torch.isfinite(out).all():
+        raise SystemExit(f"REFUSING TO REPORT: non-finite kvarn output ({what})")
+    err = float((got - ref).abs().max() / ref.abs().max())
+    if err > REL_TOL[q.dtype]:
+        raise SystemExit(f"REFUSING TO REPORT: kvarn vs reference rel err {err:.2e} > {REL_TOL[q.dtype]} ({what})")
+    return err
+
+
+def sdpa_flash(q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+
+
+def bench_shape(preset, d, hq, hkv, batch, ctx, dtype, copy_bw, sdpa: bool = True) -> dict:
+    cfg = KVarNConfig.from_preset(preset, head_dim=d)
+    st = synthetic_cache(cfg, batch, ctx, hkv, dtype, seed=batch * 7 + ctx)
+    q = torch.randn(batch, hq, d, device="cuda").to(dtype)
+    out = A.paged_attention(*args_of(st, q, cfg))
+    err = check(out, st, q, cfg, 1, f"{preset} d={d} B={batch} ctx={ctx}")
+    t_kv = time_graph(lambda: A.paged_attention(*args_of(st, q, cfg)))
+    n_full = ctx // cfg.group_size
+    kv_bytes = batch * hkv * (n_full * cfg.record_bytes + TAIL * d * 2 * 2)
+    if not sdpa:
+        return {"kvarn_us": t_kv, "kvarn_GBps": kv_bytes / t_kv / 1e3}
+    length = ctx + TAIL
+    k16 = torch.randn(batch, hkv, length, d, device="cuda", dtype=dtype)
+    v16 = torch.randn_like(k16)
+    q4 = q[:, :, None, :]
+    sdpa_flash(q4, k16, v16)
+    t_sd = time_graph(lambda: sdpa_flash(q4, k16, v16))
+    fp16_bytes = 2 * k16.numel() * k16.element_size()
+    return {
+        "preset": preset,
+        "d": d,
+        "hq": hq,
+        "hkv": hkv,
+        "batch": batch,
+        "ctx": ctx,
+        "dtype": str(dtype).replace("torch.", ""),
+        "kvarn_us": t_kv,
+        "sdpa_us": t_sd,
+        "speedup": t_sd / t_kv,
+        "kvarn_GBps": kv_bytes / t_kv / 1e3,
+        "kvarn_pct_copy": 100 * kv_bytes / t_kv / 1e3 / copy_bw,
+        "sdpa_GBps": fp16_bytes / t_sd / 1e3,
+        "check_rel_err": err,
+        "splits": A._choose_splits(batch * hkv, n_full + 1, torch.device("cuda")),
+    }
+
+
+def correctness_suite(configs) -> list[dict]:
+    out = []
+    for preset, d, dtype, hq, hkv in configs:
+        cfg = KVarNConfig.from_preset(preset, head_dim=d)
+        g = cfg.group_size
+        lengths = [3 * g + 5, 40 * g + g - 1, g, 17 * g + 64]
+        st = stored_cache(cfg, lengths, hkv, dtype, seed=d + hq)
+        q = torch.randn(len(lengths), hq, d, device="cuda").to(dtype)
+        o = A.paged_attention(*args_of(st, q, cfg))
+        err = check(o, st, q, cfg, len(lengths), f"stored {preset} d={d} {dtype} {hq}/{hkv}")
+        out.append({"preset": preset, "d": d, "dtype": str(dtype), "hq": hq, "hkv": hkv, "rel_err": err})
+        print(f"check {preset} d={d} {dtype} {hq}/{hkv}: rel err {err:.2e}", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="decode.json")
+    ap.add_argument("--quick", action="store_true", help="a handful of shapes only")
+    args = ap.parse_args()
+    env = environment()
+    copy_bw = copy_bandwidth()
+    print(f"{env} copy bandwidth {copy_bw:.0f} GB/s", flush=True)
+    checks = correctness_suite(
+        [
+            ("kvarn_k4v2_g128", 128, torch.float16, 32, 8),
+            ("kvarn_k4v2_g128", 128, torch.float16, 64, 8),
+            ("kvarn_k4v2_g128", 128, torch.bfloat16, 32, 8),
+            ("kvarn_k4v2_g128", 64, torch.float16, 32, 8),
+            ("kvarn_k4v2_g128", 256, torch.float16, 32, 8),
+            ("kvarn_k4v4_g128", 128, torch.float16, 32, 8),
+            ("kvarn_k4v2_g64", 128, torch.float16, 32, 8),
+            ("kvarn_k2v2_g128", 128, torch.float16, 32, 8),
+        ]
+    )
+    sweep = []
+    best, best_t = None, float("inf")
+    for warps, stages in [(4, 2), (4, 3), (4, 4), (8, 2), (8, 3)]:
+        A.ATTN_NUM_WARPS, A.ATTN_NUM_STAGES = warps, stages
+        t = 0.0
+        for batch, ctx in ((16, 32768), (64, 4096)):
+            r = bench_shape("kvarn_k4v2_g128", 128, 32, 8, batch, ctx, torch.float16, copy_bw, sdpa=False)
+            t += r["kvarn_us"]
+            sweep.append({"num_warps": warps, "num_stages": stages, **r})
+            print(f"sweep warps={warps} stages={stages} B={batch} ctx={ctx}: {r['kvarn_us']:.1f} us", flush=True)
+        if t < best_t:
+            best, best_t = (warps, stages), t
+    A.ATTN_NUM_WARPS, A.ATTN_NUM_STAGES = best
+    print(f"using num_warps={best[0]} num_stages={best[1]}", flush=True)
+    shapes = []
+    if args.quick:
+        grid = [(1024 * 32, 16), (1024 * 4, 64), (1024, 8)]
+        heads = [(32, 8)]
+    else:
+        grid = [(c, b) for c in (1024, 4096, 16384, 32768, 131072) for b in (1, 8, 16, 32, 64)]
+        heads = [(32, 8), (64, 8)]
+    for hq, hkv in heads:
+        for ctx, batch in grid:
+            shapes.append(("kvarn_k4v2_g128", 128, hq, hkv, batch, ctx))
+    for preset, d in [
+        ("kvarn_k4v2_g128", 64),
+        ("kvarn_k4v2_g128", 256),
+        ("kvarn_k4v4_g128", 128),
+        ("kvarn_k4v2_g64", 128),
+        ("kvarn_k2v2_g128", 128),
+    ]:
+        shapes.append((preset, d, 32, 8, 16, 32768))
+    rows = []
+    print("| preset | D | Hq/Hkv | B | ctx | kvarn us | SDPA us | speedup | kvarn GB/s | % copy BW | SDPA GB/s |")
+    for preset, d, hq, hkv, batch, ctx in shapes:
+        r = bench_shape(preset, d, hq, hkv, batch, ctx, torch.float16, copy_bw)
+        torch.cuda.empty_cache()
+        rows.append(r)
+        print(
+            f"| {preset} | {d} | {hq}/{hkv} | {batch} | {ctx} | {r['kvarn_us']:.1f} | {r['sdpa_us']:.1f} | "
+            f"{r['speedup']:.2f}x | {r['kvarn_GBps']:.0f} | {r['kvarn_pct_copy']:.0f}% | {r['sdpa_GBps']:.0f} |",
+            flush=True,
+        )
+    with open(args.out, "w") as f:
+        json.dump(
+            {
+                "env": env,
+                "copy_GBps": copy_bw,
+                "checks": checks,
+                "launch": {"num_warps": best[0], "num_stages": best[1]},
+                "sweep": sweep,
+                "rows": rows,
+            },
+            f,
+            indent=1,
+        )
+    assert all(math.isfinite(r["kvarn_us"]) for r in rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Store throughput: model-frame K/V tiles -> cache records, in GB/s of fp16/bf16 input (K and V).
+
+Times ``store_tiles`` (the prepare kernel into a workspace, then Sinkhorn + RTN + pack + write in
+one encode launch), ``commit_tiles``
+(tiles already prepared in the pool) and the reference store for scale, from CUDA graphs. Before
+reporting, the Triton records are compared with the reference's on a slice of the same input;
+a code more than one step off, or more than 3% of codes off by one, stops the run.
+
+    PYTHONPATH=. python benchmarks/bench_store.py --out store.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from benchmarks._common import copy_bandwidth, environment, time_graph
+from kvarn import reference as R
+from kvarn.config import KVarNConfig
+from kvarn.kernels import store as S
+
+
+def check(got: torch.Tensor, want: torch.Tensor, cfg: KVarNConfig, what: str) -> float:
+    gk, gv = R.unpack_record(got, cfg)
+    wk, wv = R.unpack_record(want, cfg)
+    worst = 0.0
+    for a, b in ((gk.codes, wk.codes), (gv.codes, wv.codes)):
+        d = (a.int() - b.int()).abs()
+        frac = float((d > 0).float().mean())
+        if int(d.max()) > 1 or frac > 0.03:  # tests/test_kernels_common.CODE_MISMATCH_MAX
+            raise SystemExit(f"REFUSING TO REPORT: {what}: codes off by {int(d.max())}, {frac:.4f} differ")
+        worst = max(worst, frac)
+    return worst
+
+
+def bench(preset: str, d: int, dtype: torch.dtype, n_tiles: int, hkv: int, iters: int) -> dict:
+    cfg = KVarNConfig.from_preset(preset, head_dim=d, sinkhorn_iters=iters)
+    g = cfg.group_size
+    k = (torch.randn(n_tiles, g, hkv, d, device="cuda") * torch.rand(1, 1, hkv, d, device="cuda") * 4).to(dtype)
+    v = torch.randn(n_tiles, g, hkv, d, device="cuda").to(dtype)
+    blocks = (torch.randperm(n_tiles, device="cuda") + 1).to(torch.int32)
+    cache = torch.zeros(n_tiles + 1, hkv, cfg.record_bytes, dtype=torch.uint8, device="cuda")
+    S.store_tiles(k, v, blocks, cache, cfg)
+    n_chk = min(n_tiles, 64)
+    want = torch.zeros_like(cache)
+    R.store_tiles(k[:n_chk], v[:n_chk], blocks[:n_chk], want, cfg)
+    ids = blocks[:n_chk].long()
+    mism = check(cache[ids], want[ids], cfg, f"store_tiles {preset} d={d}")
+    in_bytes = 2 * k.numel() * k.element_size()
+    t_store = time_graph(lambda: S.store_tiles(k, v, blocks, cache, cfg))
+    pool_k = R.prepare(k, dtype)
+    pool_v = R.prepare(v, dtype)
+    slots = torch.arange(n_tiles, device="cuda", dtype=torch.int32)
+    t_commit = time_graph(lambda: S.commit_tiles(pool_k, pool_v, slots, blocks, cache, cfg))
+    n_ref = min(n_tiles, 256)
+    t_ref = time_graph(lambda: R.store_tiles(k[:n_ref], v[:n_ref], blocks[:n_ref], want, cfg)) * n_tiles / n_ref
+    return {
+        "preset": preset,
+        "d": d,
+        "dtype": str(dtype).replace("torch.", ""),
+        "tiles": n_tiles,
+        "hkv": hkv,
+        "iters": iters,
+        "input_GB": in_bytes / 1e9,
+        "store_us": t_store,
+        "store_GBps": in_bytes / t_store / 1e3,
+        "commit_GBps": in_bytes / t_commit / 1e3,
+        "reference_GBps": in_bytes / t_ref / 1e3,
+        "code_mismatch": mism,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="store.json")
+    args = ap.parse_args()
+    env = environment()
+    copy_bw = copy_bandwidth()
+    print(f"{env} copy bandwidth {copy_bw:.0f} GB/s", flush=True)
+    cases = [
+        ("kvarn_k4v2_g128", 128, torch.float16, 1024, 8, 8),
+        ("kvarn_k4v2_g128", 128, torch.bfloat16, 1024, 8, 8),
+        ("kvarn_k4v2_g128", 128, torch.float16, 1024, 8, 16),
+        ("kvarn_k4v2_g128", 64, torch.float16, 2048, 8, 8),
+        ("kvarn_k4v2_g128", 256, torch.float16, 512, 8, 8),
+        ("kvarn_k4v2_g64", 128, torch.float16, 2048, 8, 8),
+        ("kvarn_k4v4_g128", 128, torch.float16, 1024, 8, 8),
+        ("kvarn_k2v2_g128", 128, torch.float16, 1024, 8, 8),
+    ]
+    sweep = []
+    for warps in (4, 8, 16):
+        S.ENCODE_NUM_WARPS = warps
+        r = bench("kvarn_k4v2_g128", 128, torch.float16, 1024, 8, 8)
+        sweep.append({"num_warps": warps, **r})
+        print(
+            f"sweep num_warps={warps}: store {r['store_GBps']:.0f} GB/s, commit {r['commit_GBps']:.0f} GB/s", flush=True
+        )
+    S.ENCODE_NUM_WARPS = None
+    rows = []
+    print(
+        "| preset | D | dtype | iters | input GB | store_tiles GB/s | commit_tiles GB/s | reference GB/s "
+        "| code mismatch |"
+    )
+    for c in cases:
+        r = bench(*c)
+        rows.append(r)
+        print(
+            f"| {r['preset']} | {r['d']} | {r['dtype']} | {r['iters']} | {r['input_GB']:.2f} | {r['store_GBps']:.0f} | "
+            f"{r['commit_GBps']:.0f} | {r['reference_GBps']:.1f} | {r['code_mismatch']:.5f} |",
+            flush=True,
+        )
+    with open(args.out, "w") as f:
+        json.dump({"env": env, "copy_GBps": copy_bw, "sweep": sweep, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

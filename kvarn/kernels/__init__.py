@@ -1,0 +1,38 @@
+"""Fused Triton kernels for KVarN, one per reference op, with the reference signatures.
+
+Importing this package imports Triton; an ``ImportError`` means "no kernels here" and
+:mod:`kvarn.ops` falls back to the reference. ``OPS`` maps each op name to its Triton
+implementation; an op missing from it runs the reference.
+
+- :func:`store.write_tail`, :func:`store.commit_tiles`, :func:`store.store_tiles`,
+  :func:`store.encode_records`: the store path (Sinkhorn + RTN + packing in one launch).
+- :func:`dequant.decode_records`: records back to rotated fp32 tiles.
+- :func:`attention.paged_attention`: decode and multi-query attention over the paged cache.
+"""
+
+from __future__ import annotations
+
+import triton  # noqa: F401  (ImportError here means: no kernels on this machine)
+
+from kvarn.kernels.attention import paged_attention
+from kvarn.kernels.dequant import decode_records
+from kvarn.kernels.store import commit_tiles, encode_records, store_tiles, write_tail
+
+OPS = {
+    "write_tail": write_tail,
+    "commit_tiles": commit_tiles,
+    "store_tiles": store_tiles,
+    "encode_records": encode_records,
+    "decode_records": decode_records,
+    "paged_attention": paged_attention,
+}
+
+__all__ = [
+    "OPS",
+    "commit_tiles",
+    "decode_records",
+    "encode_records",
+    "paged_attention",
+    "store_tiles",
+    "write_tail",
+]

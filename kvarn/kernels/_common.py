@@ -1,0 +1,178 @@
+"""Constants and small ``@triton.jit`` helpers shared by the KVarN kernels.
+
+The constants mirror :mod:`kvarn.reference.normalize`, :mod:`kvarn.reference.rtn` and
+:mod:`kvarn.reference.quantize` (the kernels do not import the reference; a test pins them equal).
+
+Two helpers stand in for conversions the Triton CPU interpreter gets wrong: fp32 -> bf16 casts
+(it truncates instead of rounding to nearest even) and bf16 loads and dots. bf16 values travel as
+their 16 raw bits in ``int16`` and are converted with integer shifts, which compile to the same
+instructions as a cast on the GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+STD_MIN = tl.constexpr(1e-3)
+STD_MAX = tl.constexpr(1e3)
+LOG_SCALE_MIN = tl.constexpr(-0.3)
+LOG_SCALE_MAX = tl.constexpr(10.0)
+IMBALANCE_EPS = tl.constexpr(1e-8)
+MIN_STEP = tl.constexpr(1e-10)
+MAX_ABS = tl.constexpr(2.0**24)
+ROW_EXP_LO = tl.constexpr(-8)
+ROW_EXP_HI = tl.constexpr(15)
+FP16_MAX = tl.constexpr(65504.0)
+BF16_MAX = tl.constexpr(3.3895313892515355e38)
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+"""Model dtypes the kernels take for K, V, queries and the tail pool."""
+
+
+def inv_sqrt(d: int) -> float:
+    """``1 / sqrt(d)``, the Hadamard normalization (rounded to fp32 inside a kernel)."""
+    return 1.0 / math.sqrt(d)
+
+
+@triton.jit
+def sanitize(x):
+    """``prepare``'s input policy on fp32 ``x``: NaN -> 0, saturate to ``+-MAX_ABS``."""
+    x = tl.where(x == x, x, 0.0)
+    return tl.minimum(tl.maximum(x, -MAX_ABS), MAX_ABS)
+
+
+def check_dtype(name: str, t: torch.Tensor) -> None:
+    """Raise unless ``t`` is fp16 or bf16 (the dtypes the Triton kernels are built for)."""
+    if t.dtype not in KERNEL_DTYPES:
+        raise ValueError(
+            f"{name} must be float16 or bfloat16 for the Triton kernels, got {t.dtype}; "
+            f"use impl='reference' for {t.dtype}"
+        )
+
+
+def check_cache(cache: torch.Tensor, cfg) -> None:
+    """Raise unless ``cache`` is a ``[num_blocks, Hkv, record_bytes]`` uint8 tensor with unit last stride."""
+    if cache.dtype != torch.uint8 or cache.dim() != 3 or cache.shape[-1] != cfg.record_bytes:
+        raise ValueError(
+            f"cache must be uint8 [num_blocks, Hkv, {cfg.record_bytes}] for {cfg.name} at head_dim "
+            f"{cfg.head_dim}, got {cache.dtype} {tuple(cache.shape)}"
+        )
+    if cache.stride(-1) != 1:
+        raise ValueError("cache must be contiguous along its last (record byte) axis")
+
+
+@triton.jit
+def bf16_bits(x):
+    """fp32 ``x`` rounded to bf16 (nearest, ties to even), as its 16 raw bits in ``int16``. Finite ``x`` only."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (rounded >> 16).to(tl.int16)
+
+
+@triton.jit
+def bf16_round(x):
+    """fp32 ``x`` rounded to the nearest bf16 value (ties to even), returned in fp32. Finite ``x`` only."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return rounded.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def bf16_to_f32(bits):
+    """Raw bf16 bits (``int16``) -> fp32, exactly."""
+    return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def load_f32(ptr, mask, IS_BF16: tl.constexpr):
+    """Load fp16 or bf16 values at ``ptr`` (a pointer block of the model dtype) as fp32, exactly.
+
+    ``mask`` may be ``None``; masked-off elements read 0.
+    """
+    if IS_BF16:
+        p16 = ptr.to(tl.pointer_type(tl.int16))
+        if mask is None:
+            bits = tl.load(p16)
+        else:
+            bits = tl.load(p16, mask=mask, other=0)
+        return bf16_to_f32(bits)
+    else:
+        if mask is None:
+            x = tl.load(ptr)
+        else:
+            x = tl.load(ptr, mask=mask, other=0.0)
+        return x.to(tl.float32)
+
+
+@triton.jit
+def round_to_dtype(x, IS_BF16: tl.constexpr):
+    """Saturate fp32 ``x`` to the finite range of fp16/bf16 and round to it (nearest even); fp32 result."""
+    if IS_BF16:
+        x = tl.minimum(tl.maximum(x, -BF16_MAX), BF16_MAX)
+        return bf16_round(x)
+    else:
+        x = tl.minimum(tl.maximum(x, -FP16_MAX), FP16_MAX)
+        return x.to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def store_model(ptr, x, mask, IS_BF16: tl.constexpr):
+    """Store fp32 ``x`` (already a value of the model dtype) to a fp16/bf16 pointer block."""
+    if IS_BF16:
+        tl.store(ptr.to(tl.pointer_type(tl.int16)), bf16_bits(x), mask=mask)
+    else:
+        tl.store(ptr, x.to(tl.float16), mask=mask)
+
+
+@triton.jit
+def hadamard_pm(N: tl.constexpr):
+    """The unnormalized Sylvester Hadamard ``[N, N]`` fp32: entry ``(-1)^popcount(i & j)``, ``N <= 256``."""
+    i = tl.arange(0, N)
+    p = i[:, None] & i[None, :]
+    p = p ^ (p >> 4)
+    p = p ^ (p >> 2)
+    p = p ^ (p >> 1)
+    return 1.0 - 2.0 * (p & 1).to(tl.float32)
+
+
+@triton.jit
+def rotate_rows(x, D: tl.constexpr, INV_SQRT_D: tl.constexpr):
+    """``x @ H`` for ``x: [R, D]`` fp32 holding fp16/bf16 values (or +-2^24), ``D <= 128``.
+
+    The +-1 matrix and the inputs are exact in tf32, so the tensor-core products are exact and
+    only the fp32 accumulation and the final ``* 1/sqrt(D)`` round.
+    """
+    y = tl.dot(x, hadamard_pm(D), input_precision="tf32")
+    return y * INV_SQRT_D
+
+
+@triton.jit
+def rotate_rows_split(x1, x2, HALF: tl.constexpr, INV_SQRT_D: tl.constexpr):
+    """``[x1, x2] @ H_{2 HALF}`` for two column halves ``x1, x2: [R, HALF]`` -> ``[R, 2 HALF]`` fp32.
+
+    Uses ``H_2n = [[H_n, H_n], [H_n, -H_n]]``: ``[x1 H + x2 H, x1 H - x2 H]``.
+    """
+    h = hadamard_pm(HALF)
+    y1 = tl.dot(x1, h, input_precision="tf32")
+    y2 = tl.dot(x2, h, input_precision="tf32")
+    y = tl.join((y1 + y2) * INV_SQRT_D, (y1 - y2) * INV_SQRT_D)  # [R, HALF, 2]
+    y = tl.permute(y, (0, 2, 1))  # [R, 2, HALF]
+    return tl.reshape(y, (x1.shape[0], 2 * HALF))
+
+
+@triton.jit
+def frexp_exponent(x):
+    """``frexp`` exponent of a positive normal fp32 scalar ``x`` (``x = m 2^e``, ``m`` in [0.5, 1)); 0 for 0."""
+    bits = x.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 126
+    return tl.where(x == 0.0, 0, e)
+
+
+@triton.jit
+def pow2(e):
+    """``2^e`` in fp32 for an int32 ``e`` in [-126, 127], exactly."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)

@@ -1,0 +1,466 @@
+"""Triton store path: tiles -> cache records (normalize, round, pack, write) and tokens -> tail pool.
+
+One program encodes one tile half (the K or the V part of one tile of one KV head) and writes it
+straight into its record; a launch covers every (tile, head, half) of the call. ``prepare``
+(sanitize, rotate, round) is a separate kernel shared by :func:`write_tail` and
+:func:`store_tiles`, so both paths hand the encoder bit-identical tiles. The math mirrors
+:mod:`kvarn.reference.quantize` stage by stage, in fp32:
+
+- Sinkhorn in the log domain with the reference's clamps and best-iterate rule. The std of the
+  scaled tile ``X = M / (r c^T)`` is taken in factored form: ``colstd(X)_j = std_i(M_ij / r_i) / c_j``
+  and ``rowstd(X)_i = std_j(M_ij / c_j) / r_i``, two centered passes per iteration instead of four.
+- ``c`` rounded to bf16 before ``B = M / (r c^T)``, asymmetric RTN (ties to even), the range guard's
+  exponent from the fp32 bits (``frexp`` semantics), fp16 row parameters, bf16 column scales.
+- Planar packing along rows (K: channels, V: tokens).
+
+Results equal the reference's except where fp32 rounding differs (``exp``/``log`` approximations,
+summation order): a code can then move by one step at a rounding tie and a column scale by one
+bf16 ulp. Where the imbalance plateaus, iterates of equal imbalance (to fp32 rounding) differ
+only by a gauge factor (rows x a, columns / a); the best-iterate rule may then keep another one
+than the reference, with equivalent scales. ``tests/test_kernels_*.py`` bounds all of this.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvarn.config import KVarNConfig
+from kvarn.kernels._common import (
+    IMBALANCE_EPS,
+    LOG_SCALE_MAX,
+    LOG_SCALE_MIN,
+    MIN_STEP,
+    ROW_EXP_HI,
+    ROW_EXP_LO,
+    STD_MAX,
+    STD_MIN,
+    bf16_bits,
+    bf16_round,
+    check_cache,
+    check_dtype,
+    frexp_exponent,
+    inv_sqrt,
+    load_f32,
+    pow2,
+    rotate_rows,
+    rotate_rows_split,
+    round_to_dtype,
+    sanitize,
+    store_model,
+)
+
+_empty = torch.empty
+"""Allocator of outputs (tests swap in one that pre-fills them)."""
+
+
+@triton.jit
+def _std_axis0(x, N: tl.constexpr):
+    """Unbiased std over axis 0 of ``x: [N, C]`` -> ``[C]`` (two-pass, centered)."""
+    mean = tl.sum(x, axis=0) / N
+    d = x - mean[None, :]
+    return tl.sqrt_rn(tl.sum(d * d, axis=0) / (N - 1))
+
+
+@triton.jit
+def _std_axis1(x, N: tl.constexpr):
+    """Unbiased std over axis 1 of ``x: [R, N]`` -> ``[R]`` (two-pass, centered)."""
+    mean = tl.sum(x, axis=1) / N
+    d = x - mean[:, None]
+    return tl.sqrt_rn(tl.sum(d * d, axis=1) / (N - 1))
+
+
+@triton.jit
+def _log_step(log_scale, std):
+    s = tl.minimum(tl.maximum(std, STD_MIN), STD_MAX)
+    return tl.minimum(tl.maximum(log_scale + tl.log(s), LOG_SCALE_MIN), LOG_SCALE_MAX)
+
+
+@triton.jit
+def _imbalance(col_std, row_std):
+    col_term = tl.max(col_std, axis=0) / tl.maximum(tl.min(col_std, axis=0), IMBALANCE_EPS)
+    row_term = tl.max(row_std, axis=0) / tl.maximum(tl.min(row_std, axis=0), IMBALANCE_EPS)
+    return col_term + row_term
+
+
+@triton.jit
+def _encode_half(
+    m,
+    out,
+    R: tl.constexpr,
+    C: tl.constexpr,
+    BITS: tl.constexpr,
+    ITERS: tl.constexpr,
+    CODE_OFF: tl.constexpr,
+    SCALE_OFF: tl.constexpr,
+    ZERO_OFF: tl.constexpr,
+    COL_OFF: tl.constexpr,
+):
+    """Quantize one oriented tile half ``m: [R, C]`` fp32 and write its fields at record ``out``."""
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    P: tl.constexpr = 8 // BITS
+    lr = tl.zeros([R], dtype=tl.float32)
+    lc = tl.zeros([C], dtype=tl.float32)
+    best_lr = lr
+    best_lc = lc
+    if ITERS > 0:
+        inv_r = tl.full([R], 1.0, tl.float32)
+        col_std = _std_axis0(m, R)
+        best_imb = _imbalance(col_std, _std_axis1(m, C))
+        for _ in range(ITERS):
+            lc = _log_step(lc, col_std)
+            inv_c = 1.0 / tl.exp(lc)
+            u = _std_axis1(m * inv_c[None, :], C)  # rowstd(X) * r
+            lr = _log_step(lr, u * inv_r)
+            inv_r = 1.0 / tl.exp(lr)
+            col_std = _std_axis0(m * inv_r[:, None], R) * inv_c
+            imb = _imbalance(col_std, u * inv_r)
+            take = imb <= best_imb
+            best_imb = tl.where(take, imb, best_imb)
+            best_lr = tl.where(take, lr, best_lr)
+            best_lc = tl.where(take, lc, best_lc)
+    r = tl.exp(best_lr)
+    c = bf16_round(tl.exp(best_lc))
+    b = m / (r[:, None] * c[None, :])
+    lo = tl.min(b, axis=1)
+    hi = tl.max(b, axis=1)
+    step = tl.maximum((hi - lo) / QMAX, MIN_STEP)
+    q = (b - lo[:, None]) / step[:, None]
+    q = (q + 12582912.0) - 12582912.0  # round half to even (|q| < 2^22)
+    codes = tl.minimum(tl.maximum(q, 0.0), QMAX).to(tl.int32)
+
+    scale = r * step
+    zero = r * lo
+    amax = tl.maximum(tl.max(tl.abs(scale), axis=0), tl.max(tl.abs(zero), axis=0))
+    e = frexp_exponent(amax)
+    e = tl.where((e > ROW_EXP_LO) & (e <= ROW_EXP_HI), 0, e)
+    scale = scale * pow2(-e)
+    zero = zero * pow2(-e)
+    col = c * pow2(e)
+
+    packed = tl.reshape(codes, (P, R // P, C))
+    shifts = (tl.arange(0, P) * BITS)[:, None, None]
+    packed = tl.sum(packed << shifts, axis=0).to(tl.uint8)  # [R // P, C]
+    rows_p = tl.arange(0, R // P)
+    cols = tl.arange(0, C)
+    tl.store(out + CODE_OFF + rows_p[:, None] * C + cols[None, :], packed)
+    rows = tl.arange(0, R)
+    tl.store((out + SCALE_OFF).to(tl.pointer_type(tl.float16)) + rows, scale.to(tl.float16))
+    tl.store((out + ZERO_OFF).to(tl.pointer_type(tl.float16)) + rows, zero.to(tl.float16))
+    tl.store((out + COL_OFF).to(tl.pointer_type(tl.int16)) + cols, bf16_bits(col))
+
+
+@triton.jit
+def _load_tile(base, s_tok, G: tl.constexpr, D: tl.constexpr, IS_BF16: tl.constexpr):
+    """Load one prepared tile ``[G, D]`` (tokens, channels) as fp32."""
+    tok = tl.arange(0, G)
+    ch = tl.arange(0, D)
+    return load_f32(base + tok[:, None] * s_tok + ch[None, :], None, IS_BF16)
+
+
+@triton.jit
+def _encode_kernel(
+    k_src,
+    v_src,
+    src_idx,
+    s_tile,
+    s_tok,
+    s_head,
+    dst,
+    dst_idx,
+    d_block,
+    d_head,
+    HAS_SRC_IDX: tl.constexpr,
+    HAS_DST_IDX: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    K_BITS: tl.constexpr,
+    V_BITS: tl.constexpr,
+    ITERS: tl.constexpr,
+    K_CODES: tl.constexpr,
+    V_CODES: tl.constexpr,
+    K_SCALE: tl.constexpr,
+    K_ZERO: tl.constexpr,
+    K_TOK: tl.constexpr,
+    V_SCALE: tl.constexpr,
+    V_ZERO: tl.constexpr,
+    V_CHAN: tl.constexpr,
+):
+    """Grid ``(N, Hkv, 2)``: tile ``i``, head ``h``, half (0 = K, 1 = V) -> its part of one record."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    half = tl.program_id(2)
+    if HAS_SRC_IDX:
+        t = tl.load(src_idx + i).to(tl.int64)
+    else:
+        t = i.to(tl.int64)
+    if HAS_DST_IDX:
+        blk = tl.load(dst_idx + i).to(tl.int64)
+    else:
+        blk = i.to(tl.int64)
+    off = t * s_tile + h.to(tl.int64) * s_head
+    out = dst + blk * d_block + h.to(tl.int64) * d_head
+    if half == 0:
+        x = _load_tile(k_src + off, s_tok, G, D, IS_BF16)
+        _encode_half(tl.trans(x), out, D, G, K_BITS, ITERS, K_CODES, K_SCALE, K_ZERO, K_TOK)
+    else:
+        x = _load_tile(v_src + off, s_tok, G, D, IS_BF16)
+        _encode_half(x, out, G, D, V_BITS, ITERS, V_CODES, V_SCALE, V_ZERO, V_CHAN)
+
+
+ENCODE_NUM_WARPS: int | None = None
+"""Override of the encode kernel's warps per program (benchmarks sweep it)."""
+
+
+def _encode_warps(cfg: KVarNConfig) -> int:
+    if ENCODE_NUM_WARPS is not None:
+        return ENCODE_NUM_WARPS
+    return 4 if cfg.head_dim * cfg.group_size <= 16384 else 8
+
+
+def _launch_encode(k, v, src_idx, n_tiles, n_heads, strides, dst, dst_idx, d_strides, cfg) -> None:
+    if n_tiles == 0 or n_heads == 0:
+        return
+    off = cfg.offsets
+    iters = cfg.sinkhorn_iters if cfg.normalize else 0
+    _encode_kernel[(n_tiles, n_heads, 2)](
+        k,
+        v,
+        src_idx if src_idx is not None else k,
+        strides[0],
+        strides[1],
+        strides[2],
+        dst,
+        dst_idx if dst_idx is not None else dst,
+        d_strides[0],
+        d_strides[1],
+        HAS_SRC_IDX=src_idx is not None,
+        HAS_DST_IDX=dst_idx is not None,
+        IS_BF16=k.dtype == torch.bfloat16,
+        D=cfg.head_dim,
+        G=cfg.group_size,
+        K_BITS=cfg.k_bits,
+        V_BITS=cfg.v_bits,
+        ITERS=iters,
+        K_CODES=off["k_codes"],
+        V_CODES=off["v_codes"],
+        K_SCALE=off["k_scale"],
+        K_ZERO=off["k_zero"],
+        K_TOK=off["k_tok"],
+        V_SCALE=off["v_scale"],
+        V_ZERO=off["v_zero"],
+        V_CHAN=off["v_chan"],
+        num_warps=_encode_warps(cfg),
+    )
+
+
+def _check_kv_tiles(k: torch.Tensor, v: torch.Tensor, cfg: KVarNConfig, layout: str) -> None:
+    check_dtype("k", k)
+    if v.dtype != k.dtype or v.shape != k.shape or v.device != k.device:
+        raise ValueError(
+            f"k and v must match in shape, dtype and device, got {tuple(k.shape)} {k.dtype} and "
+            f"{tuple(v.shape)} {v.dtype}"
+        )
+    g_axis = -2 if layout == "tiles" else 1
+    if k.dim() < (2 if layout == "tiles" else 4) or k.shape[-1] != cfg.head_dim or k.shape[g_axis] != cfg.group_size:
+        want = "[..., G, D]" if layout == "tiles" else "[N, G, Hkv, D]"
+        raise ValueError(
+            f"k must have shape {want} with G = {cfg.group_size} and D = {cfg.head_dim}, got {tuple(k.shape)}"
+        )
+
+
+def encode_records(k: torch.Tensor, v: torch.Tensor, cfg: KVarNConfig) -> torch.Tensor:
+    """Prepared tiles ``k, v: [..., G, D]`` (rotated, fp16/bf16) -> records ``[..., record_bytes]`` uint8."""
+    _check_kv_tiles(k, v, cfg, "tiles")
+    lead = k.shape[:-2]
+    kf = k.reshape(-1, cfg.group_size, cfg.head_dim).contiguous()
+    vf = v.reshape(-1, cfg.group_size, cfg.head_dim).contiguous()
+    n = kf.shape[0]
+    out = _empty(n, cfg.record_bytes, dtype=torch.uint8, device=k.device)
+    strides = (kf.stride(0), kf.stride(1), 0)
+    _launch_encode(kf, vf, None, n, 1, strides, out, None, (out.stride(0), 0), cfg)
+    return out.reshape(*lead, cfg.record_bytes)
+
+
+def commit_tiles(
+    tail_k: torch.Tensor,
+    tail_v: torch.Tensor,
+    tail_slots: torch.Tensor,
+    block_ids: torch.Tensor,
+    cache: torch.Tensor,
+    cfg: KVarNConfig,
+) -> None:
+    """Quantize full pool tiles ``tail_*[tail_slots[i]]`` (``[num_slots, G, Hkv, D]``) into ``cache[block_ids[i]]``."""
+    check_cache(cache, cfg)
+    _check_pool(tail_k, tail_v, cache, cfg)
+    if tail_slots.shape != block_ids.shape or tail_slots.dim() != 1:
+        raise ValueError(
+            f"tail_slots and block_ids must be [N] of one length, got {tuple(tail_slots.shape)} and "
+            f"{tuple(block_ids.shape)}"
+        )
+    n = tail_slots.shape[0]
+    strides = (tail_k.stride(0), tail_k.stride(1), tail_k.stride(2))
+    _launch_encode(
+        tail_k,
+        tail_v,
+        tail_slots,
+        n,
+        cache.shape[1],
+        strides,
+        cache,
+        block_ids,
+        (cache.stride(0), cache.stride(1)),
+        cfg,
+    )
+
+
+def store_tiles(
+    k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor, cache: torch.Tensor, cfg: KVarNConfig
+) -> None:
+    """Quantize whole model-frame tiles ``k, v: [N, G, Hkv, D]`` into ``cache[block_ids]``, in place.
+
+    Runs the :func:`write_tail` kernel into a ``[N, G, Hkv, D]`` workspace, then the
+    :func:`commit_tiles` encoder: the same kernels as the tail path, so a tile gets the same bytes
+    whichever path completed it (the extra pass costs 2 x 2 bytes per element of memory traffic,
+    small next to the encoder's arithmetic).
+    """
+    check_cache(cache, cfg)
+    _check_kv_tiles(k, v, cfg, "store")
+    if k.dim() != 4 or k.shape[2] != cache.shape[1]:
+        raise ValueError(f"k must be [N, G, Hkv, D] with Hkv = {cache.shape[1]}, got {tuple(k.shape)}")
+    if block_ids.dim() != 1 or block_ids.shape[0] != k.shape[0]:
+        raise ValueError(f"block_ids must be [N] with N = {k.shape[0]}, got {tuple(block_ids.shape)}")
+    n, g, hkv, d = k.shape
+    if n == 0:
+        return
+    work_k = _empty((n, g, hkv, d), dtype=k.dtype, device=k.device)
+    work_v = _empty((n, g, hkv, d), dtype=k.dtype, device=k.device)
+    mapping = torch.arange(n * g, device=k.device)
+    write_tail(k.reshape(n * g, hkv, d), v.reshape(n * g, hkv, d), work_k, work_v, mapping, cfg)
+    strides = (work_k.stride(0), work_k.stride(1), work_k.stride(2))
+    tiles = torch.arange(n, dtype=torch.int32, device=k.device)  # same kernel variant as commit_tiles
+    _launch_encode(work_k, work_v, tiles, n, hkv, strides, cache, block_ids, (cache.stride(0), cache.stride(1)), cfg)
+
+
+def _check_pool(tail_k: torch.Tensor, tail_v: torch.Tensor, cache: torch.Tensor, cfg: KVarNConfig) -> None:
+    check_dtype("tail_k", tail_k)
+    if tail_v.dtype != tail_k.dtype or tail_v.shape != tail_k.shape or tail_v.stride() != tail_k.stride():
+        raise ValueError("tail_k and tail_v must match in shape, dtype and strides")
+    want = (cfg.group_size, cache.shape[1], cfg.head_dim)
+    if tail_k.dim() != 4 or tuple(tail_k.shape[1:]) != want:
+        raise ValueError(f"tail_k must be [num_slots, {', '.join(map(str, want))}], got {tuple(tail_k.shape)}")
+    if tail_k.stride(-1) != 1:
+        raise ValueError("tail_k must be contiguous along head_dim")
+
+
+PREPARE_ROWS = 64
+"""(token, head) rows per program of the prepare kernel. Fixed: every path that prepares values
+runs this kernel with this block, so the rotation's tensor-core arithmetic is the same for all."""
+
+
+@triton.jit
+def _prepare_kernel(
+    k,
+    v,
+    tail_k,
+    tail_v,
+    mapping,
+    n_rows,
+    n_heads,
+    s_tok,
+    s_head,
+    p_slot,
+    p_off,
+    p_head,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    ROWS: tl.constexpr,
+    ROTATE: tl.constexpr,
+    IN_BF16: tl.constexpr,
+    POOL_BF16: tl.constexpr,
+    INV_SQRT_D: tl.constexpr,
+):
+    """Grid ``(cdiv(T * Hkv, ROWS), 2)``: ``ROWS`` (token, head) rows of K (0) or V (1) -> ``prepare`` -> pool."""
+    which = tl.program_id(1)
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    in_range = r < n_rows
+    t = (r // n_heads).to(tl.int64)
+    h = (r % n_heads).to(tl.int64)
+    idx = tl.load(mapping + t, mask=in_range, other=-1).to(tl.int64)
+    ok = in_range & (idx >= 0)
+    slot = tl.where(ok, idx // G, 0)
+    off = tl.where(ok, idx % G, 0)
+    src = tl.where(which == 0, k, v) + t * s_tok + h * s_head  # [ROWS] row pointers
+    dst = tl.where(which == 0, tail_k, tail_v) + slot * p_slot + off * p_off + h * p_head
+    HALF: tl.constexpr = D // 2
+    if ROTATE and D > 128:
+        ch = tl.arange(0, HALF)
+        m2 = ok[:, None] & (ch[None, :] < HALF)
+        x1 = sanitize(load_f32(src[:, None] + ch[None, :], m2, IN_BF16))
+        x2 = sanitize(load_f32(src[:, None] + HALF + ch[None, :], m2, IN_BF16))
+        x = rotate_rows_split(x1, x2, HALF, INV_SQRT_D)
+    else:
+        ch = tl.arange(0, D)
+        x = sanitize(load_f32(src[:, None] + ch[None, :], ok[:, None] & (ch[None, :] < D), IN_BF16))
+        if ROTATE:
+            x = rotate_rows(x, D, INV_SQRT_D)
+    x = round_to_dtype(x, POOL_BF16)
+    ch_all = tl.arange(0, D)
+    store_model(dst[:, None] + ch_all[None, :], x, ok[:, None] & (ch_all[None, :] < D), POOL_BF16)
+
+
+def write_tail(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tail_k: torch.Tensor,
+    tail_v: torch.Tensor,
+    tail_slot_mapping: torch.Tensor,
+    cfg: KVarNConfig,
+) -> None:
+    """``prepare`` new tokens ``k, v: [T, Hkv, D]`` into the pool at ``tail_slot_mapping: [T]`` (``slot * G + offset``).
+
+    A negative mapping entry skips its token.
+    """
+    check_dtype("k", k)
+    check_dtype("tail_k", tail_k)
+    if v.shape != k.shape or v.dtype != k.dtype or k.dim() != 3 or k.shape[-1] != cfg.head_dim:
+        raise ValueError(f"k and v must both be [T, Hkv, {cfg.head_dim}] of one dtype, got {tuple(k.shape)}")
+    if tail_v.dtype != tail_k.dtype or tail_v.shape != tail_k.shape or tail_v.stride() != tail_k.stride():
+        raise ValueError("tail_k and tail_v must match in shape, dtype and strides")
+    if tail_k.dim() != 4 or tail_k.shape[1] != cfg.group_size or tail_k.shape[2:] != k.shape[1:]:
+        raise ValueError(
+            f"tail_k must be [num_slots, {cfg.group_size}, {k.shape[1]}, {cfg.head_dim}], got {tuple(tail_k.shape)}"
+        )
+    if tail_slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"tail_slot_mapping must be [T] with T = {k.shape[0]}, got {tuple(tail_slot_mapping.shape)}")
+    if k.shape[0] == 0:
+        return
+    k, v = k.contiguous(), v.contiguous()
+    if tail_k.stride(-1) != 1:
+        raise ValueError("tail_k must be contiguous along head_dim")
+    n_heads = k.shape[1]
+    n_rows = k.shape[0] * n_heads
+    _prepare_kernel[(triton.cdiv(n_rows, PREPARE_ROWS), 2)](
+        k,
+        v,
+        tail_k,
+        tail_v,
+        tail_slot_mapping,
+        n_rows,
+        n_heads,
+        k.stride(0),
+        k.stride(1),
+        tail_k.stride(0),
+        tail_k.stride(1),
+        tail_k.stride(2),
+        G=cfg.group_size,
+        D=cfg.head_dim,
+        ROWS=PREPARE_ROWS,
+        ROTATE=cfg.rotate,
+        IN_BF16=k.dtype == torch.bfloat16,
+        POOL_BF16=tail_k.dtype == torch.bfloat16,
+        INV_SQRT_D=inv_sqrt(cfg.head_dim),
+        num_warps=4,
+    )

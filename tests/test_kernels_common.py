@@ -1,0 +1,277 @@
+"""Shared builders and checks for the Triton kernel tests (no tests in this module).
+
+``test_kernels_interpreter.py`` runs them on the CPU under ``TRITON_INTERPRET=1`` on tiny shapes,
+``test_kernels_gpu.py`` on CUDA at full size. Both compare the kernels with the reference.
+
+Tolerances (derivations next to each):
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvarn import reference as R
+from kvarn.config import KVarNConfig
+from kvarn.reference.normalize import sinkhorn
+from kvarn.reference.quantize import COL_DTYPE
+from kvarn.reference.rtn import choose_qparams
+
+CODE_MISMATCH_MAX = 0.03
+"""Largest fraction of codes allowed to differ from the reference (each by one step, each at a
+rounding tie: see ``TIE_WINDOW``). fp32 ``exp``/``log``/summation differences move ``B`` by a few
+ulps; bf16 inputs make exact ties common. Most differences on the GPU come from the Sinkhorn
+gauge (see :func:`check_records`): when the kernel keeps another iterate of the same imbalance,
+every column scale is re-rounded to bf16, which moves ``B`` by up to 2^-9 per column. Measured on
+the H200: 0.1-1% (``STATS`` lines of ``test_kernels_gpu.py``)."""
+
+TIE_WINDOW = 0.12
+"""Every differing code must sit within this distance of a half-integer in the reference's
+pre-rounding value ``(B - lo) / step``. A one-bf16-ulp column-scale change moves that value by
+at most ``(2^b - 1) * 2^-8 < 0.06``; the window doubles that."""
+
+COL_REL = 2.0**-6
+"""Column scales (bf16), after dividing out the tile half's gauge factor (see
+:func:`check_records`), may differ by one bf16 ulp each side of the ratio (2^-8 relative spacing,
+2^-7 just above a power of two)."""
+
+ROW_REL = 2.0**-6
+"""Row parameters (fp16), gauge factor divided out, relative to the half's largest: a one-ulp
+column-scale change moves ``lo``/``step`` of the rows that touch it by up to ~2^-7."""
+
+QUALITY_REL = 0.01
+"""The kernel's reconstruction error (Frobenius, against the prepared tiles) may exceed the
+reference's by at most 1%: a code that moves at a rounding tie is as far from the value as the
+reference's code (equal at an exact tie), so the two errors agree closely."""
+
+QUALITY_ABS = 2.0**-8
+"""Plus this fraction of the tile's norm: where several iterates tie exactly (degenerate tiles,
+e.g. constant ones, score the same imbalance at every iterate), kernel and reference may store
+different but equivalent scales whose fp16/bf16 rounding (2^-11 / 2^-8) differs."""
+
+PREPARE_ULP_FRACTION = 0.02
+"""Fraction of prepared (rotated, rounded) values allowed to differ by one ulp of the model dtype:
+the rotation's fp32 sums run in a different order than the reference matmul, which moves a value
+across a rounding boundary with probability ~(a few fp32 ulps) / (one fp16 ulp) ~ 1e-3."""
+
+ATTN_REL = {torch.float16: 1e-2, torch.bfloat16: 1.6e-2}
+"""Attention output vs the reference computed in fp32, relative to max |ref|. The kernel rounds
+``q * k_scale`` and ``p * v_scale`` to fp16 for the tensor-core dots (unit roundoff 2^-11); a torch
+emulation of exactly that arithmetic puts the score side at up to 2e-3 and the value side at 3e-4
+(CPU, 10 x 48 query rows), and the kernel measured up to 3.6e-3 over 40 random queries. 1e-2 leaves
+~3x headroom; a wrong tile, scale, mask or softmax step costs 1e-1..1. bf16 outputs add their own
+rounding (half an ulp is 2^-9 relative), hence 1.6e-2."""
+
+
+def poisoned_empty(*shape, dtype=torch.float32, device=None, **kw):
+    """``torch.empty`` that fills floats with NaN and bytes with 0xAB, so unwritten outputs fail loudly."""
+    t = torch.empty(*shape, dtype=dtype, device=device, **kw)
+    return t.fill_(0xAB) if dtype == torch.uint8 else t.fill_(float("nan"))
+
+
+def poison_outputs(monkeypatch, *modules) -> None:
+    """Route the kernels' output allocations in ``modules`` through :func:`poisoned_empty`."""
+    for mod in modules:
+        monkeypatch.setattr(mod, "_empty", poisoned_empty)
+
+
+def make_kv(n: int, g: int, hkv: int, d: int, dtype: torch.dtype, seed: int, kind: str = "mixed") -> tuple:
+    """Model-frame tiles ``k, v: [n, G, Hkv, D]``: Gaussian with outlier channels and scale spread."""
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(n, g, hkv, d, generator=gen)
+    v = torch.randn(n, g, hkv, d, generator=gen)
+    if kind == "mixed":
+        k = k * (0.2 + 3 * torch.rand(1, 1, hkv, d, generator=gen)) + torch.randn(1, 1, hkv, d, generator=gen)
+        k[..., 3] = k[..., 3] * 20 + 5
+        v = v * (0.1 + torch.rand(1, g, hkv, 1, generator=gen))
+    elif kind == "zero":
+        k = torch.zeros_like(k)
+        v = torch.zeros_like(v)
+    elif kind == "constant":
+        k = torch.full_like(k, 1.5)
+        v = torch.full_like(v, -0.25)
+    elif kind == "huge":
+        k = k * 1e30
+        v = v * 3e29
+    elif kind == "tiny":
+        k = k * 1e-6
+        v = v * 1e-7
+    return k.to(dtype), v.to(dtype)
+
+
+def reference_q(m: torch.Tensor, bits: int, iters: int) -> torch.Tensor:
+    """The reference's pre-rounding code values ``(B - lo) / step`` of oriented tile halves ``m``."""
+    m = m.float()
+    r, c = sinkhorn(m, iters)
+    c = c.to(COL_DTYPE).float()
+    b = m / (r[..., :, None] * c[..., None, :])
+    lo, step = choose_qparams(b, bits)
+    return (b - lo[..., None]) / step[..., None]
+
+
+def check_records(got: torch.Tensor, want: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: KVarNConfig) -> dict:
+    """Assert kernel records ``got`` match reference records ``want`` of prepared tiles ``k, v: [..., G, D]``.
+
+    Returns the measured statistics (fractions of differing codes, equal bytes).
+    """
+    assert got.shape == want.shape and got.dtype == torch.uint8
+    got = got.to(want.device)
+    gk, gv = R.unpack_record(got, cfg)
+    wk, wv = R.unpack_record(want, cfg)
+    stats = {"bytes_equal": float((got == want).float().mean())}
+    k, v = k.to(want.device), v.to(want.device)
+    halves = (("k", gk, wk, k.float().transpose(-1, -2), cfg.k_bits), ("v", gv, wv, v.float(), cfg.v_bits))
+    for name, g, w, m, bits in halves:
+        dcode = (g.codes.int() - w.codes.int()).abs()
+        assert int(dcode.max()) <= 1, f"{name} codes differ by {int(dcode.max())} steps"
+        frac = float((dcode > 0).float().mean())
+        stats[f"{name}_code_mismatch"] = frac
+        assert frac <= CODE_MISMATCH_MAX, f"{name}: {frac:.4f} of codes differ"
+        if frac > 0:
+            iters = cfg.sinkhorn_iters if cfg.normalize else 0
+            q = reference_q(m.reshape(-1, *m.shape[-2:]), bits, iters).reshape(dcode.shape)
+            dist = ((q - q.floor()) - 0.5).abs()[dcode > 0]
+            assert float(dist.max()) <= TIE_WINDOW, f"{name}: a differing code is {float(dist.max()):.3f} from a tie"
+        # Sinkhorn's scales have a gauge freedom: rows * a, columns / a give the same balanced tile.
+        # Iterates on an imbalance plateau differ (to fp32 rounding) only in a; the best-iterate
+        # rule may then take another one than the reference. Divide a out per tile half.
+        assert (g.col.float() > 0).all() and torch.isfinite(g.col.float()).all()
+        ratio = g.col.float() / w.col.float()
+        gauge = ratio.median(dim=-1, keepdim=True).values
+        stats[f"{name}_gauge_changed"] = float(((gauge - 1).abs() > COL_REL).float().mean())
+        col_rel = float((ratio / gauge - 1).abs().max())
+        assert col_rel <= COL_REL, f"{name} column scales differ by {col_rel:.2e} relative (gauge removed)"
+        top = w.scale.float().abs().amax(-1, keepdim=True).clamp_min(1e-30)
+        for field in ("scale", "zero"):
+            a, b = getattr(g, field).float() * gauge, getattr(w, field).float()
+            assert torch.isfinite(a).all()
+            rel = float(((a - b).abs() / torch.maximum(b.abs(), top)).max())
+            assert rel <= ROW_REL, f"{name} {field} differs by {rel:.2e} relative (gauge removed)"
+    kg, vg = R.decode_records(got, cfg)
+    kw, vw = R.decode_records(want, cfg)
+    for name, a, b, x in (("k", kg, kw, k), ("v", vg, vw, v)):
+        assert torch.isfinite(a).all()
+        x = x.float()
+        err_got, err_want = float((a - x).norm()), float((b - x).norm())
+        assert err_got <= (1 + QUALITY_REL) * err_want + QUALITY_ABS * float(x.norm()), (
+            f"{name}: kernel reconstruction error {err_got:.4g} vs reference {err_want:.4g}"
+        )
+    return stats
+
+
+def check_prepared(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Prepared values of the model dtype: equal except a bounded fraction one ulp apart. Returns that fraction."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    g, w = got.float().cpu(), want.float().cpu()
+    assert torch.isfinite(g).all()
+    diff = g != w
+    frac = float(diff.float().mean())
+    if frac:
+        ulp = torch.finfo(want.dtype).eps * w.abs().clamp_min(torch.finfo(want.dtype).tiny)
+        assert bool(((g - w).abs() <= 1.01 * ulp)[diff].all()), "prepared values differ by more than one ulp"
+    assert frac <= PREPARE_ULP_FRACTION, f"{frac:.4f} of prepared values differ"
+    return frac
+
+
+def build_cache(cfg: KVarNConfig, seq_lens: list[int], hkv: int, dtype: torch.dtype, seed: int, device="cpu") -> dict:
+    """A paged cache holding random sequences, stored with the reference.
+
+    Block ids are a random permutation that never uses block 0; each sequence gets a tail slot
+    (holding its ``seq_len % G`` last tokens) and every other sequence a sink slot.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    g, d = cfg.group_size, cfg.head_dim
+    n_full = [s // g for s in seq_lens]
+    num_blocks = sum(n_full) + 2
+    perm = torch.randperm(num_blocks - 1, generator=gen) + 1
+    max_blocks = max(n_full) + 1
+    block_table = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    cache = torch.zeros(num_blocks, hkv, cfg.record_bytes, dtype=torch.uint8, device=device)
+    nslots = 2 * len(seq_lens) + 1
+    tail_k = torch.empty(nslots, g, hkv, d, dtype=dtype).normal_(generator=gen)
+    tail_v = torch.empty(nslots, g, hkv, d, dtype=dtype).normal_(generator=gen)
+    slot_perm = torch.randperm(nslots, generator=gen)
+    tail_slots = slot_perm[: len(seq_lens)].to(torch.int32)
+    sink_slots = torch.full((len(seq_lens),), -1, dtype=torch.int32)
+    i = 0
+    for b, n in enumerate(n_full):
+        ids = perm[i : i + n]
+        i += n
+        block_table[b, :n] = ids.to(torch.int32)
+        if n:
+            k, v = make_kv(n, g, hkv, d, dtype, seed * 1000 + b)
+            R.store_tiles(k.to(device), v.to(device), ids.to(device), cache, cfg)
+        if b % 2 == 0:
+            sink_slots[b] = int(slot_perm[len(seq_lens) + b // 2])
+    out = {
+        "cache": cache,
+        "block_table": block_table,
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+        "tail_k": tail_k,
+        "tail_v": tail_v,
+        "tail_slots": tail_slots,
+        "sink_slots": sink_slots,
+    }
+    return {k: t.to(device) for k, t in out.items()}
+
+
+def attention_args(state: dict, query: torch.Tensor, cfg: KVarNConfig, qsl=None, sink=False) -> tuple:
+    return (
+        query,
+        state["cache"],
+        state["block_table"],
+        state["seq_lens"],
+        state["tail_k"],
+        state["tail_v"],
+        state["tail_slots"],
+        cfg,
+        qsl,
+        state["sink_slots"] if sink else None,
+        None,
+    )
+
+
+def check_attention(out: torch.Tensor, args: tuple) -> float:
+    """Assert ``out`` (kernel) matches the reference computed in fp32; returns the relative max error."""
+    query = args[0]
+    ref = R.paged_attention(query.float(), *args[1:])
+    assert out.dtype == query.dtype and out.shape == query.shape
+    o = out.float()
+    assert torch.isfinite(o).all(), "attention output holds NaN/inf (an unwritten element?)"
+    scale = float(ref.abs().max()) or 1.0
+    err = float((o - ref).abs().max()) / scale
+    assert err <= ATTN_REL[query.dtype], f"attention differs from the reference by {err:.2e} (relative to max |ref|)"
+    return err
+
+
+def ragged_lengths(g: int, n: int, seed: int, max_tiles: int = 3) -> list[int]:
+    """``n`` sequence lengths covering every tail length ``0 .. G-1`` in turn, with 0..max_tiles full tiles."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        rem = i % g
+        tiles = int(torch.randint(0 if rem else 1, max_tiles + 1, (1,), generator=gen))
+        out.append(tiles * g + rem)
+    return out
+
+
+def expect_math_constants(kernels_common) -> None:
+    """The kernels' copies of the method's constants equal the reference's."""
+    from kvarn.reference import normalize, quantize, rtn
+
+    pairs = {
+        "STD_MIN": normalize.STD_MIN,
+        "STD_MAX": normalize.STD_MAX,
+        "LOG_SCALE_MIN": normalize.LOG_SCALE_MIN,
+        "LOG_SCALE_MAX": normalize.LOG_SCALE_MAX,
+        "IMBALANCE_EPS": normalize.IMBALANCE_EPS,
+        "MIN_STEP": rtn.MIN_STEP,
+        "MAX_ABS": quantize.MAX_ABS,
+        "ROW_EXP_LO": quantize.ROW_PARAM_RANGE[0],
+        "ROW_EXP_HI": quantize.ROW_PARAM_RANGE[1],
+    }
+    for name, want in pairs.items():
+        got = getattr(kernels_common, name)
+        got = getattr(got, "value", got)
+        assert math.isclose(got, want, rel_tol=0, abs_tol=0), f"{name}: kernels {got} != reference {want}"

@@ -1,0 +1,182 @@
+"""Triton kernels vs the reference on a CUDA device, at full size (``pytest -m gpu``).
+
+The reference runs on the same device, so both sides see the same inputs; the checks are those of
+``test_kernels_common`` (records equal up to rounding ties, attention within ``ATTN_REL``). Each
+test prints its measured statistics (``-s`` shows them): the tie fractions in the results file
+come from these lines.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+triton = pytest.importorskip("triton")
+
+from test_kernels_common import (  # noqa: E402
+    attention_args,
+    build_cache,
+    check_attention,
+    check_records,
+    make_kv,
+    poison_outputs,
+    ragged_lengths,
+)
+
+from kvarn import ops  # noqa: E402
+from kvarn import reference as R  # noqa: E402
+from kvarn.config import PRESETS, KVarNConfig  # noqa: E402
+
+if torch.cuda.is_available():
+    from kvarn.kernels import attention, dequant, store
+
+DEV = "cuda"
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _report(tag: str, stats: dict) -> None:
+    print(f"STATS {tag} " + " ".join(f"{k}={v:.5f}" for k, v in stats.items()))
+
+
+ENCODE_CASES = [(p, d, torch.float16) for p in PRESETS for d in (64, 128, 256)] + [
+    ("kvarn_k4v2_g128", d, torch.bfloat16) for d in (64, 128, 256)
+]
+
+
+@pytest.mark.parametrize("preset,d,dtype", ENCODE_CASES)
+def test_encode_records_gpu(preset, d, dtype, monkeypatch):
+    poison_outputs(monkeypatch, store)
+    cfg = KVarNConfig.from_preset(preset, head_dim=d)
+    k, v = make_kv(8, cfg.group_size, 2, d, dtype, seed=d)
+    kr = R.prepare(k.to(DEV), dtype).transpose(1, 2)
+    vr = R.prepare(v.to(DEV), dtype).transpose(1, 2)
+    got = store.encode_records(kr, vr, cfg)
+    want = R.encode_records(kr, vr, cfg)
+    _report(f"encode {preset} d={d} {dtype}", check_records(got, want, kr, vr, cfg))
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_decode_records_gpu_is_exact(preset, d, monkeypatch):
+    poison_outputs(monkeypatch, dequant)
+    cfg = KVarNConfig.from_preset(preset, head_dim=d)
+    k, v = make_kv(4, cfg.group_size, 2, d, torch.bfloat16, seed=1)
+    records = R.encode_records(R.prepare(k.to(DEV)).transpose(1, 2), R.prepare(v.to(DEV)).transpose(1, 2), cfg)
+    gk, gv = dequant.decode_records(records, cfg)
+    wk, wv = R.decode_records(records, cfg)
+    assert torch.equal(gk, wk) and torch.equal(gv, wv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("preset", ["kvarn_k4v2_g128", "kvarn_k4v2_g64"])
+def test_store_tiles_gpu(preset, d, dtype):
+    cfg = KVarNConfig.from_preset(preset, head_dim=d)
+    hkv, n = 4, 6
+    k, v = make_kv(n, cfg.group_size, hkv, d, dtype, seed=2)
+    k[0, 1, 0, 2] = float("nan")
+    k[1, 3, 1, 5] = float("inf")
+    v[2, 2, 3, 7] = float("-inf")
+    k, v = k.to(DEV), v.to(DEV)
+    block_ids = (torch.randperm(n) + 1).to(torch.int32).to(DEV)
+    got = torch.full((n + 3, hkv, cfg.record_bytes), 0xAB, dtype=torch.uint8, device=DEV)
+    want = got.clone()
+    store.store_tiles(k, v, block_ids, got, cfg)
+    R.store_tiles(k, v, block_ids, want, cfg)
+    untouched = [0, n + 1, n + 2]
+    assert torch.equal(got[untouched], want[untouched])
+    kr = R.prepare(k, dtype).transpose(1, 2)
+    vr = R.prepare(v, dtype).transpose(1, 2)
+    ids = block_ids.long()
+    _report(f"store {preset} d={d} {dtype}", check_records(got[ids], want[ids], kr, vr, cfg))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_tail_commit_path_matches_store_path(d, dtype):
+    """write_tail + commit_tiles (Triton) vs store_tiles (Triton) and vs the reference."""
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=d)
+    g, hkv, n = cfg.group_size, 8, 4
+    k, v = make_kv(n, g, hkv, d, dtype, seed=3)
+    k, v = k.to(DEV), v.to(DEV)
+    pool_k = torch.full((n + 1, g, hkv, d), float("nan"), dtype=dtype, device=DEV)
+    pool_v = pool_k.clone()
+    slots = torch.arange(1, n + 1, device=DEV)
+    mapping = (slots[:, None] * g + torch.arange(g, device=DEV)[None, :]).reshape(-1)
+    store.write_tail(k.reshape(n * g, hkv, d), v.reshape(n * g, hkv, d), pool_k, pool_v, mapping, cfg)
+    want_k = torch.full_like(pool_k, float("nan"))
+    want_v = want_k.clone()
+    R.write_tail(k.reshape(n * g, hkv, d), v.reshape(n * g, hkv, d), want_k, want_v, mapping, cfg)
+    assert pool_k[0].isnan().all() and not pool_k[1:].isnan().any()
+    diff = float((pool_k[1:] != want_k[1:]).float().mean())
+    blocks = torch.arange(n, device=DEV, dtype=torch.int32)
+    via_tail = torch.zeros(n, hkv, cfg.record_bytes, dtype=torch.uint8, device=DEV)
+    store.commit_tiles(pool_k, pool_v, slots.to(torch.int32), blocks, via_tail, cfg)
+    via_store = torch.zeros_like(via_tail)
+    store.store_tiles(k, v, blocks, via_store, cfg)
+    ref = torch.zeros_like(via_tail)
+    R.store_tiles(k, v, blocks, ref, cfg)
+    kr, vr = R.prepare(k, dtype).transpose(1, 2), R.prepare(v, dtype).transpose(1, 2)
+    stats = check_records(via_tail, ref, kr, vr, cfg)
+    stats["pool_vs_ref_differ"] = diff
+    stats["tail_path_vs_store_path_bytes_equal"] = float((via_tail == via_store).float().mean())
+    _report(f"paths d={d} {dtype}", stats)
+    assert torch.equal(via_tail, via_store), "the two Triton store paths give different bytes"
+
+
+ATTN_CASES = [
+    ("kvarn_k4v2_g128", 128, torch.float16, 32, 8, True, None),
+    ("kvarn_k4v2_g128", 128, torch.float16, 64, 8, False, None),
+    ("kvarn_k4v2_g128", 128, torch.bfloat16, 32, 8, True, 8),
+    ("kvarn_k4v2_g128", 64, torch.float16, 32, 8, False, 1),
+    ("kvarn_k4v2_g128", 256, torch.bfloat16, 16, 4, True, None),
+    ("kvarn_k4v2_g64", 128, torch.float16, 32, 8, True, 4),
+    ("kvarn_k4v4_g128", 128, torch.float16, 32, 8, False, None),
+    ("kvarn_k4v4_g64", 64, torch.bfloat16, 12, 2, True, None),
+    ("kvarn_k2v2_g128", 128, torch.float16, 28, 4, True, 2),
+]
+
+
+@pytest.mark.parametrize("preset,d,dtype,hq,hkv,sink,splits", ATTN_CASES)
+def test_paged_attention_gpu(preset, d, dtype, hq, hkv, sink, splits, monkeypatch):
+    cfg = KVarNConfig.from_preset(preset, head_dim=d)
+    monkeypatch.setattr(attention, "NUM_SPLITS_OVERRIDE", splits)
+    poison_outputs(monkeypatch, attention)
+    lengths = ragged_lengths(cfg.group_size, cfg.group_size, seed=d + hq, max_tiles=12)
+    state = build_cache(cfg, lengths, hkv, dtype, seed=5, device=DEV)
+    query = (torch.randn(len(lengths), hq, d) * 2).to(dtype).to(DEV)
+    args = attention_args(state, query, cfg, sink=sink)
+    err = check_attention(attention.paged_attention(*args), args)
+    print(f"STATS attention {preset} d={d} {dtype} hq={hq} hkv={hkv} sink={sink} splits={splits} rel_err={err:.2e}")
+
+
+@pytest.mark.parametrize("splits", [None, 1, 4])
+@pytest.mark.parametrize("hq", [32, 64])
+def test_paged_attention_multi_query_gpu(splits, hq, monkeypatch):
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
+    monkeypatch.setattr(attention, "NUM_SPLITS_OVERRIDE", splits)
+    poison_outputs(monkeypatch, attention)
+    lengths = [1000, 300, 128, 7, 2050, 640]
+    n_q = [37, 0, 128, 7, 300, 1]
+    state = build_cache(cfg, lengths, 8, torch.float16, seed=8, device=DEV)
+    qsl = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    query = torch.randn(int(qsl[-1]), hq, 128, device=DEV).half()
+    args = attention_args(state, query, cfg, qsl=qsl, sink=True)
+    err = check_attention(attention.paged_attention(*args), args)
+    print(f"STATS multi_query hq={hq} splits={splits} rel_err={err:.2e}")
+
+
+def test_ops_auto_picks_triton_on_cuda():
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
+    k, v = make_kv(1, 128, 1, 128, torch.float16, seed=0)
+    kr = R.prepare(k[:, :, 0].to(DEV))
+    vr = R.prepare(v[:, :, 0].to(DEV))
+    assert ops.triton_available()
+    got = ops.encode_records(kr, vr, cfg, impl="auto")
+    check_records(got, R.encode_records(kr, vr, cfg), kr, vr, cfg)
+    assert ops._pick("paged_attention", "auto", torch.device(DEV)) is attention.paged_attention

@@ -1,0 +1,206 @@
+"""Triton kernels vs the reference on the CPU, under the Triton interpreter, on tiny shapes.
+
+``TRITON_INTERPRET=1`` must be set before the kernels are defined; this module sets it when no
+CUDA device is present (on a GPU machine these tests skip: ``test_kernels_gpu.py`` covers them
+there) and reloads the kernel modules if something imported them in compiled mode first. The
+interpreter runs the portable code paths: the GPU-only inline-asm unpack is covered on the GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import zlib
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from test_kernels_common import (
+    attention_args,
+    build_cache,
+    check_attention,
+    check_prepared,
+    check_records,
+    expect_math_constants,
+    make_kv,
+    poison_outputs,
+    ragged_lengths,
+)
+
+from kvarn import reference as R
+from kvarn.config import PRESETS, KVarNConfig
+
+
+def _interpreted_kernels():
+    """The kernel modules, defined under the interpreter (reloaded if first imported compiled)."""
+    names = ("kvarn.kernels._common", "kvarn.kernels.store", "kvarn.kernels.dequant", "kvarn.kernels.attention")
+    mods = [importlib.import_module(n) for n in names]
+    if type(mods[1]._encode_kernel).__name__ != "InterpretedFunction" and os.environ.get("TRITON_INTERPRET") == "1":
+        mods = [importlib.reload(sys.modules[n]) for n in names]
+    return mods
+
+
+_common, store, dequant, attention = _interpreted_kernels()
+INTERPRETED = type(store._encode_kernel).__name__ == "InterpretedFunction"
+
+pytestmark = [
+    pytest.mark.interpreter,
+    pytest.mark.skipif(not INTERPRETED, reason="kernels are compiled here (CUDA present); see test_kernels_gpu.py"),
+]
+
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+def test_constants_match_reference():
+    expect_math_constants(_common)
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_encode_records_matches_reference(preset, dtype, monkeypatch):
+    poison_outputs(monkeypatch, store)
+    cfg = KVarNConfig.from_preset(preset, head_dim=64)
+    k, v = make_kv(2, cfg.group_size, 1, 64, dtype, seed=zlib.crc32(preset.encode()) % 1000)
+    kr = R.prepare(k[:, :, 0], dtype)
+    vr = R.prepare(v[:, :, 0], dtype)
+    got = store.encode_records(kr, vr, cfg)
+    check_records(got, R.encode_records(kr, vr, cfg), kr, vr, cfg)
+
+
+@pytest.mark.parametrize("kind", ["zero", "constant", "huge", "tiny"])
+def test_encode_records_hard_tiles(kind):
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
+    dtype = torch.bfloat16
+    k, v = make_kv(1, 64, 1, 64, dtype, seed=7, kind=kind)
+    kr, vr = R.prepare(k[:, :, 0], dtype), R.prepare(v[:, :, 0], dtype)
+    got = store.encode_records(kr, vr, cfg)
+    check_records(got, R.encode_records(kr, vr, cfg), kr, vr, cfg)
+
+
+def test_encode_records_no_normalize_no_rotate():
+    cfg = KVarNConfig.from_preset("kvarn_k4v4_g64", head_dim=64, normalize=False, rotate=False)
+    k, v = make_kv(2, 64, 1, 64, torch.float16, seed=3)
+    k, v = k[:, :, 0], v[:, :, 0]
+    check_records(store.encode_records(k, v, cfg), R.encode_records(k, v, cfg), k, v, cfg)
+
+
+@pytest.mark.parametrize("preset,d", [(p, 64) for p in PRESETS] + [("kvarn_k4v2_g128", 128)])
+def test_decode_records_is_exact(preset, d, monkeypatch):
+    poison_outputs(monkeypatch, dequant)
+    cfg = KVarNConfig.from_preset(preset, head_dim=d)
+    k, v = make_kv(2, cfg.group_size, 1, d, torch.float16, seed=11)
+    rec = R.encode_records(R.prepare(k[:, :, 0]), R.prepare(v[:, :, 0]), cfg)
+    gk, gv = dequant.decode_records(rec, cfg)
+    wk, wv = R.decode_records(rec, cfg)
+    assert torch.equal(gk, wk) and torch.equal(gv, wv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d", [64, 256])
+def test_store_tiles_prepares_and_writes_only_its_blocks(dtype, d):
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=d)
+    hkv, n = 2, 2
+    k, v = make_kv(n, 64, hkv, d, dtype, seed=5)
+    k[0, 1, 0, 2] = float("nan")
+    k[1, 3, 1, 5] = float("inf")
+    v[0, 2, 1, 7] = float("-inf")
+    block_ids = torch.tensor([3, 1], dtype=torch.int32)
+    got = torch.full((5, hkv, cfg.record_bytes), 0xAB, dtype=torch.uint8)
+    want = got.clone()
+    store.store_tiles(k, v, block_ids, got, cfg)
+    R.store_tiles(k, v, block_ids, want, cfg)
+    untouched = [0, 2, 4]
+    assert torch.equal(got[untouched], want[untouched])
+    kr = R.prepare(k, dtype).transpose(1, 2)
+    vr = R.prepare(v, dtype).transpose(1, 2)
+    check_records(got[block_ids.long()], want[block_ids.long()], kr, vr, cfg)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_write_tail_then_commit(dtype):
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
+    g, hkv, d, slots = 64, 2, 64, 3
+    k, v = make_kv(1, 70, hkv, d, dtype, seed=9)
+    k, v = k[0], v[0]
+    k[5, 0, 1] = float("nan")
+    mapping = torch.cat([torch.arange(64) + g, torch.tensor([-1, 2 * g, 2 * g + 1, -5, 0, 3])]).to(torch.int64)
+    got_k = torch.full((slots, g, hkv, d), float("nan"), dtype=dtype)
+    got_v = got_k.clone()
+    want_k, want_v = got_k.clone(), got_v.clone()
+    store.write_tail(k, v, got_k, got_v, mapping, cfg)
+    R.write_tail(k, v, want_k, want_v, mapping, cfg)
+    assert torch.equal(got_k.isnan(), want_k.isnan()), "wrote outside the mapped pool rows"
+    written = ~want_k.isnan()
+    check_prepared(got_k[written], want_k[written])
+    check_prepared(got_v[written], want_v[written])
+    cache_got = torch.full((4, hkv, cfg.record_bytes), 0x5A, dtype=torch.uint8)
+    cache_want = cache_got.clone()
+    slots_t, blocks = torch.tensor([1], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+    store.commit_tiles(want_k, want_v, slots_t, blocks, cache_got, cfg)
+    R.commit_tiles(want_k, want_v, slots_t, blocks, cache_want, cfg)
+    assert torch.equal(cache_got[[0, 1, 3]], cache_want[[0, 1, 3]])
+    check_records(cache_got[2], cache_want[2], want_k[1].transpose(0, 1), want_v[1].transpose(0, 1), cfg)
+
+
+ATTN_CASES = [
+    ("kvarn_k4v2_g64", 64, torch.float16, 4, 2, False, None),
+    ("kvarn_k4v2_g64", 64, torch.bfloat16, 8, 1, True, 2),
+    ("kvarn_k2v2_g128", 64, torch.float16, 6, 2, True, None),
+    ("kvarn_k4v4_g64", 128, torch.bfloat16, 2, 2, False, 4),
+    ("kvarn_k4v4_g128", 64, torch.float16, 1, 1, True, 1),
+    ("kvarn_k4v2_g64", 256, torch.bfloat16, 2, 1, True, 2),
+]
+
+
+@pytest.mark.parametrize("preset,d,dtype,hq,hkv,sink,splits", ATTN_CASES)
+def test_paged_attention_decode(preset, d, dtype, hq, hkv, sink, splits, monkeypatch):
+    cfg = KVarNConfig.from_preset(preset, head_dim=d)
+    monkeypatch.setattr(attention, "NUM_SPLITS_OVERRIDE", splits)
+    poison_outputs(monkeypatch, attention)
+    lengths = ragged_lengths(cfg.group_size, 12, seed=d + hq)
+    state = build_cache(cfg, lengths, hkv, dtype, seed=1)
+    query = torch.randn(len(lengths), hq, d).to(dtype)
+    args = attention_args(state, query, cfg, sink=sink)
+    out = attention.paged_attention(*args)
+    check_attention(out, args)
+
+
+def test_paged_attention_every_tail_length():
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
+    lengths = ragged_lengths(64, 64, seed=2, max_tiles=1)
+    assert sorted({n % 64 for n in lengths}) == list(range(64))
+    state = build_cache(cfg, lengths, 1, torch.float16, seed=4)
+    query = torch.randn(len(lengths), 2, 64).to(torch.float16)
+    args = attention_args(state, query, cfg, sink=True)
+    check_attention(attention.paged_attention(*args), args)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_paged_attention_multi_query(splits, monkeypatch):
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
+    monkeypatch.setattr(attention, "NUM_SPLITS_OVERRIDE", splits)
+    poison_outputs(monkeypatch, attention)
+    lengths = [190, 70, 64, 5, 130]
+    n_q = [20, 0, 64, 5, 3]
+    state = build_cache(cfg, lengths, 2, torch.float16, seed=6)
+    qsl = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(int(qsl[-1]), 4, 64).to(torch.float16)
+    args = attention_args(state, query, cfg, qsl=qsl, sink=True)
+    check_attention(attention.paged_attention(*args), args)
+
+
+def test_kernels_reject_bad_input():
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
+    k = torch.zeros(1, 64, 64)
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        store.encode_records(k, k, cfg)
+    with pytest.raises(ValueError, match="records must be uint8"):
+        dequant.decode_records(torch.zeros(1, 7, dtype=torch.uint8), cfg)
+    with pytest.raises(ValueError, match="cache must be uint8"):
+        store.store_tiles(k[None].half(), k[None].half(), torch.zeros(1), torch.zeros(1, 1, 3, dtype=torch.uint8), cfg)
