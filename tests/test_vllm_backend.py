@@ -1,0 +1,262 @@
+"""The KVarN vLLM backend without an engine, against kvarn's reference.
+
+A small scheduler simulation drives the real metadata builder and impl through many steps:
+ragged chunks that end inside tiles, decode and prefill in the same batch, permuted and recycled
+block ids, requests that skip steps, prefix-cache hits on shared tiles, preemption and requests
+that finish with an incomplete tile. After every step the records of every full tile must equal,
+byte for byte, the reference's ``store_tiles`` of that tile's tokens, and the attention output must
+equal ``kvarn.reference.paged_attention`` over a cache the reference built from the token history.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from kvarn import reference
+from kvarn.config import PRESETS, KVarNConfig
+from kvarn.integration.vllm.backend import BACKENDS, KVarNAttentionImpl
+from kvarn.integration.vllm.tiles import TailLostError, TilePlanner
+
+pytestmark = pytest.mark.vllm
+
+HQ, HKV, D = 4, 2, 64
+
+
+class Sim:
+    """Requests with a token history, a block table and a schedule; blocks from a shuffled pool."""
+
+    def __init__(self, preset, dtype, num_blocks=96, seed=0, max_num_seqs=8, tail_slots=None):
+        self.rng = random.Random(seed)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.cfg = KVarNConfig.from_preset(preset, head_dim=D)
+        self.g = self.cfg.group_size
+        self.dtype = dtype
+        self.backend = BACKENDS[preset]
+        spec = self.backend.customize_spec(
+            FullAttentionSpec(block_size=self.g, num_kv_heads=HKV, head_size=D, dtype=torch.uint8)
+        )
+        assert spec.page_size_bytes == HKV * self.cfg.record_bytes
+        self.kv_cache = torch.zeros(num_blocks, HKV, self.g, spec.state_content_bytes, dtype=torch.uint8)
+        vllm_config = SimpleNamespace(
+            cache_config=SimpleNamespace(cache_dtype=preset, num_gpu_blocks=None),
+            scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+            model_config=SimpleNamespace(dtype=dtype),
+        )
+        self.builder = self.backend.get_builder_cls()(spec, ["layer.0"], vllm_config, torch.device("cpu"))
+        if tail_slots is not None:
+            self.builder.num_slots = tail_slots
+            self.builder.planner = TilePlanner(tail_slots, self.g)
+        self.impl = KVarNAttentionImpl(HQ, D, 0.125, HKV, kv_cache_dtype=preset)
+        self.layer = torch.nn.Module()
+        self.layer.layer_name = "layer.0"
+        self.free = list(range(1, num_blocks))
+        self.rng.shuffle(self.free)
+        self.reqs = {}
+        self.prefix = {}
+        self.next_id = 0
+
+    def tokens(self, n):
+        k = torch.randn(n, HKV, D, generator=self.gen) * 2
+        v = torch.randn(n, HKV, D, generator=self.gen)
+        k[:, :, 3] += 8  # an outlier channel
+        return k.to(self.dtype), v.to(self.dtype)
+
+    def add(self, target_len, share_from=None):
+        rid = self.next_id
+        self.next_id += 1
+        req = {"k": [], "v": [], "len": 0, "target": target_len, "blocks": [], "rec": []}
+        if share_from is not None:
+            src = self.reqs.get(share_from) or self.prefix[share_from]
+            hit = min(len(src["k"]) // self.g, (target_len - 1) // self.g)
+            req["k"] = list(src["k"][: hit * self.g])
+            req["v"] = list(src["v"][: hit * self.g])
+            req["blocks"] = list(src["blocks"][:hit])
+            req["rec"] = list(src["rec"][:hit])
+            req["len"] = hit * self.g
+            req["shared"] = hit
+        self.reqs[rid] = req
+        return rid
+
+    def free_req(self, rid, keep_prefix=False):
+        req = self.reqs.pop(rid)
+        if keep_prefix:
+            self.prefix[rid] = req
+            full = len(req["k"]) // self.g
+            self.free.extend(req["blocks"][full:])
+        else:
+            self.free.extend(req["blocks"][req.get("shared", 0) :])
+        self.rng.shuffle(self.free)
+
+    def step(self, chunks):
+        """Run one step; ``chunks`` maps request id -> number of new tokens."""
+        order = list(chunks)
+        self.rng.shuffle(order)
+        qsl, lens, ks, vs = [0], [], [], []
+        for rid in order:
+            req, n = self.reqs[rid], chunks[rid]
+            k, v = self.tokens(n)
+            req["k"].extend(k)
+            req["v"].extend(v)
+            req["len"] += n
+            while len(req["blocks"]) * self.g < req["len"]:
+                req["blocks"].append(self.free.pop())
+            ks.append(k)
+            vs.append(v)
+            qsl.append(qsl[-1] + n)
+            lens.append(req["len"])
+        width = 1 + max(len(self.reqs[r]["blocks"]) for r in order)
+        rows = [self.reqs[r]["blocks"] + [0] * (width - len(self.reqs[r]["blocks"])) for r in order]
+        num_tokens = qsl[-1] + self.rng.randrange(3)
+        pad = num_tokens - qsl[-1]
+        key = torch.cat([*ks, torch.zeros(pad, HKV, D, dtype=self.dtype)])
+        value = torch.cat([*vs, torch.zeros(pad, HKV, D, dtype=self.dtype)])
+        query = (torch.randn(num_tokens, HQ, D, generator=self.gen)).to(self.dtype)
+        qsl_t = torch.tensor(qsl, dtype=torch.int32)
+        lens_t = torch.tensor(lens, dtype=torch.int32)
+        table = torch.tensor(rows, dtype=torch.int32)
+        cam = CommonAttentionMetadata(
+            query_start_loc=qsl_t,
+            query_start_loc_cpu=qsl_t,
+            seq_lens=lens_t,
+            num_reqs=len(order),
+            num_actual_tokens=num_tokens,
+            max_query_len=max(chunks.values()),
+            max_seq_len=max(lens),
+            block_table_tensor=table,
+            slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),
+            seq_lens_cpu_upper_bound=lens_t,
+        )
+        meta = self.builder.build(0, cam)
+        output = torch.full((num_tokens, HQ, D), float("nan"), dtype=self.dtype)
+        self.impl.forward(self.layer, query, key, value, self.kv_cache, meta, output=output)
+        self.check(order, query[: qsl[-1]], qsl_t, lens_t, table, output[: qsl[-1]])
+
+    def check(self, order, query, qsl, lens, table, output):
+        cache = self.kv_cache.view(self.kv_cache.shape[0], HKV, -1)
+        expect = torch.zeros_like(cache)
+        tail_k = torch.zeros(len(order), self.g, HKV, D, dtype=self.dtype)
+        tail_v = torch.zeros_like(tail_k)
+        for i, rid in enumerate(order):
+            req = self.reqs[rid]
+            full = req["len"] // self.g
+            for t in range(len(req["rec"]), full):
+                k = torch.stack(req["k"][t * self.g : (t + 1) * self.g])[None]
+                v = torch.stack(req["v"][t * self.g : (t + 1) * self.g])[None]
+                one = torch.zeros(1, HKV, self.cfg.record_bytes, dtype=torch.uint8)
+                reference.store_tiles(k, v, torch.zeros(1, dtype=torch.long), one, self.cfg)
+                req["rec"].append(one[0])
+            if full:
+                blocks = torch.tensor(req["blocks"][:full])
+                expect[blocks] = torch.stack(req["rec"][:full])
+                assert torch.equal(cache[blocks], expect[blocks]), f"records of request {rid} differ"
+            rem = req["len"] - full * self.g
+            if rem:
+                tail_k[i, :rem] = reference.prepare(torch.stack(req["k"][full * self.g :]), self.dtype)
+                tail_v[i, :rem] = reference.prepare(torch.stack(req["v"][full * self.g :]), self.dtype)
+        want = reference.paged_attention(
+            query, expect, table, lens, tail_k, tail_v, torch.arange(len(order)), self.cfg, qsl, None, 0.125
+        )
+        assert not output.isnan().any(), "the backend left output rows unwritten"
+        assert torch.equal(output, want), f"max diff {(output.float() - want.float()).abs().max()}"
+
+
+@pytest.mark.parametrize(
+    ("preset", "dtype"),
+    [("kvarn_k4v2_g64", torch.bfloat16), ("kvarn_k4v2_g128", torch.float16), ("kvarn_k2v2_g128", torch.bfloat16)],
+)
+def test_backend_matches_reference_through_a_random_schedule(preset, dtype):
+    sim = Sim(preset, dtype, seed=hash(preset) % 1000)
+    g = sim.g
+    rng = sim.rng
+    for _ in range(5):
+        sim.add(rng.randrange(g // 2, 3 * g))
+    finished = []
+    for step in range(40):
+        live = [r for r, q in sim.reqs.items() if q["len"] < q["target"]]
+        for rid in [r for r, q in sim.reqs.items() if q["len"] >= q["target"]]:
+            keep = rng.random() < 0.5
+            sim.free_req(rid, keep_prefix=keep)
+            if keep:
+                finished.append(rid)
+        if len(sim.reqs) < 6 and rng.random() < 0.6:
+            share = rng.choice(finished) if finished and rng.random() < 0.5 else None
+            if share is not None and share not in sim.prefix:
+                share = None
+            sim.add(rng.randrange(g // 3, 3 * g), share_from=share)
+        live = [r for r, q in sim.reqs.items() if q["len"] < q["target"]]
+        if not live:
+            continue
+        scheduled = [r for r in live if rng.random() < 0.8] or live[:1]
+        chunks = {}
+        for rid in scheduled:
+            req = sim.reqs[rid]
+            left = req["target"] - req["len"]
+            chunks[rid] = 1 if req["len"] and rng.random() < 0.5 else min(left, rng.randrange(1, 2 * g + 7))
+            chunks[rid] = min(chunks[rid], left)
+        if step % 11 == 7 and len(live) > 1:
+            victim = rng.choice([r for r in live if r not in chunks] or live[-1:])
+            chunks.pop(victim, None)
+            req = sim.reqs[victim]
+            sim.free_req(victim)
+            sim.add(req["target"])
+        chunks = {r: n for r, n in chunks.items() if r in sim.reqs and n > 0}
+        if chunks:
+            sim.step(chunks)
+    assert sim.builder.planner.num_slots >= len(sim.builder.planner.live_slots)
+
+
+def test_chunk_boundaries_inside_tiles_and_a_prefix_hit():
+    sim = Sim("kvarn_k4v2_g64", torch.bfloat16, seed=3)
+    a = sim.add(200)
+    for n in (50, 30, 1, 1, 60, 58):
+        sim.step({a: n})
+    sim.step({a: 200 - sim.reqs[a]["len"]})
+    sim.free_req(a, keep_prefix=True)
+    b = sim.add(150, share_from=a)
+    assert sim.reqs[b]["len"] == 128 and sim.reqs[b]["blocks"] == sim.prefix[a]["blocks"][:2]
+    sim.step({b: 5})
+    sim.step({b: 17})
+
+
+def test_sixteen_concurrent_requests_mixing_decode_and_prefill():
+    sim = Sim("kvarn_k4v2_g64", torch.bfloat16, seed=5, num_blocks=160, max_num_seqs=16)
+    ids = [sim.add(150) for _ in range(16)]
+    sim.step({r: 10 + 7 * i for i, r in enumerate(ids)})
+    for _ in range(3):
+        sim.step({r: 1 if i % 2 else 9 for i, r in enumerate(ids)})
+
+
+def test_a_recycled_tail_is_refused_not_read():
+    sim = Sim("kvarn_k4v2_g64", torch.bfloat16, seed=7, tail_slots=2)
+    a, b, c = sim.add(100), sim.add(100), sim.add(100)
+    sim.step({a: 10})
+    sim.step({b: 10})
+    sim.step({c: 10})
+    with pytest.raises(TailLostError, match="KVARN_TAIL_SLOTS"):
+        sim.step({a: 1})
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_customize_spec_pages_hold_one_record_per_kv_head(preset):
+    for d in (64, 128, 256):
+        cfg = KVarNConfig.from_preset(preset, head_dim=d)
+        spec = FullAttentionSpec(block_size=1, num_kv_heads=3, head_size=d, dtype=torch.bfloat16)
+        per_token = BACKENDS[preset].customize_spec(spec)
+        assert per_token.dtype == torch.uint8
+        assert per_token.page_size_bytes * cfg.group_size == 3 * cfg.record_bytes
+        block = BACKENDS[preset].customize_spec(spec.copy_with_new_block_size(cfg.group_size))
+        assert block.page_size_bytes == 3 * cfg.record_bytes
+        assert BACKENDS[preset].get_preferred_block_size(16) == cfg.group_size
+        assert BACKENDS[preset].get_supported_kernel_block_sizes(block) == [cfg.group_size]
+        assert BACKENDS[preset].supports_block_size(cfg.group_size)
+        assert BACKENDS[preset].supports_block_size(4 * cfg.group_size)
+        assert not BACKENDS[preset].supports_block_size(cfg.group_size // 2)

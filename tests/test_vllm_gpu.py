@@ -1,0 +1,140 @@
+"""The vLLM backend's CUDA path without vLLM (``pytest -m gpu``): its own store and attention calls.
+
+The vLLM GPU wheel cannot be installed on the GPU machine, so this drives what the backend runs on
+CUDA, :class:`~kvarn.integration.vllm.tiles.TilePlanner` plus :func:`store_step` and
+:func:`attend_step` with ``impl="triton"``, through a schedule like vLLM's (chunks ending inside
+tiles, mixed decode and prefill, permuted blocks, skipped steps, a prefix hit, preemption). Every
+step checks the records of every full tile against the reference encoding of its tokens (equal up
+to rounding ties, as in ``test_kernels_common``) and the attention output against
+``kvarn.reference.paged_attention`` over the same state.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+pytest.importorskip("triton")
+
+from test_kernels_common import check_attention, check_records  # noqa: E402
+
+from kvarn import reference as R  # noqa: E402
+from kvarn.config import KVarNConfig  # noqa: E402
+from kvarn.integration.vllm.tiles import TilePlanner, attend_step, store_step  # noqa: E402
+
+DEV = "cuda"
+IMPL = "triton"
+HQ, HKV = 16, 4
+
+
+def _tokens(gen, n, d, dtype):
+    k = torch.randn(n, HKV, d, generator=gen) * 2
+    k[:, :, 5] += 10
+    return k.to(dtype), torch.randn(n, HKV, d, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize(
+    ("preset", "d", "dtype"),
+    [
+        ("kvarn_k4v2_g128", 128, torch.float16),
+        ("kvarn_k4v2_g64", 64, torch.bfloat16),
+        ("kvarn_k2v2_g128", 256, torch.bfloat16),
+    ],
+)
+def test_backend_steps_on_cuda_match_the_reference(preset, d, dtype):
+    cfg = KVarNConfig.from_preset(preset, head_dim=d)
+    g = cfg.group_size
+    rng = random.Random(d)
+    gen = torch.Generator().manual_seed(d)
+    num_blocks, num_slots = 128, 16
+    cache = torch.zeros(num_blocks, HKV, cfg.record_bytes, dtype=torch.uint8, device=DEV)
+    tail_k = torch.zeros(num_slots, g, HKV, d, dtype=dtype, device=DEV)
+    tail_v = torch.zeros_like(tail_k)
+    planner = TilePlanner(num_slots, g)
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    reqs: dict[int, dict] = {}
+
+    def add(rid, target, share=None):
+        req = {"k": [], "v": [], "len": 0, "target": target, "blocks": []}
+        if share is not None:
+            hit = reqs[share]["len"] // g
+            req.update(
+                k=reqs[share]["k"][: hit * g],
+                v=reqs[share]["v"][: hit * g],
+                len=hit * g,
+                shared=hit,
+                blocks=reqs[share]["blocks"][:hit],
+            )
+        reqs[rid] = req
+
+    for rid in range(6):
+        add(rid, rng.randrange(g // 2, 4 * g))
+    next_id, steps, checked = 6, 0, 0
+    while steps < 30:
+        steps += 1
+        live = [r for r, q in reqs.items() if q["len"] < q["target"]]
+        if steps == 12:
+            add(next_id, reqs[0]["len"] + g, share=0)
+            next_id += 1
+            continue
+        if steps == 20 and len(live) > 2:
+            victim = live[-1]
+            free.extend(reqs[victim]["blocks"][reqs[victim].get("shared", 0) :])
+            target = reqs.pop(victim)["target"]
+            add(next_id, target)
+            next_id += 1
+            continue
+        chunks = {}
+        for rid in live:
+            if rng.random() < 0.75:
+                req = reqs[rid]
+                n = 1 if req["len"] and rng.random() < 0.5 else rng.randrange(1, 2 * g + 9)
+                chunks[rid] = min(n, req["target"] - req["len"])
+        if not chunks:
+            continue
+        order = list(chunks)
+        rng.shuffle(order)
+        qsl, ks, vs = [0], [], []
+        for rid in order:
+            req, n = reqs[rid], chunks[rid]
+            k, v = _tokens(gen, n, d, dtype)
+            req["k"] += list(k)
+            req["v"] += list(v)
+            req["len"] += n
+            while len(req["blocks"]) * g < req["len"]:
+                req["blocks"].append(free.pop())
+            ks.append(k)
+            vs.append(v)
+            qsl.append(qsl[-1] + n)
+        width = max(len(reqs[r]["blocks"]) for r in order)
+        table = torch.tensor([reqs[r]["blocks"] + [0] * (width - len(reqs[r]["blocks"])) for r in order])
+        lens = torch.tensor([reqs[r]["len"] for r in order])
+        qsl_t = torch.tensor(qsl)
+        plan = planner.plan(qsl_t, lens, table, qsl[-1], DEV)
+        k_all, v_all = torch.cat(ks).to(DEV), torch.cat(vs).to(DEV)
+        store_step(plan, k_all, v_all, cache, tail_k, tail_v, cfg, impl=IMPL)
+        query = (torch.randn(qsl[-1], HQ, d, generator=gen) * 2).to(dtype).to(DEV)
+        table, lens, qsl_t = table.to(DEV, torch.int32), lens.to(DEV, torch.int32), qsl_t.to(DEV, torch.int32)
+        scale = d**-0.5
+        out = attend_step(plan, query, cache, table, lens, qsl_t, tail_k, tail_v, cfg, scale, impl=IMPL)
+        check_attention(out, (query, cache, table, lens, tail_k, tail_v, plan.tail_slots, cfg, qsl_t, None, scale))
+        for rid in order:
+            req = reqs[rid]
+            full = req["len"] // g
+            if not full:
+                continue
+            kt = R.prepare(torch.stack(req["k"][: full * g]).to(DEV), dtype).view(full, g, HKV, d).transpose(1, 2)
+            vt = R.prepare(torch.stack(req["v"][: full * g]).to(DEV), dtype).view(full, g, HKV, d).transpose(1, 2)
+            want = R.encode_records(kt, vt, cfg)
+            check_records(cache[torch.tensor(req["blocks"][:full], device=DEV)], want, kt, vt, cfg)
+            checked += full
+    assert checked > 0 and planner.stats["committed_tiles"] > 0 and planner.stats["stored_tiles"] > 0
+    assert planner.stats["chunks_starting_inside_a_tile"] > 0

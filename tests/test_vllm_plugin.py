@@ -1,0 +1,205 @@
+"""Registration and selection: the kvarn plugin as vLLM loads it, without running a model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+import vllm.config.cache as cache_mod
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.config.cache import CacheConfig
+from vllm.engine.arg_utils import EngineArgs
+from vllm.platforms import current_platform
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+from vllm.v1.attention.selector import AttentionSelectorConfig, get_attn_backend
+
+import kvarn.integration.vllm as kv
+from kvarn.config import PRESETS
+from kvarn.integration.vllm import plugin
+from kvarn.integration.vllm.backend import BACKENDS
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    kv.register()
+    assert kv.is_enabled(), kv.status()
+
+
+def test_register_is_idempotent_and_every_preset_is_a_valid_cache_dtype():
+    hooked = type(current_platform).get_attn_backend_cls
+    kv.register()
+    kv.register()
+    assert type(current_platform).get_attn_backend_cls == hooked
+    assert not plugin.install_selection_hook(current_platform), "a second hook must not wrap the first"
+    expected_mode = "registry" if hasattr(cache_mod, "register_kv_cache_dtype") else "literal"
+    assert kv.status()["mode"] == expected_mode
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    for preset in PRESETS:
+        assert CacheConfig(cache_dtype=preset).cache_dtype == preset
+        assert STR_DTYPE_TO_TORCH_DTYPE[preset] is torch.uint8
+        assert parser.parse_args(["--kv-cache-dtype", preset]).kv_cache_dtype == preset
+    with pytest.raises(ValueError):
+        CacheConfig(cache_dtype="kvarn_k3v3_g128")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-dtype", "kvarn_k3v3_g128"])
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_the_dtype_flag_alone_selects_the_preset_backend_and_its_block_size(preset):
+    config = VllmConfig()
+    with set_current_vllm_config(config):
+        for head_size in (64, 128):
+            assert get_attn_backend(head_size, torch.bfloat16, preset) is BACKENDS[preset]
+        assert config.cache_config.block_size == PRESETS[preset][2]
+        other = get_attn_backend(64, torch.bfloat16, "auto")
+    assert not issubclass(other, BACKENDS[preset]), "other dtypes go to the platform's own backend"
+
+
+def _selector(**kw):
+    base = {"head_size": 128, "dtype": torch.bfloat16, "kv_cache_dtype": "kvarn_k4v2_g128", "block_size": None}
+    return AttentionSelectorConfig(**(base | kw))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "advice"),
+    [
+        ({"use_mla": True}, "--kv-cache-dtype auto"),
+        ({"has_sliding_window": True}, "--kv-cache-dtype-skip-layers sliding_window"),
+        ({"attn_type": "encoder_only"}, "--kv-cache-dtype auto"),
+        ({"attn_type": "encoder_decoder"}, "--kv-cache-dtype auto"),
+        ({"head_size": 96}, "64, 128, 256"),
+        ({"use_kv_connector": True}, "--kv-cache-dtype auto"),
+        ({"has_sink": True}, "--kv-cache-dtype auto"),
+    ],
+)
+def test_unservable_layers_are_refused_with_what_to_change(overrides, advice):
+    with pytest.raises(ValueError, match="--kv-cache-dtype kvarn_k4v2_g128") as err:
+        current_platform.get_attn_backend_cls(None, _selector(**overrides))
+    assert advice in str(err.value)
+
+
+def _run(block_size=128, user_block=False, unit=None, spec=None, dbo=False):
+    cache = SimpleNamespace(block_size=block_size, user_specified_block_size=user_block, prefix_match_unit=unit)
+    return SimpleNamespace(cache_config=cache, speculative_config=spec, parallel_config=SimpleNamespace(enable_dbo=dbo))
+
+
+@pytest.mark.parametrize(
+    ("run", "advice"),
+    [
+        (_run(block_size=192, user_block=True), "set it to 128"),
+        (_run(unit=64), "multiple of 128"),
+        (_run(spec=object()), "drop --speculative-config"),
+        (_run(dbo=True), "drop --enable-dbo"),
+    ],
+)
+def test_unservable_runs_are_refused_with_what_to_change(run, advice):
+    with pytest.raises(ValueError, match=advice):
+        plugin.check_run(run, "kvarn_k4v2_g128")
+    with pytest.raises(ValueError, match=advice):
+        plugin.check_layer(_selector(), run)
+
+
+def test_the_run_check_sets_the_block_size_unless_the_user_chose_it():
+    run = _run(block_size=16)
+    plugin.check_run(run, "kvarn_k4v2_g64")
+    assert run.cache_config.block_size == 64
+    plugin.check_run(_run(block_size=128, user_block=True, unit=256), "kvarn_k4v2_g128")
+    run = _run(block_size=256, user_block=True)
+    plugin.check_run(run, "kvarn_k4v2_g128")
+    assert run.cache_config.block_size == 256, "a multiple of G is split into tiles by vLLM"
+
+
+def test_where_vllm_has_a_dtype_registry_the_handlers_go_through_it(monkeypatch):
+    registered = {}
+
+    def register_kv_cache_dtype(name):
+        def decorate(cls):
+            registered[name] = cls()
+            STR_DTYPE_TO_TORCH_DTYPE[name] = registered[name].torch_dtype()
+            return cls
+
+        return decorate
+
+    monkeypatch.setattr(cache_mod, "register_kv_cache_dtype", register_kv_cache_dtype, raising=False)
+    literal_before = cache_mod.CacheDType
+    for preset in PRESETS:
+        monkeypatch.delitem(STR_DTYPE_TO_TORCH_DTYPE, preset)
+    assert plugin.install_dtypes() == "registry"
+    assert cache_mod.CacheDType is literal_before, "the registry path leaves the Literal alone"
+    assert set(registered) == set(PRESETS)
+    from vllm.v1.kv_cache_interface import KVQuantMode
+
+    for preset, handler in registered.items():
+        assert handler.name == preset
+        assert handler.torch_dtype() is torch.uint8 and handler.is_quantized()
+        assert isinstance(handler.quant_mode(), KVQuantMode)
+        assert handler.supports_platform(current_platform)
+    assert plugin.install_dtypes() == "registry"
+    assert len(registered) == len(PRESETS), "names already registered are not registered twice"
+
+
+_ERROR_PATH = r"""
+import json, logging, sys
+import torch
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append(record)
+logging.getLogger("vllm.kvarn").addHandler(Keep())
+from kvarn.integration.vllm import plugin
+def boom():
+    raise RuntimeError("simulated failure while adding the dtype names")
+plugin.install_dtypes = boom
+import kvarn.integration.vllm as kv
+kv.register()
+kv.register()
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.config.cache import CacheConfig
+from vllm.platforms import current_platform
+from vllm.v1.attention.selector import get_attn_backend
+out = {"status": kv.status(), "warnings": [r.getMessage() for r in records if r.levelno == logging.WARNING]}
+out["hook_left"] = bool(getattr(type(current_platform).get_attn_backend_cls, "_kvarn_wrapped", False))
+try:
+    CacheConfig(cache_dtype="kvarn_k4v2_g128")
+    out["kvarn_dtype"] = "accepted"
+except Exception as exc:
+    out["kvarn_dtype"] = type(exc).__name__
+with set_current_vllm_config(VllmConfig()):
+    out["auto_backend"] = get_attn_backend(64, torch.bfloat16, "auto").get_name()
+out["auto_config"] = CacheConfig(cache_dtype="auto").cache_dtype
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_a_failing_plugin_warns_once_and_leaves_vllm_working_without_kvarn():
+    proc = subprocess.run([sys.executable, "-c", _ERROR_PATH], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
+    out = json.loads(line.removeprefix("RESULT"))
+    assert out["status"]["enabled"] is False
+    assert "simulated failure" in out["status"]["error"]
+    assert len(out["warnings"]) == 1 and "unavailable" in out["warnings"][0]
+    assert out["hook_left"] is False
+    assert out["kvarn_dtype"] == "ValidationError"
+    assert out["auto_backend"] == "CPU_ATTN"
+    assert out["auto_config"] == "auto"
+
+
+def test_importing_the_integration_imports_neither_vllm_nor_transformers():
+    code = (
+        "import sys, kvarn.integration, kvarn.integration.vllm, kvarn.integration.vllm.tiles\n"
+        "print(sorted(m for m in ('vllm', 'transformers') if m in sys.modules))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"

@@ -1,0 +1,92 @@
+"""The tile planner of the vLLM backend: where each token of a step goes, and how tail slots live.
+
+The planner imports torch only; these tests run without vLLM.
+"""
+
+import pytest
+import torch
+
+from kvarn.integration.vllm.tiles import TailLostError, TilePlanner
+
+G = 8
+
+
+def plan(planner, chunks, tables, pad=0):
+    """``chunks``: list of (new tokens, length after the step); ``tables``: block ids per request."""
+    qsl = [0]
+    for n, _ in chunks:
+        qsl.append(qsl[-1] + n)
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    lens = torch.tensor([length for _, length in chunks])
+    return planner.plan(torch.tensor(qsl), lens, table, qsl[-1] + pad)
+
+
+def test_whole_tiles_are_stored_and_the_rest_goes_to_the_tail():
+    p = TilePlanner(4, G)
+    out = plan(p, [(20, 20)], [[7, 3, 9]], pad=2)
+    assert out.store_blocks.tolist() == [7, 3]
+    assert out.store_token_idx.tolist() == [list(range(8)), list(range(8, 16))]
+    slot = p.live_slots[9]
+    assert out.tail_slot_mapping.tolist() == [-1] * 16 + [slot * G + i for i in range(4)] + [-1, -1]
+    assert out.tail_slots.tolist() == [slot]
+    assert out.commit_blocks.numel() == 0
+
+
+def test_a_tile_completed_by_decode_is_committed_from_its_slot_and_the_slot_released():
+    p = TilePlanner(4, G)
+    plan(p, [(7, 7)], [[5]])
+    slot = p.live_slots[5]
+    out = plan(p, [(1, 8)], [[5]])
+    assert out.commit_slots.tolist() == [slot] and out.commit_blocks.tolist() == [5]
+    assert out.tail_slot_mapping.tolist() == [slot * G + 7]
+    assert out.tail_slots.tolist() == [0]
+    assert p.live_slots == {}
+
+
+def test_a_chunk_that_starts_and_ends_inside_tiles():
+    p = TilePlanner(4, G)
+    plan(p, [(3, 3)], [[4, 6, 2]])
+    s4 = p.live_slots[4]
+    out = plan(p, [(15, 18)], [[4, 6, 2]])
+    s2 = p.live_slots[2]
+    assert out.commit_blocks.tolist() == [4] and out.commit_slots.tolist() == [s4]
+    assert out.store_blocks.tolist() == [6]
+    assert out.store_token_idx.tolist() == [list(range(5, 13))]
+    mapping = out.tail_slot_mapping.tolist()
+    assert mapping[:5] == [s4 * G + i for i in range(3, 8)]
+    assert mapping[13:] == [s2 * G + i for i in range(2)]
+    assert s2 != s4, "a slot committed in this step is not handed out again in the same step"
+
+
+def test_an_unscheduled_request_keeps_its_tail_and_prefix_hits_start_on_tile_boundaries():
+    p = TilePlanner(4, G)
+    plan(p, [(5, 5), (3, 3)], [[1], [2]])
+    s1 = p.live_slots[1]
+    for length in range(4, 8):
+        plan(p, [(1, length)], [[2]])
+    out = plan(p, [(2, 7)], [[1]])
+    assert out.tail_slot_mapping.tolist() == [s1 * G + 5, s1 * G + 6]
+    hit = plan(p, [(3, 19)], [[1, 8, 11]])
+    assert hit.tail_slot_mapping.tolist() == [p.live_slots[11] * G + i for i in range(3)]
+
+
+def test_a_recycled_block_frees_the_stale_tail_of_its_previous_owner():
+    p = TilePlanner(4, G)
+    plan(p, [(5, 5)], [[3]])
+    assert 3 in p.live_slots
+    plan(p, [(16, 16)], [[9, 3]])
+    assert 3 not in p.live_slots
+
+
+def test_the_pool_evicts_the_least_recently_used_idle_slot_and_refuses_a_lost_tail():
+    p = TilePlanner(2, G)
+    plan(p, [(1, 1)], [[1]])
+    plan(p, [(1, 1)], [[2]])
+    plan(p, [(1, 2)], [[2]])
+    plan(p, [(1, 1)], [[3]])
+    assert set(p.live_slots) == {2, 3}
+    with pytest.raises(TailLostError, match="block 1"):
+        plan(p, [(1, 2)], [[1]])
+    with pytest.raises(TailLostError, match="incomplete tiles in one step"):
+        plan(TilePlanner(1, G), [(1, 1), (1, 1)], [[1], [2]])
