@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from kvarn.config import DEFAULT_PRESET, PRESETS, KVarNConfig
+from kvarn.config import DEFAULT_PRESET, KVarNConfig
 from kvarn.reference.hadamard import rotate
 from kvarn.reference.packing import pack_codes, unpack_codes
 from kvarn.reference.quantize import TileHalf, dequantize_half, prepare, quantize_half
@@ -133,12 +132,6 @@ def _check_tensor(name: str, x: object, min_rank: int = 3) -> torch.Tensor:
 
 def _config(preset: str | KVarNConfig, head_dim: int, **overrides) -> KVarNConfig:
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    if isinstance(preset, KVarNConfig):
-        return dataclasses.replace(preset, head_dim=head_dim, **overrides)
-    if not isinstance(preset, str):
-        raise TypeError(f"preset must be a preset name or a KVarNConfig, got {type(preset).__name__}")
-    if preset not in PRESETS:
-        raise ValueError(f"unknown KVarN preset {preset!r}; valid presets are: {', '.join(PRESETS)}")
     return KVarNConfig.from_preset(preset, head_dim=head_dim, **overrides)
 
 

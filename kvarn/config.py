@@ -95,10 +95,12 @@ class KVarNConfig:
             raise ValueError(f"sinkhorn_iters must be a non-negative int, got {self.sinkhorn_iters!r}")
 
     @classmethod
-    def from_preset(cls, name: str = DEFAULT_PRESET, head_dim: int = 128, **overrides) -> KVarNConfig:
-        """The config of preset ``name`` (e.g. ``"kvarn_k4v2_g128"``) for ``head_dim``."""
+    def from_preset(cls, name: str | KVarNConfig = DEFAULT_PRESET, head_dim: int = 128, **overrides) -> KVarNConfig:
+        """The config of preset ``name`` (e.g. ``"kvarn_k4v2_g128"``, or a config to adapt) for ``head_dim``."""
         if isinstance(name, KVarNConfig):
             return dataclasses.replace(name, head_dim=head_dim, **overrides)
+        if not isinstance(name, str):
+            raise TypeError(f"preset must be a preset name or a KVarNConfig, got {type(name).__name__}")
         if name not in PRESETS:
             valid = ", ".join(PRESETS)
             raise ValueError(f"unknown KVarN preset {name!r}; valid presets are: {valid}")

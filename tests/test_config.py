@@ -87,3 +87,10 @@ def test_bad_bits_and_group():
         KVarNConfig(group_size=32)
     with pytest.raises(ValueError, match="sinkhorn_iters"):
         KVarNConfig(sinkhorn_iters=-1)
+
+
+def test_preset_of_wrong_type():
+    with pytest.raises(TypeError, match="preset must be a preset name or a KVarNConfig, got int"):
+        KVarNConfig.from_preset(4)
+    cfg = KVarNConfig.from_preset(KVarNConfig.from_preset("kvarn_k2v2_g128"), head_dim=64)
+    assert (cfg.k_bits, cfg.head_dim) == (2, 64)

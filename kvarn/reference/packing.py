@@ -17,18 +17,17 @@ from __future__ import annotations
 import torch
 
 
-def _check_bits(bits: int, rows: int) -> int:
+def _per_byte(bits: int) -> int:
     if bits not in (1, 2, 4, 8):
         raise ValueError(f"bits must be 1, 2, 4 or 8 to pack whole codes into bytes, got {bits}")
-    per_byte = 8 // bits
-    if rows % per_byte:
-        raise ValueError(f"{rows} rows do not pack {per_byte} to a byte")
-    return per_byte
+    return 8 // bits
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack ``codes: [..., R, C]`` (uint8, each ``< 2^bits``) into ``[..., R * bits // 8, C]`` uint8."""
-    per_byte = _check_bits(bits, codes.shape[-2])
+    per_byte = _per_byte(bits)
+    if codes.shape[-2] % per_byte:
+        raise ValueError(f"{codes.shape[-2]} rows do not pack {per_byte} to a byte")
     slices = codes.to(torch.uint8).unflatten(-2, (per_byte, -1))  # [..., p, R/p, C]
     out = torch.zeros_like(slices[..., 0, :, :])
     for i in range(per_byte):
@@ -38,7 +37,7 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: ``[..., R', C]`` uint8 -> ``[..., R' * 8 // bits, C]`` uint8."""
-    per_byte = _check_bits(bits, 8 // bits)
+    per_byte = _per_byte(bits)
     mask = (1 << bits) - 1
     fields = [(packed >> (i * bits)) & mask for i in range(per_byte)]
     return torch.cat(fields, dim=-2)
