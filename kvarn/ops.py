@@ -52,6 +52,16 @@ def _pick(name: str, impl: str, like: torch.Tensor) -> Callable:
     return getattr(reference, name)
 
 
+def prepare(x, dtype=None, rotate: bool = True, *, impl: str = "auto") -> torch.Tensor:
+    """Sanitize, rotate and round ``x: [..., D]``: the quantizer's input. See :func:`kvarn.reference.prepare`."""
+    return _pick("prepare", impl, x)(x, dtype, rotate)
+
+
+def rotate(x, *, impl: str = "auto") -> torch.Tensor:
+    """``x @ H`` along the last axis (the Hadamard is its own inverse). See :func:`kvarn.reference.rotate`."""
+    return _pick("rotate", impl, x)(x)
+
+
 def write_tail(k, v, tail_k, tail_v, tail_slot_mapping, cfg, *, impl: str = "auto") -> None:
     """Rotate new tokens into the full-precision tile pool. See :func:`kvarn.reference.write_tail`."""
     _pick("write_tail", impl, k)(k, v, tail_k, tail_v, tail_slot_mapping, cfg)
