@@ -18,6 +18,8 @@ from kvarn import reference
 IMPLS = ("auto", "reference", "triton")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.uint8)
 """Dtypes of the deciding tensor for which ``auto`` uses Triton (uint8: the records themselves)."""
+REFERENCE_ONLY = frozenset({"prepare", "rotate"})
+"""Ops with no kernel of their own (cheap elementwise or small-matrix work): every ``impl`` runs the reference."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -39,6 +41,8 @@ def _pick(name: str, impl: str, like: torch.Tensor) -> Callable:
     """The implementation of op ``name`` for ``impl``, deciding ``auto`` by ``like``'s device and dtype."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if name in REFERENCE_ONLY:
+        return getattr(reference, name)
     if impl == "triton":
         ops = _triton_ops()
         if ops is None or name not in ops:

@@ -24,7 +24,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from kvarn import reference
 from kvarn.config import PRESETS, KVarNConfig
 from kvarn.integration.vllm.backend import BACKENDS, KVarNAttentionImpl
-from kvarn.integration.vllm.tiles import TailLostError, TilePlanner
+from kvarn.paged import TailLostError, TilePlanner
 
 pytestmark = pytest.mark.vllm
 

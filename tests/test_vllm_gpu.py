@@ -1,8 +1,8 @@
 """The vLLM backend's CUDA path without vLLM (``pytest -m gpu``): its own store and attention calls.
 
 The vLLM GPU wheel cannot be installed on the GPU machine, so this drives what the backend runs on
-CUDA, :class:`~kvarn.integration.vllm.tiles.TilePlanner` plus :func:`store_step` and
-:func:`attend_step` with ``impl="triton"``, through a schedule like vLLM's (chunks ending inside
+CUDA, :class:`~kvarn.paged.TilePlanner` plus :meth:`~kvarn.paged.PagedKV.store` and
+:meth:`~kvarn.paged.PagedKV.attend` with ``impl="triton"``, through a schedule like vLLM's (chunks ending inside
 tiles, mixed decode and prefill, permuted blocks, skipped steps, a prefix hit, preemption). Every
 step checks the records of every full tile against the reference encoding of its tokens (equal up
 to rounding ties, as in ``test_kernels_common``) and the attention output against
@@ -27,7 +27,7 @@ from test_kernels_common import check_attention, check_records  # noqa: E402
 
 from kvarn import reference as R  # noqa: E402
 from kvarn.config import KVarNConfig  # noqa: E402
-from kvarn.integration.vllm.tiles import TilePlanner, attend_step, store_step  # noqa: E402
+from kvarn.paged import PagedKV, TilePlanner  # noqa: E402
 
 DEV = "cuda"
 IMPL = "triton"
@@ -58,6 +58,7 @@ def test_backend_steps_on_cuda_match_the_reference(preset, d, dtype):
     tail_k = torch.zeros(num_slots, g, HKV, d, dtype=dtype, device=DEV)
     tail_v = torch.zeros_like(tail_k)
     planner = TilePlanner(num_slots, g)
+    paged = PagedKV(cfg, cache, tail_k, tail_v, impl=IMPL)
     free = list(range(1, num_blocks))
     rng.shuffle(free)
     reqs: dict[int, dict] = {}
@@ -120,11 +121,11 @@ def test_backend_steps_on_cuda_match_the_reference(preset, d, dtype):
         qsl_t = torch.tensor(qsl)
         plan = planner.plan(qsl_t, lens, table, qsl[-1], DEV)
         k_all, v_all = torch.cat(ks).to(DEV), torch.cat(vs).to(DEV)
-        store_step(plan, k_all, v_all, cache, tail_k, tail_v, cfg, impl=IMPL)
+        paged.store(plan, k_all, v_all)
         query = (torch.randn(qsl[-1], HQ, d, generator=gen) * 2).to(dtype).to(DEV)
         table, lens, qsl_t = table.to(DEV, torch.int32), lens.to(DEV, torch.int32), qsl_t.to(DEV, torch.int32)
         scale = d**-0.5
-        out = attend_step(plan, query, cache, table, lens, qsl_t, tail_k, tail_v, cfg, scale, impl=IMPL)
+        out = paged.attend(plan, query, table, lens, qsl_t, scale)
         check_attention(out, (query, cache, table, lens, tail_k, tail_v, plan.tail_slots, cfg, qsl_t, None, scale))
         for rid in order:
             req = reqs[rid]

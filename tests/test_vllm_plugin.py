@@ -197,7 +197,7 @@ def test_a_failing_plugin_warns_once_and_leaves_vllm_working_without_kvarn():
 
 def test_importing_the_integration_imports_neither_vllm_nor_transformers():
     code = (
-        "import sys, kvarn.integration, kvarn.integration.vllm, kvarn.integration.vllm.tiles\n"
+        "import sys, kvarn.integration, kvarn.integration.vllm, kvarn.paged\n"
         "print(sorted(m for m in ('vllm', 'transformers') if m in sys.modules))"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

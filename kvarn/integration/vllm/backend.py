@@ -8,10 +8,9 @@ layer's KV-cache spec into one of ``G``-token blocks whose page holds one record
 a ``[num_blocks, Hkv, G, record_bytes / G]`` uint8 view, which the impl reads as
 ``cache: [num_blocks, Hkv, record_bytes]``.
 
-The builder plans each step with :class:`~kvarn.integration.vllm.tiles.TilePlanner`; the impl's
-``forward`` stores the step's K/V and then attends, through the two functions of
-:mod:`~kvarn.integration.vllm.tiles` that call ``kvarn.ops`` (the reference on CPU, the Triton
-kernels on CUDA). This module holds no math.
+The builder plans each step with :class:`~kvarn.paged.TilePlanner`; the impl's ``forward``
+stores the step's K/V and then attends through :class:`~kvarn.paged.PagedKV`, which calls
+``kvarn.ops`` (the reference on CPU, the Triton kernels on CUDA). This module holds no math.
 
 The first tile of a sequence is quantized like every other tile (no full-precision sink): a sink
 would be per-request state for the request's whole life, shared through the prefix cache and lost
@@ -39,7 +38,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from kvarn.config import PRESETS, SUPPORTED_HEAD_DIMS, KVarNConfig
-from kvarn.integration.vllm.tiles import TilePlan, TilePlanner, attend_step, store_step
+from kvarn.paged import PagedKV, TilePlan, TilePlanner
 
 logger = logging.getLogger("vllm.kvarn")
 
@@ -328,20 +327,17 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
         meta = attn_metadata
         n = meta.num_actual_tokens
         tail_k, tail_v = self._pool(layer, meta.num_slots, query.dtype, query.device)
+        paged = PagedKV(self.cfg, self._records(kv_cache), tail_k, tail_v)
         if kv_cache.numel() and key is not None and value is not None:
             k = key[:n].view(n, self.num_kv_heads, self.head_size)
             v = value[:n].view(n, self.num_kv_heads, self.head_size)
-            store_step(meta.plan, k, v, self._records(kv_cache), tail_k, tail_v, self.cfg)
-        out = attend_step(
+            paged.store(meta.plan, k, v)
+        out = paged.attend(
             meta.plan,
             query[:n].view(n, self.num_heads, self.head_size),
-            self._records(kv_cache),
             meta.block_table,
             meta.seq_lens,
             meta.query_start_loc,
-            tail_k,
-            tail_v,
-            self.cfg,
             self.scale,
         )
         output[:n] = out.view(output[:n].shape)

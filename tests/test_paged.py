@@ -6,7 +6,7 @@ The planner imports torch only; these tests run without vLLM.
 import pytest
 import torch
 
-from kvarn.integration.vllm.tiles import TailLostError, TilePlanner
+from kvarn.paged import TailLostError, TilePlanner
 
 G = 8
 

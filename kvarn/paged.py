@@ -1,0 +1,397 @@
+"""The paged KVarN cache below the integrations: the tile lifecycle and one layer's storage.
+
+Both integrations (the vLLM backend and the transformers cache) are adapters over this module;
+it imports neither vLLM nor transformers. Per step, an integration hands over ragged chunks of
+new tokens (``query_start_loc``), each sequence's length after the step (``seq_lens``) and its
+block table. One block is one tile of ``G`` tokens. :class:`TilePlanner` turns that into a
+:class:`TilePlan`, and :class:`PagedKV` (the records and the full-precision pool of one layer)
+carries the plan out through :mod:`kvarn.ops`:
+
+- A tile that this step writes from its first to its last token goes straight to its record
+  (``store_tiles``): whole prompt tiles of a prefill chunk.
+- Every other token goes to the full-precision tail pool (``write_tail``) at
+  ``slot * G + offset``. A tile that becomes full in this step (a decode step or a chunk that
+  ends the tile) is then quantized from its slot into its block (``commit_tiles``), in the same
+  step and before attention: vLLM may publish that block to the prefix cache in this step.
+- Attention reads every full tile from its record and the last ``seq_len % G`` tokens from the
+  request's tail slot.
+
+Tail slots are keyed by the block id of the incomplete tile. An incomplete block belongs to
+exactly one live request (vLLM shares only full, hashed blocks), so the key needs no request id,
+survives steps in which the request is not scheduled, and is dropped with the block: a request
+that finishes or is preempted frees the block, and the next owner of that block id starts its
+tile at offset 0 (prefix hits land on tile boundaries), overwriting the slot before reading it.
+
+A slot is released when its tile commits, when its block id shows up as a full tile of any
+scheduled request (the block was recycled), and, when the pool runs dry, least recently used
+first among the slots this step does not touch. A request that continues a tile whose slot is
+gone raises :class:`TailLostError` instead of attending over garbage; the pool is sized so that
+this needs more partial tiles than ``num_slots`` to be outstanding at once.
+
+Sink (optional, ``num_sink_slots > 0``): the tokens of a sequence's first tile also go to a
+*sink slot*, keyed by the block id of that first tile, and attention reads the first tile from
+the sink slot in full precision instead of from its record. Sink slots are not evicted; the
+owner releases them (:meth:`TilePlanner.release_sink`).
+
+Only committed tokens may be planned: speculative drafts would be frozen into a record.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from kvarn import ops
+from kvarn.config import KVarNConfig
+
+
+class TailLostError(RuntimeError):
+    """A request continues a tile whose full-precision tail slot was recycled."""
+
+
+@dataclass
+class TilePlan:
+    """Everything one step of one KV-cache group needs, as tensors on the model's device.
+
+    Attributes:
+        tail_slot_mapping: ``[T]`` int64, ``slot * G + offset`` of each token that goes to the
+            tail pool, ``-1`` for tokens stored as whole tiles and for padding.
+        commit_slots, commit_blocks: ``[Nc]`` int64, tail slots whose tile is full after this
+            step and the blocks they are quantized into.
+        store_token_idx: ``[Ns, G]`` int64, batch rows of the tokens of each whole tile.
+        store_blocks: ``[Ns]`` int64, the block of each whole tile.
+        tail_slots: ``[B]`` int64, each request's tail slot after the step (``0`` when its length
+            is a multiple of ``G``: the slot is then not read).
+        sink_slot_mapping: ``[T]`` int64, ``slot * G + offset`` in the sink pool of each token of a
+            first tile, ``-1`` elsewhere; ``None`` without a sink.
+        sink_slots: ``[B]`` int64, each request's sink slot; ``None`` without a sink.
+    """
+
+    tail_slot_mapping: torch.Tensor
+    commit_slots: torch.Tensor
+    commit_blocks: torch.Tensor
+    store_token_idx: torch.Tensor
+    store_blocks: torch.Tensor
+    tail_slots: torch.Tensor
+    sink_slot_mapping: torch.Tensor | None = None
+    sink_slots: torch.Tensor | None = None
+
+
+class TilePlanner:
+    """Hands out tail slots and plans the stores of each step (see the module docstring).
+
+    One planner serves all layers of one KV-cache group: every layer of the group sees the same
+    tokens in the same blocks, so the slot decisions are shared and each layer keeps its own
+    ``[num_slots, G, Hkv, D]`` tail tensors.
+    """
+
+    def __init__(self, num_slots: int, group_size: int, num_sink_slots: int = 0):
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be at least 1, got {num_slots}")
+        if num_sink_slots < 0:
+            raise ValueError(f"num_sink_slots must be non-negative, got {num_sink_slots}")
+        self.num_slots = num_slots
+        self.num_sink_slots = num_sink_slots
+        self.group_size = group_size
+        self._sink_of: dict[int, int] = {}
+        self._sink_free = list(range(num_sink_slots - 1, -1, -1))
+        self._slot_of: dict[int, int] = {}
+        self._block_of: list[int | None] = [None] * num_slots
+        self._last_used = [0] * num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._step = 0
+        self.stats: Counter[str] = Counter()
+        """Counts since creation: ``steps``, ``stored_tiles``, ``committed_tiles``, ``tail_tokens``,
+        ``chunks_starting_inside_a_tile`` (a chunk of more than one token that continues a tile),
+        ``recycled_tails`` (slots freed because their block came back as a full tile) and
+        ``evicted_tails`` (slots taken from an idle tail when the pool ran dry)."""
+
+    @property
+    def live_slots(self) -> dict[int, int]:
+        """A copy of the current ``block id -> tail slot`` map."""
+        return dict(self._slot_of)
+
+    @property
+    def live_sinks(self) -> dict[int, int]:
+        """A copy of the current ``first block id -> sink slot`` map."""
+        return dict(self._sink_of)
+
+    def release_sink(self, block: int) -> None:
+        """Free the sink slot of the sequence whose first tile is ``block`` (no-op if it has none)."""
+        slot = self._sink_of.pop(block, None)
+        if slot is not None:
+            self._sink_free.append(slot)
+
+    def _claim_sink(self, block: int) -> int:
+        slot = self._sink_of.get(block)
+        if slot is None:
+            if not self._sink_free:
+                raise TailLostError(
+                    f"more than {self.num_sink_slots} sequences keep a full-precision sink; release finished ones"
+                )
+            slot = self._sink_of[block] = self._sink_free.pop()
+        return slot
+
+    def _release(self, slot: int) -> None:
+        block = self._block_of[slot]
+        if block is not None:
+            del self._slot_of[block]
+            self._block_of[slot] = None
+            self._free.append(slot)
+
+    def _claim(self, block: int, touched: set[int]) -> int:
+        slot = self._slot_of.get(block)
+        if slot is not None:
+            return slot
+        if not self._free:
+            idle = [s for s in range(self.num_slots) if s not in touched]
+            if not idle:
+                raise TailLostError(
+                    f"more than {self.num_slots} incomplete tiles in one step; raise KVARN_TAIL_SLOTS "
+                    "or lower --max-num-seqs"
+                )
+            self._release(min(idle, key=self._last_used.__getitem__))
+            self.stats["evicted_tails"] += 1
+        slot = self._free.pop()
+        self._slot_of[block] = slot
+        self._block_of[slot] = block
+        return slot
+
+    def plan(
+        self,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        num_tokens: int,
+        device: torch.device | str = "cpu",
+    ) -> TilePlan:
+        """Plan one step.
+
+        Args:
+            query_start_loc: ``[B + 1]`` int (CPU), offsets of each request's new tokens.
+            seq_lens: ``[B]`` int (CPU), tokens of each request after the step, new ones included.
+            block_table: ``[B, max_blocks]`` int (CPU), block of each tile of each request.
+            num_tokens: rows of the step's key/value tensors (``>= query_start_loc[-1]``).
+            device: where the plan's tensors go.
+        """
+        g = self.group_size
+        self._step += 1
+        qsl = query_start_loc.tolist()
+        lens = seq_lens.tolist()
+        batch = len(lens)
+        mapping = torch.full((num_tokens,), -1, dtype=torch.int64)
+        sink = self.num_sink_slots > 0
+        sink_mapping = torch.full((num_tokens,), -1, dtype=torch.int64) if sink else None
+        sink_slots = [-1] * batch
+        tail_slots = [0] * batch
+        commits: list[tuple[int, int]] = []
+        stores: list[tuple[int, int]] = []
+        touched: set[int] = set()
+        full_rows: list[torch.Tensor] = []
+        for r in range(batch):
+            n = qsl[r + 1] - qsl[r]
+            length = lens[r]
+            if n <= 0:
+                continue
+            start = length - n
+            if start < 0:
+                raise ValueError(f"request {r} has {n} new tokens but a length of {length}")
+            if n > 1 and start % g:
+                self.stats["chunks_starting_inside_a_tile"] += 1
+            row = block_table[r]
+            full_rows.append(row[: length // g])
+            if sink:
+                sink_slot = sink_slots[r] = self._claim_sink(int(row[0]))
+                if start < g:
+                    hi = min(length, g)
+                    sink_mapping[qsl[r] : qsl[r] + hi - start] = torch.arange(sink_slot * g + start, sink_slot * g + hi)
+            for tile in range(start // g, (length - 1) // g + 1):
+                lo, hi = max(start, tile * g), min(length, (tile + 1) * g)
+                block = int(row[tile])
+                first = qsl[r] + lo - start
+                if lo == tile * g and hi == (tile + 1) * g:
+                    stores.append((first, block))
+                    continue
+                if lo > tile * g and block not in self._slot_of:
+                    raise TailLostError(
+                        f"the full-precision tail of block {block} (tokens {tile * g}..{lo - 1} of a "
+                        f"running request) was recycled; raise KVARN_TAIL_SLOTS (now {self.num_slots})"
+                    )
+                slot = self._claim(block, touched)
+                touched.add(slot)
+                self._last_used[slot] = self._step
+                mapping[first : first + hi - lo] = torch.arange(slot * g + lo - tile * g, slot * g + hi - tile * g)
+                if hi == (tile + 1) * g:
+                    commits.append((slot, block))
+                else:
+                    tail_slots[r] = slot
+        committed = {slot for slot, _ in commits}
+        if full_rows and self._slot_of:
+            full = torch.cat(full_rows).tolist()
+            for block in set(full).intersection(self._slot_of):
+                if self._slot_of[block] not in touched:
+                    self._release(self._slot_of[block])
+                    self.stats["recycled_tails"] += 1
+        for slot in committed:
+            self._release(slot)
+        self.stats["steps"] += 1
+        self.stats["stored_tiles"] += len(stores)
+        self.stats["committed_tiles"] += len(commits)
+        self.stats["tail_tokens"] += int((mapping >= 0).sum())
+
+        def tensor(values, shape=(-1,)):
+            return torch.tensor(values, dtype=torch.int64).reshape(shape).to(device)
+
+        store_idx = torch.tensor([first for first, _ in stores], dtype=torch.int64)
+        store_idx = store_idx[:, None] + torch.arange(g)[None, :]
+        return TilePlan(
+            tail_slot_mapping=mapping.to(device),
+            commit_slots=tensor([s for s, _ in commits]),
+            commit_blocks=tensor([b for _, b in commits]),
+            store_token_idx=store_idx.to(device),
+            store_blocks=tensor([b for _, b in stores]),
+            tail_slots=tensor(tail_slots),
+            sink_slot_mapping=sink_mapping.to(device) if sink else None,
+            sink_slots=tensor(sink_slots) if sink else None,
+        )
+
+
+@dataclass
+class PagedKV:
+    """The KVarN storage of one attention layer, and the ops that carry a :class:`TilePlan` out.
+
+    Attributes:
+        cfg: the format (its ``head_dim`` is the layer's).
+        cache: ``[num_blocks, Hkv, record_bytes]`` uint8, one record per (full tile, KV head).
+        tail_k, tail_v: ``[num_slots, G, Hkv, D]`` in the store dtype, the full-precision pool in
+            the rotated frame: tail slots first, then ``num_sink_slots`` sink slots.
+        num_sink_slots: how many slots at the end of the pool hold sinks.
+        impl: ``"auto" | "reference" | "triton"``, passed to every :mod:`kvarn.ops` call.
+    """
+
+    cfg: KVarNConfig
+    cache: torch.Tensor
+    tail_k: torch.Tensor
+    tail_v: torch.Tensor
+    num_sink_slots: int = 0
+    impl: str = "auto"
+
+    @classmethod
+    def allocate(
+        cls,
+        cfg: KVarNConfig,
+        num_blocks: int,
+        num_heads: int,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        *,
+        num_sink_slots: int = 0,
+        impl: str = "auto",
+    ) -> PagedKV:
+        """Zeroed storage: ``num_blocks`` records and ``num_slots + num_sink_slots`` pool tiles."""
+        pool = (num_slots + num_sink_slots, cfg.group_size, num_heads, cfg.head_dim)
+        cache = torch.zeros(num_blocks, num_heads, cfg.record_bytes, dtype=torch.uint8, device=device)
+        tail_k = torch.zeros(pool, dtype=dtype, device=device)
+        return cls(cfg, cache, tail_k, torch.zeros_like(tail_k), num_sink_slots, impl)
+
+    @property
+    def num_slots(self) -> int:
+        """Tail slots (the pool less its sink slots)."""
+        return self.tail_k.shape[0] - self.num_sink_slots
+
+    def _pool_slots(self, plan: TilePlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The plan's sink mapping and sink slots as indices into the pool (sinks follow the tail slots)."""
+        if plan.sink_slot_mapping is None:
+            return None, None
+        base = self.num_slots
+        mapping = torch.where(plan.sink_slot_mapping >= 0, plan.sink_slot_mapping + base * self.cfg.group_size, -1)
+        slots = torch.where(plan.sink_slots >= 0, plan.sink_slots + base, -1)
+        return mapping, slots
+
+    def store(self, plan: TilePlan, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store one step's ``k, v: [T, Hkv, D]`` (model frame) as ``plan`` says, in place.
+
+        Tail (and sink) tokens first, then the tiles they complete, then the step's whole tiles.
+        """
+        cfg, impl = self.cfg, self.impl
+        ops.write_tail(k, v, self.tail_k, self.tail_v, plan.tail_slot_mapping, cfg, impl=impl)
+        sink_mapping, _ = self._pool_slots(plan)
+        if sink_mapping is not None:
+            ops.write_tail(k, v, self.tail_k, self.tail_v, sink_mapping, cfg, impl=impl)
+        ops.commit_tiles(self.tail_k, self.tail_v, plan.commit_slots, plan.commit_blocks, self.cache, cfg, impl=impl)
+        if plan.store_blocks.numel():
+            idx = plan.store_token_idx.reshape(-1)
+            shape = (plan.store_blocks.numel(), cfg.group_size, *k.shape[1:])
+            ops.store_tiles(k[idx].view(shape), v[idx].view(shape), plan.store_blocks, self.cache, cfg, impl=impl)
+
+    def attend(
+        self,
+        plan: TilePlan,
+        query: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Attention of one step's ``query: [T, Hq, D]`` after :meth:`store` -> ``[T, Hq, D]``.
+
+        Each request's tokens attend causally over its first ``seq_lens`` tokens: full tiles from
+        the records (the first from its sink slot, with a sink), the rest from its tail slot.
+        """
+        _, sink_slots = self._pool_slots(plan)
+        return ops.paged_attention(
+            query,
+            self.cache,
+            block_table,
+            seq_lens,
+            self.tail_k,
+            self.tail_v,
+            plan.tail_slots,
+            self.cfg,
+            query_start_loc,
+            sink_slots,
+            scale,
+            impl=self.impl,
+        )
+
+    def read_tiles(self, blocks: torch.Tensor, sink_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """Full tiles read back in the model frame: ``blocks: [B, n]`` -> ``k, v: [B, n * G, Hkv, D]`` fp32.
+
+        With ``sink_slots: [B]`` (pool indices, ``-1`` for none), tile 0 of each row with a sink
+        comes from its sink slot in full precision instead of its record.
+        """
+        batch, n = blocks.shape
+        cfg = self.cfg
+        k, v = ops.decode_records(self.cache[blocks.reshape(-1).long()], cfg, impl=self.impl)  # [B*n, Hkv, G, D]
+        k = k.view(batch, n, *k.shape[1:]).transpose(2, 3).reshape(batch, n * cfg.group_size, -1, cfg.head_dim)
+        v = v.view(batch, n, *v.shape[1:]).transpose(2, 3).reshape(batch, n * cfg.group_size, -1, cfg.head_dim)
+        if sink_slots is not None and n > 0:
+            rows = (sink_slots >= 0).nonzero().flatten()
+            if rows.numel():
+                slots = sink_slots[rows].long()
+                k[rows, : cfg.group_size] = self.tail_k[slots].float()
+                v[rows, : cfg.group_size] = self.tail_v[slots].float()
+        return self.to_model_frame(k), self.to_model_frame(v)
+
+    def read_tail(self, slots: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``count`` tokens of pool slots ``slots: [B]`` in the model frame: ``[B, count, Hkv, D]`` fp32."""
+        idx = slots.long()
+        k = self.tail_k[idx, :count].float()
+        v = self.tail_v[idx, :count].float()
+        return self.to_model_frame(k), self.to_model_frame(v)
+
+    def to_model_frame(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotated-frame ``x: [..., D]`` back to the model frame (the rotation is its own inverse)."""
+        return ops.rotate(x, impl=self.impl) if self.cfg.rotate else x
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held: ``records``, ``tail`` (tail slots) and ``sink`` (sink slots)."""
+        per_slot = 2 * self.tail_k[:1].numel() * self.tail_k.element_size()
+        return {
+            "records": self.cache.numel(),
+            "tail": per_slot * self.num_slots,
+            "sink": per_slot * self.num_sink_slots,
+        }
