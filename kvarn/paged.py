@@ -67,6 +67,7 @@ class TilePlan:
         sink_slot_mapping: ``[T]`` int64, ``slot * G + offset`` in the sink pool of each token of a
             first tile, ``-1`` elsewhere; ``None`` without a sink.
         sink_slots: ``[B]`` int64, each request's sink slot; ``None`` without a sink.
+        slots_needed: one past the highest pool row the plan touches (a pool may grow lazily).
     """
 
     tail_slot_mapping: torch.Tensor
@@ -77,6 +78,7 @@ class TilePlan:
     tail_slots: torch.Tensor
     sink_slot_mapping: torch.Tensor | None = None
     sink_slots: torch.Tensor | None = None
+    slots_needed: int = 0
 
 
 class TilePlanner:
@@ -84,7 +86,8 @@ class TilePlanner:
 
     One planner serves all layers of one KV-cache group: every layer of the group sees the same
     tokens in the same blocks, so the slot decisions are shared and each layer keeps its own
-    ``[num_slots, G, Hkv, D]`` tail tensors.
+    pool tensors. Slots are numbered as pool rows: sink slots ``0 .. num_sink_slots - 1``, then
+    the ``num_slots`` tail slots.
     """
 
     def __init__(self, num_slots: int, group_size: int, num_sink_slots: int = 0):
@@ -98,9 +101,10 @@ class TilePlanner:
         self._sink_of: dict[int, int] = {}
         self._sink_free = list(range(num_sink_slots - 1, -1, -1))
         self._slot_of: dict[int, int] = {}
-        self._block_of: list[int | None] = [None] * num_slots
-        self._last_used = [0] * num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._tail_range = range(num_sink_slots, num_sink_slots + num_slots)
+        self._block_of: list[int | None] = [None] * (num_sink_slots + num_slots)
+        self._last_used = [0] * (num_sink_slots + num_slots)
+        self._free = list(reversed(self._tail_range))
         self._step = 0
         self.stats: Counter[str] = Counter()
         """Counts since creation: ``steps``, ``stored_tiles``, ``committed_tiles``, ``tail_tokens``,
@@ -146,7 +150,7 @@ class TilePlanner:
         if slot is not None:
             return slot
         if not self._free:
-            idle = [s for s in range(self.num_slots) if s not in touched]
+            idle = [s for s in self._tail_range if s not in touched]
             if not idle:
                 raise TailLostError(
                     f"more than {self.num_slots} incomplete tiles in one step; raise KVARN_TAIL_SLOTS "
@@ -240,6 +244,7 @@ class TilePlanner:
         self.stats["stored_tiles"] += len(stores)
         self.stats["committed_tiles"] += len(commits)
         self.stats["tail_tokens"] += int((mapping >= 0).sum())
+        used = [s for s, _ in commits] + [s for r, s in enumerate(tail_slots) if lens[r] % g] + sink_slots
 
         def tensor(values, shape=(-1,)):
             return torch.tensor(values, dtype=torch.int64).reshape(shape).to(device)
@@ -255,6 +260,7 @@ class TilePlanner:
             tail_slots=tensor(tail_slots),
             sink_slot_mapping=sink_mapping.to(device) if sink else None,
             sink_slots=tensor(sink_slots) if sink else None,
+            slots_needed=max(used, default=-1) + 1,
         )
 
 
@@ -265,9 +271,10 @@ class PagedKV:
     Attributes:
         cfg: the format (its ``head_dim`` is the layer's).
         cache: ``[num_blocks, Hkv, record_bytes]`` uint8, one record per (full tile, KV head).
-        tail_k, tail_v: ``[num_slots, G, Hkv, D]`` in the store dtype, the full-precision pool in
-            the rotated frame: tail slots first, then ``num_sink_slots`` sink slots.
-        num_sink_slots: how many slots at the end of the pool hold sinks.
+        tail_k, tail_v: ``[slots, G, Hkv, D]`` in the store dtype, the full-precision pool in the
+            rotated frame: ``num_sink_slots`` sink slots first, then the tail slots (the
+            planner's numbering).
+        num_sink_slots: how many slots at the start of the pool hold sinks.
         impl: ``"auto" | "reference" | "triton"``, passed to every :mod:`kvarn.ops` call.
     """
 
@@ -292,7 +299,7 @@ class PagedKV:
         impl: str = "auto",
     ) -> PagedKV:
         """Zeroed storage: ``num_blocks`` records and ``num_slots + num_sink_slots`` pool tiles."""
-        pool = (num_slots + num_sink_slots, cfg.group_size, num_heads, cfg.head_dim)
+        pool = (num_sink_slots + num_slots, cfg.group_size, num_heads, cfg.head_dim)
         cache = torch.zeros(num_blocks, num_heads, cfg.record_bytes, dtype=torch.uint8, device=device)
         tail_k = torch.zeros(pool, dtype=dtype, device=device)
         return cls(cfg, cache, tail_k, torch.zeros_like(tail_k), num_sink_slots, impl)
@@ -302,14 +309,19 @@ class PagedKV:
         """Tail slots (the pool less its sink slots)."""
         return self.tail_k.shape[0] - self.num_sink_slots
 
-    def _pool_slots(self, plan: TilePlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The plan's sink mapping and sink slots as indices into the pool (sinks follow the tail slots)."""
-        if plan.sink_slot_mapping is None:
-            return None, None
-        base = self.num_slots
-        mapping = torch.where(plan.sink_slot_mapping >= 0, plan.sink_slot_mapping + base * self.cfg.group_size, -1)
-        slots = torch.where(plan.sink_slots >= 0, plan.sink_slots + base, -1)
-        return mapping, slots
+    def grow_pool(self, slots: int) -> None:
+        """Make the pool at least ``slots`` rows long (new rows zeroed), keeping what it holds."""
+        have = self.tail_k.shape[0]
+        if slots > have:
+            extra = self.tail_k.new_zeros(slots - have, *self.tail_k.shape[1:])
+            self.tail_k = torch.cat([self.tail_k, extra])
+            self.tail_v = torch.cat([self.tail_v, extra])
+
+    def grow_blocks(self, num_blocks: int) -> None:
+        """Make the cache at least ``num_blocks`` records long (new records zeroed); block ids stay."""
+        have = self.cache.shape[0]
+        if num_blocks > have:
+            self.cache = torch.cat([self.cache, self.cache.new_zeros(num_blocks - have, *self.cache.shape[1:])])
 
     def store(self, plan: TilePlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one step's ``k, v: [T, Hkv, D]`` (model frame) as ``plan`` says, in place.
@@ -317,10 +329,11 @@ class PagedKV:
         Tail (and sink) tokens first, then the tiles they complete, then the step's whole tiles.
         """
         cfg, impl = self.cfg, self.impl
+        if plan.slots_needed > self.tail_k.shape[0]:
+            raise ValueError(f"the plan uses {plan.slots_needed} pool slots, this pool has {self.tail_k.shape[0]}")
         ops.write_tail(k, v, self.tail_k, self.tail_v, plan.tail_slot_mapping, cfg, impl=impl)
-        sink_mapping, _ = self._pool_slots(plan)
-        if sink_mapping is not None:
-            ops.write_tail(k, v, self.tail_k, self.tail_v, sink_mapping, cfg, impl=impl)
+        if plan.sink_slot_mapping is not None:
+            ops.write_tail(k, v, self.tail_k, self.tail_v, plan.sink_slot_mapping, cfg, impl=impl)
         ops.commit_tiles(self.tail_k, self.tail_v, plan.commit_slots, plan.commit_blocks, self.cache, cfg, impl=impl)
         if plan.store_blocks.numel():
             idx = plan.store_token_idx.reshape(-1)
@@ -341,7 +354,6 @@ class PagedKV:
         Each request's tokens attend causally over its first ``seq_lens`` tokens: full tiles from
         the records (the first from its sink slot, with a sink), the rest from its tail slot.
         """
-        _, sink_slots = self._pool_slots(plan)
         return ops.paged_attention(
             query,
             self.cache,
@@ -352,7 +364,7 @@ class PagedKV:
             plan.tail_slots,
             self.cfg,
             query_start_loc,
-            sink_slots,
+            plan.sink_slots,
             scale,
             impl=self.impl,
         )
@@ -366,8 +378,9 @@ class PagedKV:
         batch, n = blocks.shape
         cfg = self.cfg
         k, v = ops.decode_records(self.cache[blocks.reshape(-1).long()], cfg, impl=self.impl)  # [B*n, Hkv, G, D]
-        k = k.view(batch, n, *k.shape[1:]).transpose(2, 3).reshape(batch, n * cfg.group_size, -1, cfg.head_dim)
-        v = v.view(batch, n, *v.shape[1:]).transpose(2, 3).reshape(batch, n * cfg.group_size, -1, cfg.head_dim)
+        heads = self.cache.shape[1]
+        k = k.view(batch, n, *k.shape[1:]).transpose(2, 3).reshape(batch, n * cfg.group_size, heads, cfg.head_dim)
+        v = v.view(batch, n, *v.shape[1:]).transpose(2, 3).reshape(batch, n * cfg.group_size, heads, cfg.head_dim)
         if sink_slots is not None and n > 0:
             rows = (sink_slots >= 0).nonzero().flatten()
             if rows.numel():

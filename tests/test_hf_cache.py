@@ -222,3 +222,123 @@ def test_smollm2_decode_matches_the_reference():
     assert 0 < float(kl) < 0.5
     mem = cache.memory_report()
     assert mem["records"] == 30 * 1 * 3 * cfg.record_bytes
+
+
+def test_a_paged_cache_under_another_attention_raises_instead_of_garbage(tiny):
+    """Issue 12.1: paged=True with sdpa attention read only the newest token and generated garbage."""
+    with pytest.raises(RuntimeError, match="attn_implementation='kvarn'"), torch.no_grad():
+        tiny.generate(_ids(20), max_new_tokens=4, do_sample=False, past_key_values=KVarNCache(PRESET, paged=True))
+
+
+def test_bad_preset_types_fail_at_construction():
+    with pytest.raises(TypeError, match="preset"):
+        KVarNCache(4)
+
+
+def _padded(k, v, pad):
+    """Row 1 of a 2-row batch gets ``pad`` garbage positions on the left; position ids as generate makes them."""
+    n = k.shape[2]
+    kp, vp = k.clone(), v.clone()
+    kp[1, :, :pad], vp[1, :, :pad] = 1e4, -1e4
+    pos = torch.arange(n).repeat(2, 1)
+    pos[1] = (torch.arange(n) - pad).clamp(min=0)
+    return kp, vp, pos
+
+
+@pytest.mark.parametrize("sink", [False, True])
+def test_left_padding_leaves_a_rows_records_and_history_unchanged(sink):
+    """Issue 12.2/12.7: padding shared tiles with real tokens, so a row's bytes depended on its padding."""
+    gen = torch.Generator().manual_seed(3)
+    pad, n, steps = 40, 150, 30
+    k, v = torch.randn(2, 2, 2, n, 64, generator=gen).unbind(0)
+    kp, vp, pos = _padded(k, v, pad)
+    batch, single = KVarNCache(PRESET, sink=sink), KVarNCache(PRESET, sink=sink)
+    batch.update(kp, vp, 0, kwargs={"position_ids": pos})
+    single.update(k[1:, :, pad:], v[1:, :, pad:], 0, kwargs={"position_ids": pos[1:, pad:]})
+    for t in range(steps):
+        k1, v1 = torch.randn(2, 2, 2, 1, 64, generator=gen).unbind(0)
+        p = pos[:, -1:] + 1 + t
+        batch.update(k1, v1, 0, kwargs={"position_ids": p})
+        single.update(k1[1:], v1[1:], 0, kwargs={"position_ids": p[1:]})
+    a, b = batch.layers[0], single.layers[0]
+    real = n - pad + steps
+    assert batch._sequences.real == [n + steps, real] and b.length == real and a.length == n + steps
+    tiles = real // G
+    assert torch.equal(a.records[1, :tiles], b.records[0, :tiles])
+    hk, hv = a.history()
+    sk, sv = b.history()
+    assert torch.equal(hk[1, :, pad:], sk[0]) and torch.equal(hv[1, :, pad:], sv[0])
+    assert not hk[1, :, :pad].any()  # padding positions read back as zeros (the mask hides them)
+    mem = batch.memory_report()
+    assert mem["tail_used"] == 2 * ((n + steps) % G + real % G) * 2 * 64 * 4
+
+
+def test_right_padding_is_refused():
+    k = torch.randn(2, 2, 10, 64)
+    pos = torch.tensor([list(range(10)), [0, 1, 2, 3, 4, 5, 0, 0, 0, 0]])
+    cache = KVarNCache(PRESET)
+    cache.update(k, k, 0, kwargs={"position_ids": pos})  # read as 9 pads + 1 real token: legal so far
+    with pytest.raises(ValueError, match="left"):
+        cache.update(k[:, :, :2], k[:, :, :2], 0, kwargs={"position_ids": torch.tensor([[10, 11], [1, 7]])})
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_padded_generate_matches_each_rows_own_run(tiny, paged):
+    """A left-padded batch generates, row by row, what each prompt generates alone."""
+    prompts = [_ids(150, seed=4)[0], _ids(37, seed=5)[0]]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(2, width, dtype=torch.long)
+    mask = torch.zeros(2, width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = p, 1
+    if paged:
+        register_kvarn_attention()
+        tiny.set_attn_implementation("kvarn")
+    try:
+        with torch.no_grad():
+            out = tiny.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=30,
+                do_sample=False,
+                past_key_values=KVarNCache(PRESET, paged=paged, attention_mask=None if paged else mask),
+            )
+            alone = [
+                tiny.generate(
+                    p[None], max_new_tokens=30, do_sample=False, past_key_values=KVarNCache(PRESET, paged=paged)
+                )
+                for p in prompts
+            ]
+    finally:
+        tiny.set_attn_implementation("sdpa")
+    for row, single in zip(out, alone, strict=True):
+        assert torch.equal(row[width:], single[0, -30:])
+
+
+def test_memory_report_separates_the_pool_from_the_records(tiny):
+    cache = KVarNCache(PRESET)
+    with torch.no_grad():
+        tiny(_ids(300), past_key_values=cache, use_cache=True)
+    mem = cache.memory_report()
+    cfg = KVarNConfig.from_preset(PRESET, head_dim=64)
+    assert mem["tail_used"] == 2 * (300 % G) * 2 * 2 * 64 * 4  # layers * tokens * (K, V) * Hkv * D * fp32
+    assert mem["records_vs_fp16"] == pytest.approx(cfg.capacity_vs_fp16)
+    assert mem["capacity_vs_fp16"] < mem["records_vs_fp16"]
+
+
+def test_beam_search_reorders_records_and_pools(tiny):
+    """Beam search moves rows: the dequantizing and the paged paths must still agree token for token."""
+    ids = _ids(100)
+    with torch.no_grad(), pytest.warns(UserWarning, match="padding"):
+        plain = tiny.generate(
+            ids, max_new_tokens=40, num_beams=3, do_sample=False, past_key_values=KVarNCache(PRESET, sink=True)
+        )
+    register_kvarn_attention()
+    tiny.set_attn_implementation("kvarn")
+    try:
+        with torch.no_grad():
+            cache = KVarNCache(PRESET, sink=True, paged=True)
+            paged = tiny.generate(ids, max_new_tokens=40, num_beams=3, do_sample=False, past_key_values=cache)
+    finally:
+        tiny.set_attn_implementation("sdpa")
+    assert torch.equal(plain, paged)

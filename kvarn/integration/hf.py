@@ -1,55 +1,254 @@
 """A transformers cache that stores KVarN records: ``model.generate(..., past_key_values=KVarNCache())``.
 
-Per attention layer the cache holds what the vLLM backend holds per sequence, and nothing else:
-
-- ``records: [B, n_tiles, Hkv, record_bytes]`` uint8, one KVarN record per full tile per KV head
-  (viewed as the paged cache ``[B * n_tiles, Hkv, record_bytes]``, block ``b * n_tiles + i`` =
-  tile ``i`` of sequence ``b``);
-- ``tail_k, tail_v: [num_slots, G, Hkv, D]``, the full-precision tile pool in the rotated frame:
-  slot ``b`` is sequence ``b``'s tail (its last, incomplete tile), slot ``B + b`` its sink (a
-  full-precision copy of its first tile) when ``sink=True``.
-
-New tokens reach a record through :func:`kvarn.ops.store_tiles` (whole tiles of a chunk) or
-:func:`kvarn.ops.write_tail` then :func:`kvarn.ops.commit_tiles` (tokens that fill a tile bit by
-bit); both give the same bytes. No quantize-dequantize simulation: the K/V a layer attends over
-are read back from the records.
+An adapter over :mod:`kvarn.paged`, like the vLLM backend: the batch's ``B`` rows are ``B``
+sequences, tile ``i`` of row ``b`` lives in block ``i * B + b`` (so growing the cache appends
+blocks and never renumbers one), one :class:`~kvarn.paged.TilePlanner` plans every step for all
+layers, and each layer keeps a :class:`~kvarn.paged.PagedKV` (records plus the full-precision
+tail and sink pool). This module moves tensors between the model and that object and holds no
+math: no rotation, no tile commits, no sink handling of its own.
 
 Two ways to attend:
 
-- ``paged=False`` (default, any ``attn_implementation``): :meth:`update` returns the history
-  decoded from the records (:func:`kvarn.ops.decode_records`), the sink and the tail, un-rotated to
-  the model frame, followed by the chunk's own K/V exactly as the model computed them. The decoded
-  history is a per-layer temporary; the cache keeps only records and the pool.
+- ``paged=False`` (default, any ``attn_implementation``): :meth:`KVarNLayer.update` returns the
+  history read back from the cache (:meth:`~kvarn.paged.PagedKV.read_tiles`, in the model frame
+  and dtype), followed by the chunk's own K/V exactly as the model computed them.
 - ``paged=True`` with ``attn_implementation="kvarn"`` (see :func:`register_kvarn_attention`):
-  attention reads the records directly through :func:`kvarn.ops.paged_attention` (Triton on CUDA,
-  the reference elsewhere); the chunk's own tokens are read from the cache like the history.
-  Batches must be unpadded.
+  attention reads the records directly (:meth:`~kvarn.paged.PagedKV.attend`: Triton on CUDA, the
+  reference elsewhere); the chunk's own tokens are read from the cache like the history.
 
 In both modes the first chunk of a sequence (the prompt) attends over its exact K/V, as
-``docs/algorithm.md`` section 5 allows. This module holds no math: it moves tensors between the
-model and :mod:`kvarn.ops`.
+``docs/algorithm.md`` section 5 allows.
+
+Left-padded batches: each row's tiles start at its first real token, so a row's records do not
+depend on how much padding it got. Where the padding comes from, first found wins:
+
+1. ``position_ids`` passed down to ``update`` (newer transformers pass the attention's keyword
+   arguments to the cache; a row's real length is its last position + 1);
+2. ``KVarNCache(..., attention_mask=mask)``, the prompt's ``[B, T]`` mask as given to ``generate``;
+3. with ``attn_implementation="kvarn"``, the padding mask transformers builds the attention mask
+   from (the ``kvarn`` mask function records it).
+
+Padding must be on the left, as transformers requires for generation. A batch of more than one
+row with none of these is taken as unpadded, with a warning.
 """
 
 from __future__ import annotations
 
+import contextvars
 import math
+import warnings
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvarn import ops
 from kvarn.config import DEFAULT_PRESET, KVarNConfig
-from kvarn.reference import rotate
+from kvarn.paged import PagedKV, TilePlan, TilePlanner
 
 ATTENTION_NAME = "kvarn"
 
+_ATTENDING: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("kvarn_attending", default=None)
+"""``(layer, key)``: the paged layer whose ``update`` ran last in this context and the key tensor it
+returned; the ``kvarn`` attention function takes the layer when it is handed that same key."""
+_MASKED: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("kvarn_padding", default=None)
+"""The ``[B, kv_len]`` padding mask the ``kvarn`` mask function saw last (True = real token)."""
 
-def _config(preset: str | KVarNConfig, head_dim: int) -> KVarNConfig:
-    return KVarNConfig.from_preset(preset, head_dim=head_dim)
+
+@dataclass
+class Step:
+    """One step of the whole batch, shared by every layer.
+
+    Attributes:
+        start, n: positions before the step and new positions per row (padding included).
+        plan: the tile plan of the step's real tokens.
+        token_idx: ``[T]`` rows of the flattened ``[B * n]`` chunk that are real tokens.
+        query_start_loc: ``[B + 1]`` int32, offsets of each row's real tokens in ``token_idx``.
+        before, after: ``[B]`` real tokens of each row before and after the step (host lists).
+        seq_lens, block_table: ``[B]`` and ``[B, tiles]`` int32 on the model's device.
+    """
+
+    start: int
+    n: int
+    plan: TilePlan
+    token_idx: torch.Tensor
+    query_start_loc: torch.Tensor
+    before: list[int]
+    after: list[int]
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+
+
+def _position_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The ``[B, n]`` position ids transformers passed down to ``Cache.update``, if any."""
+    found = kwargs.get("position_ids")
+    for holder in (kwargs.get("kwargs"), kwargs.get("cache_kwargs"), *args):
+        if found is None and isinstance(holder, dict):
+            found = holder.get("position_ids")
+    if isinstance(found, torch.Tensor) and found.dim() == 2:
+        return found
+    return None
+
+
+def _left_padding_mask(mask: torch.Tensor) -> torch.Tensor:
+    """``mask: [B, T]`` (nonzero = real token) as bool on the CPU, checked to pad on the left only."""
+    mask = mask.detach().to("cpu", torch.bool)
+    if mask.dim() != 2 or (mask.int().diff(dim=1) < 0).any():
+        raise ValueError(
+            "KVarNCache needs a [B, T] attention mask that pads on the left only (tokenizer padding_side='left'), "
+            f"got one of shape {tuple(mask.shape)} with a padding position after a real token"
+        )
+    return mask
+
+
+class _Cursor:
+    """A planner walking the batch's schedule of steps; it keeps the last :class:`Step` it made."""
+
+    def __init__(self, batch: int, group_size: int, sink: bool):
+        self.batch, self.group_size = batch, group_size
+        self.planner = TilePlanner(batch, group_size, num_sink_slots=batch if sink else 0)
+        self.real = [0] * batch
+        self.index = 0  # the next step of the schedule to plan
+        self.last: Step | None = None
+
+    def advance(self, start: int, n: int, new: list[int], device: torch.device) -> Step:
+        """Plan the step that adds ``new[b]`` real tokens (of ``n`` positions) to each row."""
+        batch, g = self.batch, self.group_size
+        before = self.real
+        after = [b + r for b, r in zip(before, new, strict=True)]
+        rows = torch.arange(batch)[:, None] * n + torch.arange(n)[None, :]
+        keep = torch.arange(n)[None, :] >= torch.tensor([n - r for r in new])[:, None]
+        qsl = torch.tensor([0, *new]).cumsum(0)
+        tiles = max(1, max(math.ceil(a / g) for a in after))
+        table = torch.arange(tiles)[None, :] * batch + torch.arange(batch)[:, None]
+        plan = self.planner.plan(qsl, torch.tensor(after), table, int(qsl[-1]), device)
+        self.real, self.index = after, self.index + 1
+        self.last = Step(
+            start=start,
+            n=n,
+            plan=plan,
+            token_idx=rows[keep].to(device),
+            query_start_loc=qsl.to(device, torch.int32),
+            before=before,
+            after=after,
+            seq_lens=torch.tensor(after, dtype=torch.int32, device=device),
+            block_table=table.to(device, torch.int32),
+        )
+        return self.last
+
+
+class _Sequences:
+    """The sequences of one :class:`KVarNCache`: the schedule of its steps and the planners that walk it.
+
+    Layers normally move in step (layer 0 plans a step, the others reuse it), but a caller may also
+    fill the cache layer by layer: a layer that asks for an older step gets it from a second
+    planner replaying the schedule, which makes the same decisions as the first did.
+    """
+
+    def __init__(self, sink: bool, attention_mask: torch.Tensor | None = None):
+        self.sink = sink
+        self.prompt_mask = None if attention_mask is None else _left_padding_mask(attention_mask)
+        self.reset()
+
+    def reset(self) -> None:
+        self.batch = self.group_size = self.positions = 0
+        self.schedule: list[tuple[int, int, list[int]]] = []  # (start, n, new real tokens per row)
+        self.lead: _Cursor | None = None
+        self.replay: _Cursor | None = None
+
+    @property
+    def real(self) -> list[int]:
+        """Real tokens of each row after the newest step."""
+        return self.lead.real if self.lead else []
+
+    @property
+    def step(self) -> Step | None:
+        """The newest step."""
+        return self.lead.last if self.lead else None
+
+    def begin(self, start: int, key_states: torch.Tensor, cfg: KVarNConfig, position_ids) -> Step:
+        """The step storing ``key_states: [B, Hkv, n, D]`` at positions ``start ..``, planned once for all layers."""
+        batch, _, n, _ = key_states.shape
+        if self.lead is None:
+            self.batch, self.group_size = batch, cfg.group_size
+            self.lead = _Cursor(batch, cfg.group_size, self.sink)
+        elif batch != self.batch or cfg.group_size != self.group_size:
+            raise ValueError(f"key_states must have batch size {self.batch} for this cache, got {batch}")
+        for cursor in (self.lead, self.replay):
+            if cursor is not None and cursor.last is not None and cursor.last.start == start and cursor.last.n == n:
+                return cursor.last
+        device = key_states.device
+        if start == self.positions:
+            new = self._new_tokens(start, n, position_ids, self.lead.real)
+            self.schedule.append((start, n, new))
+            self.positions = start + n
+            return self.lead.advance(start, n, new, device)
+        index = next((i for i, (s, m, _) in enumerate(self.schedule) if s == start and m == n), None)
+        if index is None:
+            raise ValueError(
+                f"KVarNCache got {n} tokens at position {start}, but its steps so far were "
+                f"{[(s, m) for s, m, _ in self.schedule]}; a KVarNCache cannot be cropped or rewound"
+            )
+        if self.replay is None or self.replay.index > index:
+            self.replay = _Cursor(self.batch, self.group_size, self.sink)
+        while True:
+            s, m, new = self.schedule[self.replay.index]
+            step = self.replay.advance(s, m, new, device)
+            if self.replay.index > index:
+                return step
+
+    def _new_tokens(self, start: int, n: int, position_ids: torch.Tensor | None, before: list[int]) -> list[int]:
+        """Real tokens of each row in the chunk of positions ``start .. start + n`` (the rest is left padding)."""
+        if position_ids is None or position_ids.shape[0] != self.batch:
+            mask = self.prompt_mask
+            seen = _MASKED.get()
+            if mask is None and seen is not None and seen.shape[0] == self.batch and seen.shape[1] >= start + n:
+                mask = _left_padding_mask(seen)
+            if mask is None:
+                if self.batch > 1 and start == 0:
+                    warnings.warn(
+                        "KVarNCache cannot see this batch's padding; if it is padded, pass "
+                        "KVarNCache(..., attention_mask=mask) or each row's records will depend on its padding",
+                        stacklevel=4,
+                    )
+                return [n] * self.batch
+            real = mask[:, start : start + n].sum(1).tolist()
+            past_mask = max(0, start + n - max(mask.shape[1], start))  # positions past the mask are real
+            return [int(r) + past_mask for r in real]
+        pos = position_ids.detach().cpu()
+        new = []
+        for b in range(self.batch):
+            r = int(pos[b, -1]) + 1 - before[b]
+            real = pos[b, n - r :] if 0 <= r <= n else None
+            if real is None or (before[b] and r != n) or not torch.equal(real, torch.arange(before[b], before[b] + r)):
+                raise ValueError(
+                    f"row {b}: position ids {pos[b].tolist()} after {before[b]} real tokens are not a left-padded "
+                    "continuation; KVarNCache needs padding on the left (tokenizer padding_side='left')"
+                )
+            new.append(r)
+        return new
+
+    def reorder(self, beam_idx: list[int]) -> list[tuple[int, int]]:
+        """Reorder the rows (beam search); returns the ``(to, from)`` pool rows each layer must copy."""
+        if self.lead is None:
+            return []
+        g, batch, real = self.group_size, self.batch, self.lead.real
+        slots, sinks = self.lead.planner.live_slots, self.lead.planner.live_sinks
+        moves = []
+        for dst, src in enumerate(beam_idx):
+            if real[dst] != real[src]:
+                raise ValueError("beam search over KVarNCache needs equal lengths in the beams it reorders")
+            if real[dst] % g:
+                tile = real[dst] // g
+                moves.append((slots[tile * batch + dst], slots[tile * batch + src]))
+            if self.sink and real[dst]:
+                moves.append((sinks[dst], sinks[src]))
+        self.replay = None
+        return moves
 
 
 class KVarNLayer(CacheLayerMixin):
-    """The KVarN cache of one attention layer (see the module docstring for its storage)."""
+    """The KVarN cache of one attention layer: a :class:`~kvarn.paged.PagedKV` and its view of the batch."""
 
     is_compileable = False
     is_croppable = False
@@ -57,9 +256,9 @@ class KVarNLayer(CacheLayerMixin):
 
     def __init__(
         self,
+        sequences: _Sequences,
         preset: str | KVarNConfig = DEFAULT_PRESET,
         *,
-        sink: bool = False,
         dtype: torch.dtype | None = None,
         max_cache_len: int | None = None,
         paged: bool = False,
@@ -67,20 +266,20 @@ class KVarNLayer(CacheLayerMixin):
         keep_decoded: bool = False,
     ):
         super().__init__()
-        self.keep_decoded = keep_decoded
-        self.decoded: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.sequences = sequences
         self.preset = preset
-        self.sink = sink
         self.store_dtype = dtype
         self.max_cache_len = max_cache_len
         self.paged = paged
         self.impl = impl
+        self.keep_decoded = keep_decoded
+        self.decoded: tuple[torch.Tensor, torch.Tensor] | None = None
         self.length = 0
         self.cfg: KVarNConfig | None = None
-        self.records: torch.Tensor | None = None
-        self.tail_k: torch.Tensor | None = None
-        self.tail_v: torch.Tensor | None = None
+        self.kv: PagedKV | None = None
         self.first_chunk = True
+        self.saw_kvarn_attention = False
+        self.step = None  # the step of this layer's last update
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate the pool (and the records, given ``max_cache_len``) for ``key_states: [B, Hkv, T, D]``."""
@@ -90,135 +289,40 @@ class KVarNLayer(CacheLayerMixin):
                 f"and {tuple(value_states.shape)}"
             )
         batch, hkv, _, d = key_states.shape
-        self.cfg = _config(self.preset, d)
+        self.cfg = KVarNConfig.from_preset(self.preset, head_dim=d)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.store_dtype = self.store_dtype or key_states.dtype
         self.batch_size, self.num_heads = batch, hkv
-        g = self.cfg.group_size
-        slots = 2 * batch if self.sink else batch
-        self.tail_k = torch.zeros(slots, g, hkv, d, dtype=self.store_dtype, device=self.device)
-        self.tail_v = torch.zeros_like(self.tail_k)
-        tiles = math.ceil(self.max_cache_len / g) if self.max_cache_len else 0
-        self.records = torch.zeros(batch, tiles, hkv, self.cfg.record_bytes, dtype=torch.uint8, device=self.device)
+        tiles = math.ceil(self.max_cache_len / self.cfg.group_size) if self.max_cache_len else 0
+        sinks = batch if self.sequences.sink else 0
+        self.kv = PagedKV.allocate(
+            self.cfg, tiles * batch, hkv, batch, self.store_dtype, self.device, num_sink_slots=sinks, impl=self.impl
+        )
         self.is_initialized = True
 
     @property
-    def n_tiles(self) -> int:
-        """Full tiles stored as records."""
-        return self.length // self.cfg.group_size
+    def records(self) -> torch.Tensor:
+        """The records as ``[B, tiles, Hkv, record_bytes]`` (a view of the paged cache)."""
+        cache = self.kv.cache
+        return cache.view(-1, self.batch_size, *cache.shape[1:]).transpose(0, 1)
 
     @property
-    def cache(self) -> torch.Tensor:
-        """The records as a paged cache ``[B * capacity, Hkv, record_bytes]``."""
-        return self.records.view(-1, *self.records.shape[2:])
+    def tail_k(self) -> torch.Tensor:
+        """The full-precision pool (sink slots, then tail slots) ``[slots, G, Hkv, D]``, rotated frame."""
+        return self.kv.tail_k
 
-    def block_table(self) -> torch.Tensor:
-        """``[B, capacity]`` int32: block ``b * capacity + i`` holds tile ``i`` of sequence ``b``."""
-        cap = self.records.shape[1]
-        b = torch.arange(self.batch_size, device=self.device, dtype=torch.int32)[:, None]
-        return b * cap + torch.arange(cap, device=self.device, dtype=torch.int32)[None, :]
-
-    def _ensure_tiles(self, tiles: int) -> None:
-        cap = self.records.shape[1]
-        if tiles <= cap:
-            return
-        grown = self.records.new_zeros(self.batch_size, tiles, *self.records.shape[2:])
-        grown[:, :cap] = self.records
-        self.records = grown
-
-    def _slots(self, first: int, offset: int, count: int) -> torch.Tensor:
-        """``[B * count]`` tail mapping ``slot * G + offset + j`` for slots ``first .. first + B``."""
-        g = self.cfg.group_size
-        slots = torch.arange(first, first + self.batch_size, device=self.device)[:, None] * g
-        return (slots + offset + torch.arange(count, device=self.device)[None, :]).reshape(-1)
-
-    def _blocks(self, tile: int) -> torch.Tensor:
-        cap = self.records.shape[1]
-        return torch.arange(self.batch_size, device=self.device) * cap + tile
-
-    def _store(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k, v: [B, n, Hkv, D]`` (model frame, store dtype) at positions ``length .. length + n``."""
-        g, batch = self.cfg.group_size, self.batch_size
-        n = k.shape[1]
-        self._ensure_tiles((self.length + n) // g)
-        i, pos = 0, self.length
-        while i < n:
-            tile, off = divmod(pos, g)
-            take = min(g - off, n - i)
-            seg_k, seg_v = k[:, i : i + take], v[:, i : i + take]
-            if self.sink and tile == 0:
-                flat = (seg_k.reshape(-1, *k.shape[2:]), seg_v.reshape(-1, *v.shape[2:]))
-                ops.write_tail(*flat, self.tail_k, self.tail_v, self._slots(batch, off, take), self.cfg, impl=self.impl)
-            if off == 0 and take == g:
-                ops.store_tiles(seg_k, seg_v, self._blocks(tile), self.cache, self.cfg, impl=self.impl)
-            else:
-                flat_k = seg_k.reshape(-1, *k.shape[2:])
-                flat_v = seg_v.reshape(-1, *v.shape[2:])
-                ops.write_tail(
-                    flat_k, flat_v, self.tail_k, self.tail_v, self._slots(0, off, take), self.cfg, impl=self.impl
-                )
-                if off + take == g:
-                    tail_slots = torch.arange(batch, device=self.device)
-                    ops.commit_tiles(
-                        self.tail_k, self.tail_v, tail_slots, self._blocks(tile), self.cache, self.cfg, impl=self.impl
-                    )
-            i += take
-            pos += take
-        self.length = pos
-
-    def history(self, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K/V of the first ``length`` stored tokens read back from the cache: ``[B, Hkv, length, D]``.
-
-        Full tiles come from their records (the first from the sink slot when ``sink=True``), the
-        rest from the tail slot; un-rotated to the model frame, in the model dtype.
-        """
-        length = self.length if length is None else length
-        if length > self.length:
-            raise ValueError(f"length {length} is past the {self.length} tokens stored")
-        g = self.cfg.group_size
-        n_full, rem = divmod(length, g)
-        if self.keep_decoded:
-            done = 0 if self.decoded is None else self.decoded[0].shape[2] // g
-            if n_full > done:
-                new_k, new_v = self._decode_tiles(done, n_full)
-                if self.decoded is not None:
-                    new_k = torch.cat([self.decoded[0], new_k], dim=2)
-                    new_v = torch.cat([self.decoded[1], new_v], dim=2)
-                self.decoded = (new_k, new_v)
-            k, v = self.decoded[0][:, :, : n_full * g], self.decoded[1][:, :, : n_full * g]
-        else:
-            k, v = self._decode_tiles(0, n_full)
-        if rem:
-            tail_k, tail_v = self._frame(self.tail_k[: self.batch_size, :rem], self.tail_v[: self.batch_size, :rem])
-            k, v = torch.cat([k, tail_k], dim=2), torch.cat([v, tail_v], dim=2)
-        return k, v
-
-    def _frame(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pool tiles ``[B, T, Hkv, D]`` (rotated) -> ``[B, Hkv, T, D]`` in the model frame and dtype."""
-        k, v = k.transpose(1, 2).float(), v.transpose(1, 2).float()
-        if self.cfg.rotate:
-            k, v = rotate(k), rotate(v)
-        return k.to(self.dtype), v.to(self.dtype)
-
-    def _decode_tiles(self, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tiles ``first .. last`` read back: ``[B, Hkv, (last - first) * G, D]`` in the model frame and dtype."""
-        g, batch = self.cfg.group_size, self.batch_size
-        k, v = ops.decode_records(self.records[:, first:last], self.cfg, impl=self.impl)  # [B, n, Hkv, G, D]
-        k = k.transpose(2, 3).reshape(batch, -1, self.num_heads, self.cfg.head_dim)  # [B, n * G, Hkv, D]
-        v = v.transpose(2, 3).reshape(batch, -1, self.num_heads, self.cfg.head_dim)
-        if self.sink and first == 0 and last > 0:
-            k[:, :g] = self.tail_k[batch:].float()
-            v[:, :g] = self.tail_v[batch:].float()
-        return self._frame(k, v)
+    @property
+    def tail_v(self) -> torch.Tensor:
+        return self.kv.tail_v
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``key_states, value_states: [B, Hkv, n, D]`` and return the K/V to attend over.
 
-        ``paged=False``: ``[B, Hkv, length, D]``, the history read back from the cache followed by
-        the new tokens as given. ``paged=True``: the new tokens, tagged with this layer for the
-        ``kvarn`` attention function.
+        ``paged=False``: ``[B, Hkv, positions, D]``, the history read back from the cache (zeros at
+        padding positions) followed by the new tokens as given. ``paged=True``: the new tokens; the
+        ``kvarn`` attention function reads the cache.
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -227,41 +331,82 @@ class KVarNLayer(CacheLayerMixin):
                 f"key_states must be [{self.batch_size}, {self.num_heads}, n, {self.cfg.head_dim}] for this "
                 f"cache, got {tuple(key_states.shape)}"
             )
+        if self.paged and self.length and not self.saw_kvarn_attention:
+            raise RuntimeError(
+                "KVarNCache(paged=True) needs attn_implementation='kvarn' (register_kvarn_attention()); this model "
+                "attends with another implementation, which would read only the newest tokens. Use "
+                "KVarNCache(paged=False) with it instead"
+            )
         past = self.length
+        step = self.step = self.sequences.begin(past, key_states, self.cfg, _position_ids(args, kwargs))
         self.first_chunk = past == 0
-        k = key_states.transpose(1, 2).to(self.store_dtype)  # [B, n, Hkv, D]
-        v = value_states.transpose(1, 2).to(self.store_dtype)
-        self._store(k, v)
+        kv = self.kv
+        kv.grow_blocks(max(step.after) // self.cfg.group_size * self.batch_size)  # records of full tiles
+        kv.grow_pool(step.plan.slots_needed)
+        flat = (self.batch_size * step.n, self.num_heads, self.cfg.head_dim)
+        k = key_states.transpose(1, 2).to(self.store_dtype).reshape(flat)[step.token_idx]
+        v = value_states.transpose(1, 2).to(self.store_dtype).reshape(flat)[step.token_idx]
+        kv.store(step.plan, k, v)
+        self.length = past + step.n
         if self.paged:
-            key_states._kvarn_layer = self
+            _ATTENDING.set((self, key_states))
             return key_states, value_states
         if past == 0:
             return key_states, value_states
-        hist_k, hist_v = self.history(past)
+        hist_k, hist_v = self.history(step.before, past)
         return torch.cat([hist_k, key_states], dim=2), torch.cat([hist_v, value_states], dim=2)
 
-    def attend(self, query: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-        """Paged attention of ``query: [B, Hq, n, D]`` (the last ``n`` stored tokens) -> ``[B, n, Hq, D]``."""
-        batch, hq, n, d = query.shape
-        q = query.transpose(1, 2).reshape(batch * n, hq, d)
-        qsl = torch.arange(0, batch * n + 1, n, device=query.device, dtype=torch.int32)
-        seq_lens = torch.full((batch,), self.length, device=query.device, dtype=torch.int32)
-        tail_slots = torch.arange(batch, device=query.device, dtype=torch.int32)
-        sink_slots = tail_slots + batch if self.sink else None
-        out = ops.paged_attention(
-            q.to(self.store_dtype),
-            self.cache,
-            self.block_table(),
-            seq_lens,
-            self.tail_k,
-            self.tail_v,
-            tail_slots,
-            self.cfg,
-            qsl,
-            sink_slots,
-            scale,
-            impl=self.impl,
+    def history(self, lengths: list[int] | None = None, positions: int | None = None):
+        """The first ``lengths[b]`` real tokens of each row read back from the cache, right-aligned in
+        ``[B, Hkv, positions, D]`` (model frame and dtype; zeros where a row has fewer tokens).
+
+        Full tiles come from their records (tile 0 from the sink slot with ``sink=True``), the rest
+        from the row's tail slot. Default: every stored token.
+        """
+        step = self.step
+        lengths = list(step.after) if lengths is None else lengths
+        positions = self.length if positions is None else positions
+        g = self.cfg.group_size
+        committed = [a // g for a in step.after]  # tiles of each row with a record after the step
+        n_full = max((min(math.ceil(n / g), c) for n, c in zip(lengths, committed, strict=True)), default=0)
+        tiles_k, tiles_v = self._tiles(n_full)
+        tail_k, tail_v = self.kv.read_tail(step.plan.tail_slots, g)
+        out_k = key_like = torch.zeros(
+            self.batch_size, positions, self.num_heads, self.cfg.head_dim, dtype=self.dtype, device=self.device
         )
+        out_v = torch.zeros_like(key_like)
+        for b, n in enumerate(lengths):
+            from_records = min(n, committed[b] * g)
+            rows_k = [tiles_k[b, :from_records], tail_k[b, : n - from_records]]
+            rows_v = [tiles_v[b, :from_records], tail_v[b, : n - from_records]]
+            out_k[b, positions - n :] = torch.cat(rows_k).to(self.dtype)
+            out_v[b, positions - n :] = torch.cat(rows_v).to(self.dtype)
+        return out_k.transpose(1, 2), out_v.transpose(1, 2)
+
+    def _tiles(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tiles ``0 .. n`` of every row read back: ``[B, n * G, Hkv, D]`` fp32, model frame."""
+        step = self.step
+        sinks = step.plan.sink_slots
+        if not self.keep_decoded:
+            return self.kv.read_tiles(step.block_table[:, :n], sinks)
+        g = self.cfg.group_size
+        done = 0 if self.decoded is None else self.decoded[0].shape[1] // g
+        if n > done:
+            new_k, new_v = self.kv.read_tiles(step.block_table[:, done:n], sinks if done == 0 else None)
+            if self.decoded is not None:
+                new_k = torch.cat([self.decoded[0], new_k], dim=1)
+                new_v = torch.cat([self.decoded[1], new_v], dim=1)
+            self.decoded = (new_k, new_v)
+        return self.decoded[0][:, : n * g], self.decoded[1][:, : n * g]
+
+    def attend(self, query: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """Paged attention of ``query: [B, Hq, n, D]`` (the last ``n`` stored positions) -> ``[B, n, Hq, D]``."""
+        step = self.step
+        batch, hq, n, d = query.shape
+        if any(a - b != n for a, b in zip(step.after, step.before, strict=True)):
+            raise ValueError("KVarNCache(paged=True) attends only chunks without padding after the prompt")
+        q = query.transpose(1, 2).reshape(batch * n, hq, d).to(self.store_dtype)
+        out = self.kv.attend(step.plan, q, step.block_table, step.seq_lens, step.query_start_loc, scale)
         return out.reshape(batch, n, hq, d).to(query.dtype)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -276,17 +421,24 @@ class KVarNLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.length = 0
         self.decoded = None
-        self.records = self.tail_k = self.tail_v = None
+        self.kv = None
+        self.first_chunk = True
+        self.saw_kvarn_attention = False
+        self.step = None
         self.is_initialized = False
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.is_initialized:
-            idx = beam_idx.to(self.device)
-            self.records = self.records.index_select(0, idx)
-            self.decoded = None
-            slots = torch.cat([idx, idx + self.batch_size]) if self.sink else idx
-            self.tail_k = self.tail_k.index_select(0, slots)
-            self.tail_v = self.tail_v.index_select(0, slots)
+    def reorder_rows(self, beam_idx: torch.Tensor, moves: list[tuple[int, int]]) -> None:
+        """Rows ``beam_idx`` become rows ``0 .. B``: records, and the pool rows ``moves`` names."""
+        if not self.is_initialized:
+            return
+        cache = self.kv.cache
+        tiles = cache.view(-1, self.batch_size, *cache.shape[1:])
+        self.kv.cache = tiles.index_select(1, beam_idx.to(self.device)).reshape(cache.shape)
+        if moves:
+            dst, src = (torch.tensor(m, device=self.device) for m in zip(*moves, strict=True))
+            self.kv.tail_k[dst] = self.kv.tail_k[src].clone()
+            self.kv.tail_v[dst] = self.kv.tail_v[src].clone()
+        self.decoded = None
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("KVarNCache cannot be cropped: committed tiles are quantized and cannot be reopened")
@@ -295,10 +447,8 @@ class KVarNLayer(CacheLayerMixin):
         """Bytes this layer holds: ``records`` (allocated), ``tail`` and ``sink`` pools, ``decoded`` copy."""
         if not self.is_initialized:
             return {"records": 0, "tail": 0, "sink": 0, "decoded": 0}
-        pool = self.tail_k.numel() * self.tail_k.element_size() * 2
-        sink = pool // 2 if self.sink else 0
         decoded = sum(t.numel() * t.element_size() for t in self.decoded) if self.decoded else 0
-        return {"records": self.records.numel(), "tail": pool - sink, "sink": sink, "decoded": decoded}
+        return {**self.kv.nbytes(), "decoded": decoded}
 
 
 class KVarNCache(Cache):
@@ -312,13 +462,17 @@ class KVarNCache(Cache):
             quantizer); default the model's. ``torch.float16`` on an fp32 CPU model mirrors an
             fp16 deployment.
         max_cache_len: preallocate records for this many tokens (otherwise they grow tile by tile).
-        paged: attend through :func:`kvarn.ops.paged_attention`; needs
+        paged: attend through :meth:`kvarn.paged.PagedKV.attend`; needs
             ``attn_implementation="kvarn"`` (:func:`register_kvarn_attention`).
         impl: ``"auto" | "reference" | "triton"``, passed to every :mod:`kvarn.ops` call.
         keep_decoded: keep the decoded K/V of committed tiles between steps instead of decoding
             every record at every step (a speed aid for CPU evaluation: same outputs, but the
             decoded copy costs fp16-cache memory; it is counted under ``"decoded"`` in
             :meth:`nbytes`).
+        attention_mask: the prompt's ``[B, T]`` attention mask (as given to ``generate``) for a
+            left-padded batch, so that each row's tiles start at its first real token. Needed only
+            where transformers passes no position ids to the cache and the attention is not
+            ``"kvarn"`` (see the module docstring).
 
     Example:
         >>> from kvarn.integration.hf import KVarNCache
@@ -335,21 +489,30 @@ class KVarNCache(Cache):
         paged: bool = False,
         impl: str = "auto",
         keep_decoded: bool = False,
+        attention_mask: torch.Tensor | None = None,
     ):
         if impl not in ops.IMPLS:
             raise ValueError(f"impl must be one of {ops.IMPLS}, got {impl!r}")
-        if isinstance(preset, str):
-            KVarNConfig.from_preset(preset)  # fail early on an unknown name
+        KVarNConfig.from_preset(preset)  # fail early on an unknown name or a wrong type
         self.preset, self.sink, self.paged = preset, sink, paged
+        self._sequences = _Sequences(sink, attention_mask)
         kwargs = {
-            "sink": sink,
             "dtype": dtype,
             "max_cache_len": max_cache_len,
             "paged": paged,
             "impl": impl,
             "keep_decoded": keep_decoded,
         }
-        super().__init__(layer_class_to_replicate=lambda: KVarNLayer(preset, **kwargs))
+        super().__init__(layer_class_to_replicate=lambda: KVarNLayer(self._sequences, preset, **kwargs))
+
+    def reset(self) -> None:
+        super().reset()
+        self._sequences.reset()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        moves = self._sequences.reorder(beam_idx.tolist())
+        for layer in self.layers:
+            layer.reorder_rows(beam_idx, moves)
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held by all layers: ``records``, ``tail``, ``sink``, ``decoded`` and ``total``."""
@@ -361,18 +524,32 @@ class KVarNCache(Cache):
         return out
 
     def fp16_nbytes(self) -> int:
-        """Bytes an fp16 ``DynamicCache`` holding the same tokens would take (2 bytes per K and V element)."""
-        total = 0
-        for layer in self.layers:
-            if layer.is_initialized:
-                total += 2 * 2 * layer.batch_size * layer.num_heads * layer.length * layer.cfg.head_dim
-        return total
+        """Bytes an fp16 ``DynamicCache`` holding the same real tokens would take (2 bytes per K and V element)."""
+        tokens = sum(self._sequences.real)
+        return sum(
+            2 * 2 * layer.num_heads * tokens * layer.cfg.head_dim for layer in self.layers if layer.is_initialized
+        )
 
     def memory_report(self) -> dict[str, float]:
-        """``nbytes()`` plus ``fp16_bytes`` and ``capacity_vs_fp16`` (fp16 bytes / bytes held)."""
+        """What the cache holds against an fp16 cache of the same tokens.
+
+        ``nbytes()`` (allocated bytes) plus ``fp16_bytes``, ``capacity_vs_fp16`` (fp16 bytes / bytes
+        held: pools included, so short sequences, whose tail slot is mostly empty, score low),
+        ``tail_used`` (bytes of the tokens the tail slots hold now) and ``records_vs_fp16`` (fp16
+        bytes of the committed tokens / their record bytes: the ratio a long sequence tends to).
+        """
         out: dict[str, float] = dict(self.nbytes())
         out["fp16_bytes"] = self.fp16_nbytes()
         out["capacity_vs_fp16"] = out["fp16_bytes"] / out["total"] if out["total"] else float("nan")
+        real, committed, used, record = self._sequences.real, 0, 0, 0
+        for layer in self.layers:
+            if layer.is_initialized:
+                g, per_token = layer.cfg.group_size, layer.num_heads * layer.cfg.head_dim
+                committed += sum(r // g * g for r in real) * 2 * 2 * per_token
+                used += sum(r % g for r in real) * 2 * per_token * layer.kv.tail_k.element_size()
+                record += sum(r // g for r in real) * layer.num_heads * layer.cfg.record_bytes
+        out["tail_used"] = used
+        out["records_vs_fp16"] = committed / record if record else float("nan")
         return out
 
 
@@ -389,16 +566,19 @@ def kvarn_attention(
     """The ``attn_implementation="kvarn"`` attention function: paged attention over a ``KVarNCache(paged=True)``.
 
     ``query: [B, Hq, n, D]`` -> ``([B, n, Hq, D], None)``. The prompt chunk runs transformers' SDPA
-    over its exact K/V; later chunks read the cache through :func:`kvarn.ops.paged_attention`.
+    over its exact K/V; later chunks read the cache through :meth:`kvarn.paged.PagedKV.attend`.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    layer = getattr(key, "_kvarn_layer", None)
+    entry = _ATTENDING.get()
+    _ATTENDING.set(None)
+    layer = entry[0] if entry is not None and entry[1] is key else None
     if layer is None:
         raise RuntimeError(
             "attn_implementation='kvarn' needs past_key_values=KVarNCache(..., paged=True); "
             "with another cache use attn_implementation='sdpa'"
         )
+    layer.saw_kvarn_attention = True
     if layer.first_chunk:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout)
     return layer.attend(query, scaling), None
@@ -413,6 +593,12 @@ def register_kvarn_attention() -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    def kvarn_mask(*args, **kwargs):
+        """transformers' SDPA mask, after recording the padding mask for :class:`KVarNCache`."""
+        padding = kwargs.get("attention_mask")
+        _MASKED.set(padding if isinstance(padding, torch.Tensor) and padding.dim() == 2 else None)
+        return sdpa_mask(*args, **kwargs)
+
     AttentionInterface.register(ATTENTION_NAME, kvarn_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTENTION_NAME, kvarn_mask)
     return ATTENTION_NAME
