@@ -11,6 +11,7 @@ from tolerances import ATTENTION_VS_SDPA, ROUNDTRIP_REL
 
 from kvarn.config import PRESETS, KVarNConfig
 from kvarn.reference import (
+    attend,
     commit_tiles,
     decode_records,
     encode_records,
@@ -238,3 +239,23 @@ def test_scale_argument():
     a = paged_attention(q * 2, cache, table, torch.tensor([100]), tk, tv, ts, cfg, scale=1 / math.sqrt(64))
     b = paged_attention(q, cache, table, torch.tensor([100]), tk, tv, ts, cfg, scale=2 / math.sqrt(64))
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("short", "long"), [(310, 312), (128, 200), (700, 711), (3, 65)])
+def test_attention_is_length_invariant(short, long):
+    """Issue 12.8: a prompt's attention must not change when more tokens follow it (prefix caching)."""
+    gen = torch.Generator().manual_seed(short)
+    q, k, v = (torch.randn(long, h, 64, generator=gen) for h in (8, 2, 2))
+    alone = attend(q[:short], k[:short], v[:short], 0.125)
+    prefix = attend(q, k, v, 0.125)[:short]
+    assert torch.equal(alone, prefix)
+    tail = attend(q[short - 3 : short], k[:short], v[:short], 0.125)  # the same queries as a later chunk
+    assert torch.equal(tail, alone[-3:])
+
+
+def test_attend_matches_sdpa():
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(n, h, 64, generator=gen, dtype=torch.float64) for n, h in ((70, 8), (200, 2), (200, 2)))
+    got = attend(q.float(), k.float(), v.float(), 0.125)
+    want = _sdpa(q, k, v, 70)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)

@@ -23,23 +23,61 @@ from kvarn.config import KVarNConfig
 from kvarn.reference.cache import gather_sequence
 from kvarn.reference.hadamard import rotate
 
+BLOCK = 64
+"""Queries and keys are taken in blocks of this many positions (see :func:`attend`)."""
+
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal GQA attention of the last ``n`` positions.
 
     ``q: [n, Hq, D]``, ``k, v: [L, Hkv, D]`` -> ``[n, Hq, D]`` fp32.
+
+    Length-invariant: a query's output depends only on its own position and the keys up to it,
+    bit for bit, not on how many queries or keys surround it. Queries go in blocks of
+    :data:`BLOCK` aligned to absolute positions (padded to full blocks, so every matrix product
+    has the same shape), keys in blocks of :data:`BLOCK` in order with an online softmax, and a
+    key block wholly in a query's future adds exact zeros. A prompt's attention, and so the K/V
+    of the layers after it, then come out the same whether the prompt is computed alone or as
+    the prefix of a longer one: prefix caching changes no stored byte.
     """
-    n, hq, _ = q.shape
+    n, hq, d = q.shape
     length, hkv, _ = k.shape
     group = hq // hkv
-    k = k.float().repeat_interleave(group, dim=1)
-    v = v.float().repeat_interleave(group, dim=1)
-    s = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
-    pos_q = torch.arange(length - n, length, device=q.device)[:, None]
-    pos_k = torch.arange(length, device=q.device)[None, :]
-    s = s.masked_fill(pos_k > pos_q, float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    return torch.einsum("hqk,khd->qhd", p, v)
+    first = length - n
+    lo = first // BLOCK * BLOCK
+    rows = math.ceil((length - lo) / BLOCK) * BLOCK
+    qp = q.new_zeros(rows, hq, d, dtype=torch.float32)
+    qp[first - lo : first - lo + n] = q.float()
+    qp = qp.view(rows // BLOCK, BLOCK, hkv, group, d)
+    out = torch.empty(rows // BLOCK, BLOCK, hkv, group, d, device=q.device)
+    for i in range(rows // BLOCK):
+        start = lo + i * BLOCK
+        out[i] = _attend_block(qp[i], k, v, start, min(start + BLOCK, length), scale)
+    return out.view(rows, hq, d)[first - lo : first - lo + n]
+
+
+def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, end: int, scale: float):
+    """Queries at positions ``start .. start + BLOCK`` (``q: [BLOCK, Hkv, group, D]``) over keys ``0 .. end``."""
+    pos_q = torch.arange(start, start + BLOCK, device=q.device)[:, None]
+    m = torch.full((BLOCK, *q.shape[1:3], 1), float("-inf"), device=q.device)
+    denom = torch.zeros_like(m)
+    acc = torch.zeros_like(q)
+    for lo in range(0, end, BLOCK):
+        kb = q.new_zeros(BLOCK, *k.shape[1:])
+        vb = q.new_zeros(BLOCK, *v.shape[1:])
+        hi = min(lo + BLOCK, end)
+        kb[: hi - lo], vb[: hi - lo] = k[lo:hi].float(), v[lo:hi].float()
+        s = torch.einsum("qhgd,khd->qhgk", q, kb) * scale  # [BLOCK, Hkv, group, BLOCK]
+        future = torch.arange(lo, lo + BLOCK, device=q.device)[None, :] > pos_q  # also hides the block's padding
+        s = s.masked_fill(future[:, None, None, :], float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        seen = torch.isfinite(m_new)  # rows that have met a key
+        alpha = torch.where(seen, torch.exp(m - m_new), 1.0)
+        p = torch.where(seen, torch.exp(s - m_new), 0.0)
+        denom = denom * alpha + p.sum(-1, keepdim=True)
+        acc = acc * alpha + torch.einsum("qhgk,khd->qhgd", p, vb)
+        m = m_new
+    return acc / denom.clamp(min=torch.finfo(torch.float32).tiny)
 
 
 def paged_attention(
