@@ -323,6 +323,18 @@ class PagedKV:
         if num_blocks > have:
             self.cache = torch.cat([self.cache, self.cache.new_zeros(num_blocks - have, *self.cache.shape[1:])])
 
+    def overflows(self, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether rotating ``k, v: [T, Hkv, D]`` could exceed the pool dtype's range (it is then saturated).
+
+        The rotation is orthonormal, so no rotated element exceeds its token's L2 norm: tokens whose
+        norm stays inside the dtype's range are stored without saturation. One reduction and one host
+        sync; for callers that can afford it (the transformers cache), not for a captured step.
+        """
+        if not self.cfg.rotate or not k.numel():
+            return False
+        limit = torch.finfo(self.tail_k.dtype).max
+        return bool(torch.maximum(k.float().norm(dim=-1).amax(), v.float().norm(dim=-1).amax()) > limit)
+
     def store(self, plan: TilePlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one step's ``k, v: [T, Hkv, D]`` (model frame) as ``plan`` says, in place.
 

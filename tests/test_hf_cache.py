@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -342,3 +344,15 @@ def test_beam_search_reorders_records_and_pools(tiny):
     finally:
         tiny.set_attn_implementation("sdpa")
     assert torch.equal(plain, paged)
+
+
+def test_fp16_values_that_the_rotation_would_overflow_warn():
+    """Issue 12.4 for the cache: 20000 + noise in fp16 rotates past fp16's range; the pool saturates, so say so."""
+    gen = torch.Generator().manual_seed(0)
+    k = (20000 + 2000 * torch.randn(1, 2, 70, 64, generator=gen)).half()
+    with pytest.warns(UserWarning, match="saturated"):
+        KVarNCache(PRESET).update(k, k, 0)
+    ok = torch.randn(1, 2, 70, 64, generator=gen).half() * 100
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        KVarNCache(PRESET).update(ok, ok, 0)

@@ -151,6 +151,7 @@ class _Sequences:
         self.reset()
 
     def reset(self) -> None:
+        self.warned_range = False
         self.batch = self.group_size = self.positions = 0
         self.schedule: list[tuple[int, int, list[int]]] = []  # (start, n, new real tokens per row)
         self.lead: _Cursor | None = None
@@ -346,6 +347,14 @@ class KVarNLayer(CacheLayerMixin):
         flat = (self.batch_size * step.n, self.num_heads, self.cfg.head_dim)
         k = key_states.transpose(1, 2).to(self.store_dtype).reshape(flat)[step.token_idx]
         v = value_states.transpose(1, 2).to(self.store_dtype).reshape(flat)[step.token_idx]
+        if not self.sequences.warned_range and kv.overflows(k, v):
+            self.sequences.warned_range = True
+            warnings.warn(
+                f"KVarNCache: K/V vectors longer than {self.store_dtype} can hold after the Hadamard rotation are "
+                "saturated in the full-precision pool and lose accuracy; store in a wider dtype "
+                "(KVarNCache(dtype=torch.bfloat16 or torch.float32))",
+                stacklevel=4,
+            )
         kv.store(step.plan, k, v)
         self.length = past + step.n
         if self.paged:
