@@ -41,8 +41,8 @@ def test_conversion_runs_once_across_threads(tmp_path, monkeypatch):
     monkeypatch.setattr(models, "gguf_parts", lambda name: [pathlib.Path("unused.gguf")])
     calls = []
 
-    def fake_convert(spec, parts, out):
-        calls.append(spec.name)
+    def fake_convert(name, description, sources, parts, out):
+        calls.append(name)
         time.sleep(0.3)
         (out / "model.safetensors").write_bytes(b"x")
         (out / models._DONE_FILE).write_text(json.dumps({"format_version": models._FORMAT_VERSION}))
@@ -196,3 +196,42 @@ def test_report_rejects_bad_arguments(capsys):
     assert "unknown model 'llama-70b'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--regions", "middle"])
+
+
+@pytest.mark.hf
+def test_kvarn_report_on_a_local_folder_and_text_file(tmp_path):
+    """Issue 10.4: --model takes a local Hugging Face folder, --text a local file; the report names both."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("matplotlib")
+    from tiny_model import build_tiny_model
+
+    from kvarn.eval.report import main
+
+    folder = build_tiny_model(tmp_path / "my-model")
+    text = tmp_path / "essay.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    argv = ["--model", str(folder), "--text", str(text), "--prefix", "256", "--continuation", "20", "--greedy", "0"]
+    assert (
+        main([*argv, "--methods", "fp16,kvarn_k4v2_g128", "--regions", "tail", "--out", str(tmp_path / "r"), "--quiet"])
+        == 0
+    )
+    report = (tmp_path / "r" / "report.md").read_text()
+    assert f"## {folder}" in report and f"Text: {text}." in report and ("commit " in report or "kvarn " in report)
+    runs = json.loads((tmp_path / "r" / "results.json").read_text())
+    assert runs[0]["model"] == str(folder) and runs[0]["text"] == str(text)
+
+
+def test_model_resolution_errors(tmp_path, capsys):
+    from kvarn.eval.report import main
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"without config\.json"):
+        models.model_dir(tmp_path / "empty")
+    (tmp_path / "fake.gguf").write_bytes(b"nope")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        models.model_dir(tmp_path / "fake.gguf")
+    with pytest.raises(ValueError, match="neither a bundled name"):
+        models.model_dir("no-such-model")
+    with pytest.raises(SystemExit):
+        main(["--text", str(tmp_path / "missing.txt")])
+    assert "no such file" in capsys.readouterr().err

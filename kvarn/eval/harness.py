@@ -310,13 +310,13 @@ def run_method(
     )
 
 
-def prepare_ids(tok, prefix: int, continuation: int) -> torch.Tensor:
-    """``[1, prefix + continuation]`` token ids of the bundled text."""
-    ids = tok(bundled_text(), return_tensors="pt").input_ids[:, : prefix + continuation]
+def prepare_ids(tok, prefix: int, continuation: int, text: str | None = None) -> torch.Tensor:
+    """``[1, prefix + continuation]`` token ids of ``text`` (default the bundled text)."""
+    ids = tok(bundled_text() if text is None else text, return_tensors="pt").input_ids[:, : prefix + continuation]
     if ids.shape[1] < prefix + continuation:
         raise ValueError(
-            f"the bundled text has {ids.shape[1]} tokens for this tokenizer; prefix + continuation "
-            f"({prefix} + {continuation}) must not exceed it"
+            f"the {'bundled ' if text is None else ''}text has {ids.shape[1]} tokens for this tokenizer; "
+            f"prefix + continuation ({prefix} + {continuation}) must not exceed it"
         )
     return ids
 
@@ -330,14 +330,18 @@ def evaluate(
     continuation: int = 256,
     greedy: int = 256,
     progress_factory: Callable | None = None,
+    text: str | None = None,
 ) -> dict:
-    """Run the reference and every (method, region); returns a JSON-ready dict of results."""
+    """Run the reference and every (method, region) over ``text`` (default the bundled text).
+
+    Returns a JSON-ready dict of results.
+    """
     if prefix % BLOCK or prefix <= 0:
         raise ValueError(f"prefix must be a positive multiple of {BLOCK} tokens, got {prefix}")
     if continuation < 2:
         raise ValueError(f"continuation must be at least 2 tokens, got {continuation}")
     resolved = [get_method(m) for m in methods]
-    ids = prepare_ids(tok, prefix, continuation)
+    ids = prepare_ids(tok, prefix, continuation, text)
     install_probe(model)
     steps_ref = math.ceil(prefix / BLOCK) + len(list(_chunks(prefix, prefix + continuation - 1, BLOCK)))
     steps_ref += max(greedy - 1, 0)

@@ -147,7 +147,7 @@ def _join_parts(parts: list[pathlib.Path], dest: pathlib.Path) -> pathlib.Path:
     return dest
 
 
-def _convert(spec: BundledModel, parts: list[pathlib.Path], out: pathlib.Path) -> None:
+def _convert(name: str, description: str, sources: dict, parts: list[pathlib.Path], out: pathlib.Path) -> None:
     import torch
     import transformers
 
@@ -162,15 +162,15 @@ def _convert(spec: BundledModel, parts: list[pathlib.Path], out: pathlib.Path) -
     model.hf_quantizer = None  # the weights are dequantized already; drop the GGUF marker so it saves
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.config._name_or_path = spec.name
+    model.config._name_or_path = name
     model = model.to(torch.float16)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     meta = {
         "format_version": _FORMAT_VERSION,
-        "name": spec.name,
-        "description": spec.description,
-        "packages": _versions(spec),
+        "name": name,
+        "description": description,
+        "sources": sources,
         "transformers": transformers.__version__,
         "dtype": "float16",
     }
@@ -200,16 +200,41 @@ def bundled_model_dir(name: str = DEFAULT_MODEL) -> pathlib.Path:
     folder = cache_root() / "models" / name
     if _is_done(folder):
         return folder
-    parts = gguf_parts(name)
+    return _converted(name, spec.description, _versions(spec), gguf_parts(name), folder)
+
+
+def gguf_model_dir(path: str | os.PathLike) -> pathlib.Path:
+    """A local HF-format folder converted (once) from the GGUF file ``path``, cached like a bundled model.
+
+    The cache folder is named after the file and its size and modification time, so a changed
+    file is converted again.
+    """
+    path = pathlib.Path(path).expanduser().resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
+    stat = path.stat()
+    name = f"{path.stem}-{stat.st_size:x}-{int(stat.st_mtime):x}"
+    folder = cache_root() / "models" / "gguf" / name
+    if _is_done(folder):
+        return folder
+    return _converted(path.stem, f"converted from {path}", {"file": str(path)}, [path], folder)
+
+
+def _converted(name: str, description: str, sources: dict, parts: list[pathlib.Path], folder: pathlib.Path):
+    """Convert GGUF ``parts`` into ``folder`` under a file lock, appearing atomically by rename."""
     for module in ("transformers", "gguf", "accelerate"):
         if importlib.util.find_spec(module) is None:
-            raise ImportError(f"converting bundled model {name!r} needs {module!r}: pip install 'kvarn[hf]'")
-    with _file_lock(folder.parent / f".{name}.lock"):
+            raise ImportError(f"converting model {name!r} from GGUF needs {module!r}: pip install 'kvarn[hf]'")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(folder.parent / f".{folder.name}.lock"):
         if _is_done(folder):
             return folder
-        tmp = pathlib.Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{name}-"))
+        tmp = pathlib.Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
         try:
-            _convert(spec, parts, tmp)
+            _convert(name, description, sources, parts, tmp)
             tmp.chmod(0o755)
             for f in tmp.iterdir():
                 f.chmod(0o644)
@@ -222,12 +247,33 @@ def bundled_model_dir(name: str = DEFAULT_MODEL) -> pathlib.Path:
     return folder
 
 
-def load_model(name: str = DEFAULT_MODEL, dtype=None, device: str = "cpu"):
-    """``(model, tokenizer)`` of bundled model ``name`` in eval mode (``dtype`` default fp32 on CPU)."""
+def model_dir(model: str | os.PathLike) -> pathlib.Path:
+    """The HF-format folder of ``model``: a bundled name, a local HF folder, or a ``.gguf`` file.
+
+    Raises:
+        ValueError naming the three accepted forms when ``model`` is none of them.
+    """
+    if str(model) in BUNDLED_MODELS:
+        return bundled_model_dir(str(model))
+    path = pathlib.Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} is a folder without config.json, not a Hugging Face model folder")
+        return path
+    if path.is_file():
+        return gguf_model_dir(path)
+    raise ValueError(
+        f"model {str(model)!r} is neither a bundled name ({', '.join(BUNDLED_MODELS)}), "
+        "a local Hugging Face folder nor a GGUF file"
+    )
+
+
+def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype=None, device: str = "cpu"):
+    """``(model, tokenizer)`` of ``name`` (see :func:`model_dir`) in eval mode (``dtype`` default fp32 on CPU)."""
     import torch
     import transformers
 
-    path = bundled_model_dir(name)
+    path = model_dir(name)
     dtype = dtype or (torch.float32 if device == "cpu" else torch.float16)
     tok = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")

@@ -14,6 +14,7 @@ import math
 import os
 import pathlib
 import platform
+import subprocess
 import sys
 import time
 
@@ -67,12 +68,18 @@ class _Progress:
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="kvarn report",
-        description="Measure KVarN against fp16, fp8 and RTN baselines on a bundled model and bundled text.",
+        description="Measure KVarN against fp16, fp8 and RTN baselines on a real model and real text.",
     )
     p.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help=f"bundled model(s), comma-separated, or 'all' ({', '.join(BUNDLED_MODELS)}); default {DEFAULT_MODEL}",
+        help=f"model(s), comma-separated: bundled names ({', '.join(BUNDLED_MODELS)}) or 'all', local Hugging Face "
+        f"folders, or GGUF files; default {DEFAULT_MODEL}",
+    )
+    p.add_argument(
+        "--text",
+        default=None,
+        help="a UTF-8 text file to evaluate on (default: the bundled Pride and Prejudice chapters 1-4)",
     )
     p.add_argument(
         "--methods",
@@ -97,8 +104,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.models = list(BUNDLED_MODELS) if args.model == "all" else [m.strip() for m in args.model.split(",")]
     for m in args.models:
-        if m not in BUNDLED_MODELS:
-            p.error(f"unknown model {m!r}; valid: {', '.join(BUNDLED_MODELS)}")
+        if m not in BUNDLED_MODELS and not pathlib.Path(m).expanduser().exists():
+            p.error(
+                f"unknown model {m!r}: give a bundled name ({', '.join(BUNDLED_MODELS)}), a local Hugging Face "
+                "folder or a GGUF file"
+            )
+    if args.text is not None and not pathlib.Path(args.text).is_file():
+        p.error(f"--text {args.text!r}: no such file")
     if args.methods == "all":
         extra = ("kvarn_k4v4_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g64")
         args.method_list = [*ALL_BASELINES, *extra]
@@ -109,6 +121,27 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         if r not in ("tail", "sink"):
             p.error(f"--regions takes 'tail' and/or 'sink', got {r!r}")
     return args
+
+
+def _slug(name: str) -> str:
+    """A file-name-safe form of a model name or path."""
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in pathlib.Path(name).name or name)
+
+
+def _commit() -> str:
+    """The kvarn commit this report ran on, or its version where no git checkout is at hand."""
+    import kvarn
+
+    here = pathlib.Path(__file__).resolve().parents[2]
+    try:
+        found = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        found = None
+    if found is not None and found.returncode == 0 and found.stdout.strip():
+        return f"commit {found.stdout.strip()}"
+    return f"kvarn {kvarn.__version__}"
 
 
 def _fmt(x, spec: str) -> str:
@@ -222,7 +255,7 @@ def write_markdown(runs: list[dict], out: pathlib.Path, command: str) -> pathlib
     lines = [
         "# kvarn fidelity report",
         "",
-        f"Command: `{command}`",
+        f"Command: `{command}` ({_commit()})",
         "",
         f"torch {torch.__version__}, transformers {transformers.__version__}, {platform.machine()} "
         f"{platform.system()}, {torch.get_num_threads()} thread(s).",
@@ -235,6 +268,8 @@ def write_markdown(runs: list[dict], out: pathlib.Path, command: str) -> pathlib
         lines += [
             "",
             f"## {run['model']}",
+            "",
+            f"Text: {run.get('text', 'bundled')}.",
             "",
             f"Prefix {run['prefix']} tokens tile by tile, {run['continuation']} teacher-forced tokens, "
             f"{run['greedy']} greedy tokens; exact-run perplexity {run['reference']['ppl']:.3f}; "
@@ -266,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvarn report needs transformers, gguf and accelerate: pip install 'kvarn[hf]' ({e})", file=sys.stderr)
         return 2
     torch.set_num_threads(max(1, args.threads))
+    text = None if args.text is None else pathlib.Path(args.text).read_text(encoding="utf-8")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = []
@@ -274,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvarn report: {name} (converting it on first use), methods {', '.join(args.method_list)}")
         try:
             model, tok = load_model(name)
-        except (ModuleNotFoundError, ImportError) as e:
+        except (ModuleNotFoundError, ImportError, ValueError, FileNotFoundError) as e:
             print(f"kvarn report: {e}", file=sys.stderr)
             return 2
         run = evaluate(
@@ -286,10 +322,12 @@ def main(argv: list[str] | None = None) -> int:
             continuation=args.continuation,
             greedy=args.greedy,
             progress_factory=lambda total: _Progress(total, args.quiet),
+            text=text,
         )
         run["model"] = name
+        run["text"] = args.text or "bundled: Pride and Prejudice, chapters 1-4"
         run["seconds"] = time.perf_counter() - t0
-        run["plots"] = plots(run, out, name.replace(".", "_"))
+        run["plots"] = plots(run, out, _slug(name))
         runs.append(run)
         print()
         print(f"{name}: exact-run perplexity {run['reference']['ppl']:.3f}")
