@@ -1,25 +1,70 @@
-"""The public API: ``kvarn.quantize`` and ``kvarn.dequantize`` for experiments on KV tensors."""
+"""The public API: ``kvarn.quantize`` and ``kvarn.dequantize`` for experiments on KV tensors.
+
+Everything runs through :mod:`kvarn.ops`, so ``impl="auto"`` stores a CUDA fp16/bf16 pair with the
+Triton kernels and ``QuantizedKV.records`` holds, tile for tile, the bytes the caches store
+(:func:`kvarn.ops.store_tiles`). The one exception is a tile the caches would clip (fp16 values
+whose rotation leaves fp16's range, values past ``2^24``, fp16 values under ``2^-14``): it is
+divided by a power of two before it is stored and the power of two is folded into its column
+scales, so it comes back at full range (``docs/api.md`` lists every input class and its behaviour).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import warnings
 from dataclasses import dataclass
 
 import torch
 
+from kvarn import ops
 from kvarn.config import DEFAULT_PRESET, KVarNConfig
-from kvarn.reference.hadamard import rotate
-from kvarn.reference.packing import pack_codes, unpack_codes
-from kvarn.reference.quantize import TileHalf, dequantize_half, prepare, quantize_half
-from kvarn.reference.record import decode_records, encode_records
-from kvarn.reference.tiling import merge_tiles, split_tiles
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ROLES = ("key", "value")
+INPUT_LIMIT = 2.0**100
+"""Largest ``|value|`` ``kvarn.quantize`` takes. A tile is stored divided by a power of two and
+the power folded into its bf16 column scales; past ``2^100`` those scales (up to ~2^20 times the
+largest value) could leave bf16's range, so larger values are refused."""
+TINY_WARN = 2.0**-120
+"""A full tile whose largest ``|value|`` is positive but below this gets a warning: its column
+scales fall into bf16's subnormal range and keep fewer bits."""
 
 
-@dataclass(frozen=True)
-class QuantizedKV:
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device)
+            and torch.equal(a, b)
+        )
+    return a == b
+
+
+class _ValueEquality:
+    """Value equality over dataclass fields (tensors: same dtype, shape, device and values); unhashable."""
+
+    __hash__ = None  # equal values must hash equal, and tensors hash by identity
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return all(_same(getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self))
+
+
+def _ratio(nbytes: int, elements: int) -> float:
+    """Stored bits per element; ``nan`` for no elements (0 / 0, as ``torch.tensor([]).mean()``)."""
+    return 8 * nbytes / elements if elements else math.nan
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedKV(_ValueEquality):
     """A quantized ``(k, v)`` pair: packed cache records plus the full-precision remainder.
+
+    Compares by value (``==`` is true for equal copies on one device) and is not hashable.
+    ``torch.save`` / ``torch.load`` work with the default ``weights_only=True``: ``import kvarn``
+    registers this class, :class:`QuantizedTensor` and :class:`~kvarn.KVarNConfig` as safe globals.
 
     Attributes:
         config: the format.
@@ -38,14 +83,18 @@ class QuantizedKV:
     dtype: torch.dtype
     stacked: bool = False
 
-    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+    def dequantize(self, *, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
         """``(k, v)`` in the original shape and dtype (one stacked tensor if the input was)."""
-        k, v = decode_records(self.records, self.config)  # [..., N, H, G, D] rotated fp32
-        if self.config.rotate:
-            k, v = rotate(k), rotate(v)
-        k = merge_tiles(k.to(self.dtype), self.k_rest)
-        v = merge_tiles(v.to(self.dtype), self.v_rest)
+        k, v = ops.decode_records(self.records, self.config, impl=impl)  # [..., N, H, G, D] rotated fp32
+        k = _from_tiles(k, self.k_rest, self.dtype, self.config.rotate)
+        v = _from_tiles(v, self.v_rest, self.dtype, self.config.rotate)
         return torch.stack([k, v]) if self.stacked else (k, v)
+
+    def to(self, device: torch.device | str) -> QuantizedKV:
+        """A copy with every tensor on ``device``."""
+        return dataclasses.replace(
+            self, records=self.records.to(device), k_rest=self.k_rest.to(device), v_rest=self.v_rest.to(device)
+        )
 
     @property
     def nbytes(self) -> int:
@@ -55,18 +104,20 @@ class QuantizedKV:
 
     @property
     def bits_per_element(self) -> float:
-        """Stored bits per K or V element, scales and remainder included."""
-        return 8 * self.nbytes / (2 * self.shape.numel())
+        """Stored bits per K or V element, scales and remainder included (``nan`` for an empty input)."""
+        return _ratio(self.nbytes, 2 * self.shape.numel())
 
     @property
     def capacity_vs_fp16(self) -> float:
-        """How many times fewer bytes than the same K and V in fp16."""
+        """How many times fewer bytes than the same K and V in fp16 (``nan`` for an empty input)."""
         return 16 / self.bits_per_element
 
 
-@dataclass(frozen=True)
-class QuantizedTensor:
+@dataclass(frozen=True, eq=False)
+class QuantizedTensor(_ValueEquality):
     """One quantized K or V tensor: packed codes, parameters and the full-precision remainder.
+
+    Compares by value, is not hashable, and loads with ``weights_only=True`` (as :class:`QuantizedKV`).
 
     Attributes:
         config: the format (its group size and, for ``role``, its bit width apply).
@@ -90,15 +141,16 @@ class QuantizedTensor:
     def bits(self) -> int:
         return self.config.k_bits if self.role == "key" else self.config.v_bits
 
-    def dequantize(self) -> torch.Tensor:
+    def dequantize(self, *, impl: str = "auto") -> torch.Tensor:
         """The tensor in its original shape and dtype."""
-        half = TileHalf(unpack_codes(self.packed, self.bits), self.scale, self.zero, self.col)
-        tiles = dequantize_half(half)
-        if self.role == "key":
-            tiles = tiles.transpose(-1, -2)
-        if self.config.rotate:
-            tiles = rotate(tiles)
-        return merge_tiles(tiles.to(self.dtype), self.rest)
+        half = (ops.unpack_codes(self.packed, self.bits), self.scale, self.zero, self.col)
+        tiles = ops.decode_half(half, self.role, impl=impl)  # [..., N, H, G, D] rotated fp32
+        return _from_tiles(tiles, self.rest, self.dtype, self.config.rotate)
+
+    def to(self, device: torch.device | str) -> QuantizedTensor:
+        """A copy with every tensor on ``device``."""
+        moved = {name: getattr(self, name).to(device) for name in ("packed", "scale", "zero", "col", "rest")}
+        return dataclasses.replace(self, **moved)
 
     @property
     def nbytes(self) -> int:
@@ -107,11 +159,14 @@ class QuantizedTensor:
 
     @property
     def bits_per_element(self) -> float:
-        return 8 * self.nbytes / self.shape.numel()
+        return _ratio(self.nbytes, self.shape.numel())
 
     @property
     def capacity_vs_fp16(self) -> float:
         return 16 / self.bits_per_element
+
+
+torch.serialization.add_safe_globals([QuantizedKV, QuantizedTensor, KVarNConfig])
 
 
 def _check_tensor(name: str, x: object, min_rank: int = 3) -> torch.Tensor:
@@ -127,12 +182,55 @@ def _check_tensor(name: str, x: object, min_rank: int = 3) -> torch.Tensor:
             f"{name} holds {bad} NaN/inf values; kvarn.quantize refuses non-finite input "
             "(the cache store path maps NaN to 0 and saturates inf instead, see docs/api.md)"
         )
+    amax = float(x.abs().amax()) if x.numel() else 0.0
+    if amax > INPUT_LIMIT:
+        raise ValueError(
+            f"{name} holds values up to {amax:.3g}; kvarn.quantize takes |values| up to 2^100 "
+            f"(~{INPUT_LIMIT:.3g}), past which the stored column scales could overflow: scale the input down"
+        )
     return x
 
 
 def _config(preset: str | KVarNConfig, head_dim: int, **overrides) -> KVarNConfig:
     overrides = {k: v for k, v in overrides.items() if v is not None}
     return KVarNConfig.from_preset(preset, head_dim=head_dim, **overrides)
+
+
+def _tiles(x: torch.Tensor, cfg: KVarNConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x: [..., T, H, D]`` -> full tiles ``[M, G, H, D]`` (``M = prod(...) * (T // G)``) and the rest."""
+    g = cfg.group_size
+    t, h, d = x.shape[-3:]
+    n = t // g
+    m = math.prod(x.shape[:-3]) * n
+    return x[..., : n * g, :, :].reshape(m, g, h, d), x[..., n * g :, :, :].clone()
+
+
+def _range_scaled(tiles: torch.Tensor, cfg: KVarNConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tiles ``[M, G, H, D]``, each (tile, head) divided by ``2^s`` where storing it as is would clip; ``s: [M, H]``."""
+    per_head = tiles.transpose(1, 2)  # [M, H, G, D]
+    amax = per_head.abs().amax((-2, -1))
+    tiny = int(((amax > 0) & (amax < TINY_WARN)).sum())
+    if tiny:
+        warnings.warn(
+            f"kvarn.quantize: {tiny} tile(s) have no value above 2^-120 (~{TINY_WARN:.2g}); their column "
+            "scales are bf16 subnormals and keep fewer bits than the format's (docs/api.md)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    exp = ops.input_exponent(per_head, tiles.dtype, cfg.rotate)
+    if not bool(exp.any()):
+        return tiles, exp
+    scaled = torch.ldexp(tiles.float(), -exp[:, None, :, None].float())
+    return scaled.to(tiles.dtype), exp
+
+
+def _from_tiles(tiles: torch.Tensor, rest: torch.Tensor, dtype: torch.dtype, rotated: bool) -> torch.Tensor:
+    """Rotated fp32 tiles ``[..., N, H, G, D]`` and the rest ``[..., R, H, D]`` -> ``[..., N*G + R, H, D]``."""
+    if rotated:
+        tiles = ops.rotate(tiles)
+    finite = torch.finfo(dtype).max  # a reconstruction a rounding step past the dtype's range saturates
+    full = tiles.clamp(-finite, finite).to(dtype).transpose(-3, -2).flatten(-4, -3)
+    return torch.cat([full, rest.to(full.device, dtype)], dim=-3)
 
 
 def quantize(
@@ -142,6 +240,7 @@ def quantize(
     role: str | None = None,
     bits: int | None = None,
     sinkhorn_iters: int | None = None,
+    impl: str = "auto",
 ) -> QuantizedKV | QuantizedTensor:
     """Quantize a KV cache (or one K or V tensor) with KVarN.
 
@@ -154,13 +253,16 @@ def quantize(
         role: ``"key"`` or ``"value"`` to quantize a single tensor.
         bits: code width for the single-tensor form (default: the preset's for that role).
         sinkhorn_iters: normalization iterations (default: the preset's, 8).
+        impl: ``"auto"`` (Triton for CUDA fp16/bf16 pairs, else the reference), ``"reference"``
+            or ``"triton"`` (see :mod:`kvarn.ops`; the single-tensor form has no kernel).
 
     Returns:
         :class:`QuantizedKV` for a pair, :class:`QuantizedTensor` for a single tensor.
 
     Raises:
         TypeError / ValueError naming the argument for non-float tensors, a wrong rank, a k/v
-        shape mismatch, an unsupported head_dim, an unknown preset, or NaN/inf values.
+        shape mismatch, an unsupported head_dim, an unknown preset, NaN/inf values, or values
+        past ``2^100``. Warns (``RuntimeWarning``) for tiles whose values all lie below ``2^-120``.
 
     Example:
         >>> import torch, kvarn
@@ -176,7 +278,7 @@ def quantize(
         x = _check_tensor("kv", kv)
         bits_key = "k_bits" if role == "key" else "v_bits"
         cfg = _config(preset, x.shape[-1], sinkhorn_iters=sinkhorn_iters, **{bits_key: bits})
-        return _quantize_one(x, role, cfg)
+        return _quantize_one(x, role, cfg, impl)
     if bits is not None:
         raise ValueError("bits= applies to the single-tensor form only; pass role='key' or 'value'")
     stacked = isinstance(kv, torch.Tensor)
@@ -195,27 +297,38 @@ def quantize(
             f"{k.device} and v {tuple(v.shape)} {v.dtype} {v.device}"
         )
     cfg = _config(preset, k.shape[-1], sinkhorn_iters=sinkhorn_iters)
-    k_tiles, k_rest = split_tiles(k, cfg.group_size)  # [..., N, H, G, D]
-    v_tiles, v_rest = split_tiles(v, cfg.group_size)
-    kr = prepare(k_tiles, k.dtype, cfg.rotate)
-    vr = prepare(v_tiles, v.dtype, cfg.rotate)
-    records = encode_records(kr, vr, cfg)
-    return QuantizedKV(cfg, records, k_rest.clone(), v_rest.clone(), k.shape, k.dtype, stacked)
+    k_tiles, k_rest = _tiles(k, cfg)  # [M, G, H, D]
+    v_tiles, v_rest = _tiles(v, cfg)
+    k_tiles, k_exp = _range_scaled(k_tiles, cfg)
+    v_tiles, v_exp = _range_scaled(v_tiles, cfg)
+    m, _, h, _ = k_tiles.shape
+    records = torch.empty(m, h, cfg.record_bytes, dtype=torch.uint8, device=k.device)
+    if records.numel():
+        block_ids = torch.arange(m, dtype=torch.int32, device=k.device)
+        ops.store_tiles(k_tiles, v_tiles, block_ids, records, cfg, impl=impl)
+        if bool(k_exp.any() or v_exp.any()):
+            records = ops.scale_records(records, k_exp, v_exp, cfg)
+    n = k.shape[-3] // cfg.group_size
+    records = records.reshape(*k.shape[:-3], n, h, cfg.record_bytes)
+    return QuantizedKV(cfg, records, k_rest, v_rest, k.shape, k.dtype, stacked)
 
 
-def _quantize_one(x: torch.Tensor, role: str, cfg: KVarNConfig) -> QuantizedTensor:
-    tiles, rest = split_tiles(x, cfg.group_size)
-    m = prepare(tiles, x.dtype, cfg.rotate)
+def _quantize_one(x: torch.Tensor, role: str, cfg: KVarNConfig, impl: str) -> QuantizedTensor:
+    tiles, rest = _tiles(x, cfg)  # [M, G, H, D]
+    tiles, exp = _range_scaled(tiles, cfg)
+    prepared = ops.prepare(tiles.transpose(1, 2), x.dtype, cfg.rotate)  # [M, H, G, D]
+    half = ops.encode_half(prepared, role, cfg, impl=impl)
+    if bool(exp.any()):
+        half = ops.scale_half(half, exp)
     bits = cfg.k_bits if role == "key" else cfg.v_bits
-    if role == "key":
-        m = m.transpose(-1, -2)
-    half = quantize_half(m, bits, cfg.sinkhorn_iters, cfg.normalize)
-    packed = pack_codes(half.codes, bits)
-    return QuantizedTensor(cfg, role, packed, half.scale, half.zero, half.col, rest.clone(), x.shape, x.dtype)
+    lead = (*x.shape[:-3], x.shape[-3] // cfg.group_size, x.shape[-2])
+    packed = ops.pack_codes(half.codes, bits)
+    parts = [t.reshape(*lead, *t.shape[2:]) for t in (packed, half.scale, half.zero, half.col)]
+    return QuantizedTensor(cfg, role, *parts, rest, x.shape, x.dtype)
 
 
-def dequantize(q: QuantizedKV | QuantizedTensor):
+def dequantize(q: QuantizedKV | QuantizedTensor, *, impl: str = "auto"):
     """The tensors ``q`` was made from, reconstructed: same shape and dtype as the input."""
     if not isinstance(q, (QuantizedKV, QuantizedTensor)):
         raise TypeError(f"dequantize takes what kvarn.quantize returned, got {type(q).__name__}")
-    return q.dequantize()
+    return q.dequantize(impl=impl)

@@ -43,15 +43,26 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
-PRESETS: dict[str, tuple[int, int, int]] = {
-    "kvarn_k4v2_g128": (4, 2, 128),
-    "kvarn_k4v2_g64": (4, 2, 64),
-    "kvarn_k4v4_g128": (4, 4, 128),
-    "kvarn_k4v4_g64": (4, 4, 64),
-    "kvarn_k2v2_g128": (2, 2, 128),
+
+class Preset(NamedTuple):
+    """What a preset name fixes: code widths and tile length (read them by name)."""
+
+    k_bits: int
+    v_bits: int
+    group_size: int
+
+
+PRESETS: dict[str, Preset] = {
+    "kvarn_k4v2_g128": Preset(4, 2, 128),
+    "kvarn_k4v2_g64": Preset(4, 2, 64),
+    "kvarn_k4v4_g128": Preset(4, 4, 128),
+    "kvarn_k4v4_g64": Preset(4, 4, 64),
+    "kvarn_k2v2_g128": Preset(2, 2, 128),
 }
 DEFAULT_PRESET = "kvarn_k4v2_g128"
+DEFAULT_HEAD_DIM = 128
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_BITS = (2, 4)
 SUPPORTED_GROUP_SIZES = (64, 128)
@@ -78,7 +89,7 @@ class KVarNConfig:
     k_bits: int = 4
     v_bits: int = 2
     group_size: int = 128
-    head_dim: int = 128
+    head_dim: int = DEFAULT_HEAD_DIM
     sinkhorn_iters: int = DEFAULT_SINKHORN_ITERS
     rotate: bool = True
     normalize: bool = True
@@ -95,17 +106,21 @@ class KVarNConfig:
             raise ValueError(f"sinkhorn_iters must be a non-negative int, got {self.sinkhorn_iters!r}")
 
     @classmethod
-    def from_preset(cls, name: str | KVarNConfig = DEFAULT_PRESET, head_dim: int = 128, **overrides) -> KVarNConfig:
-        """The config of preset ``name`` (e.g. ``"kvarn_k4v2_g128"``, or a config to adapt) for ``head_dim``."""
+    def from_preset(
+        cls, name: str | KVarNConfig = DEFAULT_PRESET, head_dim: int | None = None, **overrides
+    ) -> KVarNConfig:
+        """The config of preset ``name`` (e.g. ``"kvarn_k4v2_g128"``), or a copy of config ``name``.
+
+        ``head_dim`` defaults to 128 for a name and to the config's own for a config; ``overrides``
+        replace any other field. Raises ``TypeError`` for anything but a name or a config and
+        ``ValueError`` (listing the valid presets) for an unknown name.
+        """
+        check_preset(name)
+        if head_dim is not None:
+            overrides["head_dim"] = head_dim
         if isinstance(name, KVarNConfig):
-            return dataclasses.replace(name, head_dim=head_dim, **overrides)
-        if not isinstance(name, str):
-            raise TypeError(f"preset must be a preset name or a KVarNConfig, got {type(name).__name__}")
-        if name not in PRESETS:
-            valid = ", ".join(PRESETS)
-            raise ValueError(f"unknown KVarN preset {name!r}; valid presets are: {valid}")
-        k_bits, v_bits, group = PRESETS[name]
-        fields = {"k_bits": k_bits, "v_bits": v_bits, "group_size": group, "head_dim": head_dim}
+            return dataclasses.replace(name, **overrides)
+        fields = {**PRESETS[name]._asdict(), "head_dim": DEFAULT_HEAD_DIM}
         return cls(**{**fields, **overrides})
 
     @property
@@ -183,9 +198,16 @@ def check_head_dim(head_dim: int) -> None:
         raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
 
 
-def bits_per_element(bits: int, rows: int, cols: int) -> float:
-    """Average stored bits per element of one quantized ``rows x cols`` tile half.
+def check_preset(preset: object) -> None:
+    """Raise unless ``preset`` names a preset or is a :class:`KVarNConfig`.
 
-    Counts ``bits`` per code, two fp16 row parameters per row and one column scale per column.
+    ``TypeError`` for another type (e.g. ``KVarNCache(4)``), ``ValueError`` listing the valid
+    presets for an unknown name. For constructors that keep a preset and resolve it later.
     """
-    return bits + 16 * (2 * rows + cols) / (rows * cols)
+    if isinstance(preset, KVarNConfig):
+        return
+    if not isinstance(preset, str):
+        raise TypeError(f"preset must be a preset name or a KVarNConfig, got {type(preset).__name__}")
+    if preset not in PRESETS:
+        valid = ", ".join(PRESETS)
+        raise ValueError(f"unknown KVarN preset {preset!r}; valid presets are: {valid}")

@@ -121,3 +121,38 @@ def paged_attention(
         sink_slots,
         scale,
     )
+
+
+def encode_half(tiles, role, cfg, *, impl: str = "auto"):
+    """Prepared tiles ``[..., G, D]`` to the K or V half of a record. See :func:`kvarn.reference.encode_half`."""
+    return _pick("encode_half", impl, tiles)(tiles, role, cfg)
+
+
+def decode_half(half, role, *, impl: str = "auto") -> torch.Tensor:
+    """A tile half back to rotated fp32 tiles ``[..., G, D]``. See :func:`kvarn.reference.decode_half`."""
+    return _pick("decode_half", impl, half[0])(half, role)
+
+
+def pack_codes(codes, bits, *, impl: str = "auto") -> torch.Tensor:
+    """Planar bit packing of codes ``[..., R, C]``. See :func:`kvarn.reference.pack_codes`."""
+    return _pick("pack_codes", impl, codes)(codes, bits)
+
+
+def unpack_codes(packed, bits, *, impl: str = "auto") -> torch.Tensor:
+    """Inverse of :func:`pack_codes`. See :func:`kvarn.reference.unpack_codes`."""
+    return _pick("unpack_codes", impl, packed)(packed, bits)
+
+
+def input_exponent(x, dtype=None, rotate: bool = True, *, impl: str = "auto") -> torch.Tensor:
+    """Per tile ``[..., G, D]``, the power of two that keeps it storable. See :func:`kvarn.reference.input_exponent`."""
+    return _pick("input_exponent", impl, x)(x, dtype, rotate)
+
+
+def scale_half(half, exp, *, impl: str = "auto"):
+    """A tile half reconstructing ``2^exp`` times larger. See :func:`kvarn.reference.scale_half`."""
+    return _pick("scale_half", impl, half[0])(half, exp)
+
+
+def scale_records(records, k_exp, v_exp, cfg, *, impl: str = "auto") -> torch.Tensor:
+    """Records reconstructing ``2^k_exp``, ``2^v_exp`` times larger. See :func:`kvarn.reference.scale_records`."""
+    return _pick("scale_records", impl, records)(records, k_exp, v_exp, cfg)

@@ -2,7 +2,7 @@ import itertools
 
 import pytest
 
-from kvarn.config import PRESETS, KVarNConfig
+from kvarn.config import PRESETS, KVarNConfig, Preset, check_preset
 
 # (preset, head_dim) -> record bytes, derived by hand: D*G*(kb+vb)/8 + 2*(3D + 3G).
 RECORD_BYTES = {
@@ -94,3 +94,33 @@ def test_preset_of_wrong_type():
         KVarNConfig.from_preset(4)
     cfg = KVarNConfig.from_preset(KVarNConfig.from_preset("kvarn_k2v2_g128"), head_dim=64)
     assert (cfg.k_bits, cfg.head_dim) == (2, 64)
+
+
+def test_from_preset_keeps_a_configs_head_dim():
+    # issue 11: from_preset(cfg) reset head_dim to 128
+    d64 = KVarNConfig.from_preset("kvarn_k4v4_g64", head_dim=64)
+    assert KVarNConfig.from_preset(d64).head_dim == 64
+    assert KVarNConfig.from_preset(d64, head_dim=64) == d64
+    assert KVarNConfig.from_preset(d64, head_dim=256).head_dim == 256
+    assert KVarNConfig.from_preset(d64, sinkhorn_iters=3) == KVarNConfig(4, 4, 64, 64, sinkhorn_iters=3)
+    assert KVarNConfig.from_preset("kvarn_k4v4_g64").head_dim == 128
+
+
+def test_check_preset():
+    # issue 12 item 10: KVarNCache(4) was accepted; constructors validate with check_preset
+    check_preset("kvarn_k2v2_g128")
+    check_preset(KVarNConfig())
+    for bad in (4, None, ("kvarn_k4v2_g128",)):
+        with pytest.raises(TypeError, match="preset must be a preset name or a KVarNConfig, got"):
+            check_preset(bad)
+    with pytest.raises(ValueError, match="unknown KVarN preset 'k4'; valid presets are: kvarn_k4v2_g128"):
+        check_preset("k4")
+
+
+def test_preset_fields_by_name():
+    for name, p in PRESETS.items():
+        assert isinstance(p, Preset)
+        assert name == f"kvarn_k{p.k_bits}v{p.v_bits}_g{p.group_size}"
+        assert p[2] == p.group_size  # still a tuple for older readers
+        cfg = KVarNConfig.from_preset(name)
+        assert (cfg.k_bits, cfg.v_bits, cfg.group_size) == p

@@ -204,3 +204,21 @@ def test_kernels_reject_bad_input():
         dequant.decode_records(torch.zeros(1, 7, dtype=torch.uint8), cfg)
     with pytest.raises(ValueError, match="cache must be uint8"):
         store.store_tiles(k[None].half(), k[None].half(), torch.zeros(1), torch.zeros(1, 1, 3, dtype=torch.uint8), cfg)
+
+
+@pytest.mark.parametrize("exp", [-40, -100])
+def test_encode_records_tiny_tiles_rescale_like_the_reference(exp):
+    # A tile half under 2^-24 is rescaled before the Sinkhorn stage (kvarn.reference.quantize,
+    # tiny tiles): the kernel stores it as the same tile at unit range, column scales 2^exp smaller.
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
+    k, v = make_kv(1, 64, 1, 64, torch.float32, seed=13)
+    unit = []
+    for x in (k[:, :, 0], v[:, :, 0]):
+        r = R.prepare(x)
+        _, e = torch.frexp(r.abs().amax())
+        unit.append(torch.ldexp(r, 1 - e.float()).to(torch.bfloat16))  # largest |value| in [1, 2)
+    tiny = [torch.ldexp(u.float(), torch.tensor(float(exp))).to(torch.bfloat16) for u in unit]
+    got_unit, got_tiny = store.encode_records(*unit, cfg), store.encode_records(*tiny, cfg)
+    check_records(got_unit, R.encode_records(*unit, cfg), *unit, cfg)
+    want = R.scale_records(got_unit, torch.tensor([exp]), torch.tensor([exp]), cfg)
+    assert torch.equal(got_tiny, want)

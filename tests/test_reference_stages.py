@@ -7,23 +7,32 @@ from hypothesis import strategies as st
 from strategies import make_tile, tiles
 from tolerances import ROTATE_ROUNDTRIP, ROUNDTRIP_REL
 
+from kvarn.config import KVarNConfig
 from kvarn.reference import (
     choose_qparams,
+    decode_half,
+    decode_records,
     dequantize_half,
     dequantize_rows,
+    encode_half,
+    encode_records,
     hadamard_matrix,
     imbalance,
+    input_exponent,
     merge_tiles,
     pack_codes,
+    prepare,
     quantize_half,
     quantize_rows,
     rotate,
+    scale_records,
     sinkhorn,
     split_tiles,
     unpack_codes,
+    unpack_record,
 )
 from kvarn.reference.normalize import LOG_SCALE_MAX, LOG_SCALE_MIN
-from kvarn.reference.quantize import ROW_PARAM_RANGE, range_exponent
+from kvarn.reference.quantize import MAX_ABS, ROW_PARAM_RANGE, range_exponent, tiny_exponent
 
 # --- tiling -------------------------------------------------------------------------------------
 
@@ -246,3 +255,101 @@ def test_range_guard_moves_a_power_of_two():
     half_ord = quantize_half(ordinary, 4)
     _, c = sinkhorn(ordinary, 8)
     torch.testing.assert_close(half_ord.col.float(), c.to(torch.bfloat16).float())
+
+
+# --- range handling: tiny tiles, kvarn.quantize's input exponent, folding powers of two ---------
+
+
+def _unit_amax(m: torch.Tensor) -> torch.Tensor:
+    """``m`` scaled by a power of two so its largest |value| lies in [1, 2) (an ordinary tile)."""
+    _, e = torch.frexp(m.abs().amax())
+    return torch.ldexp(m, 1 - e.float())
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "outlier_channel", "heavy_tokens"])
+@pytest.mark.parametrize("exp", [-30, -60, -100])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_tiny_tile_is_the_unit_tile_rescaled(kind, exp, bits):
+    # A tile half whose largest |value| is under 2^-24 is divided by a power of two first and the
+    # power goes into its column scales: the same codes and row parameters as the tile at unit
+    # range, column scales exactly 2^exp smaller. (Before: the RTN step floor 1e-10 made a tile of
+    # randn * 1e-20 all zeros and cost 3x the error at 1e-10.)
+    m = _unit_amax(make_tile(128, 64, kind, 3))
+    tiny = torch.ldexp(m, torch.tensor(float(exp)))
+    unit, small = quantize_half(m, bits), quantize_half(tiny, bits)
+    assert torch.equal(small.codes, unit.codes)
+    assert torch.equal(small.scale, unit.scale) and torch.equal(small.zero, unit.zero)
+    assert torch.equal(small.col, torch.ldexp(unit.col.float(), torch.tensor(float(exp))).to(torch.bfloat16))
+    rec, tiny = dequantize_half(small).double(), tiny.double()  # fp64: squares of 1e-30 underflow fp32
+    assert float((rec - tiny).norm() / tiny.norm()) < ROUNDTRIP_REL[bits]
+
+
+def test_tiny_exponent_leaves_ordinary_tiles_alone():
+    m = make_tile(64, 64, "gaussian", 0)
+    for scale in (2.0**-24, 1.0, 1e-6, 1e5):  # largest |value| >= 2^-24: stored as the method states
+        assert int(tiny_exponent(m * scale / m.abs().amax()).abs().max()) == 0
+    assert int(tiny_exponent(torch.zeros(64, 64))) == 0
+    p = tiny_exponent(torch.full((64, 64), 2.0**-25))
+    assert int(p) == -25  # brought to [1, 2)
+    sub = torch.full((64, 64), 2.0**-140)  # an fp32 subnormal tile: the power stays a normal number
+    assert int(tiny_exponent(sub)) == -126
+
+
+def test_input_exponent_is_zero_wherever_prepare_stores_the_tile_as_is():
+    x = torch.randn(3, 128, 128)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        assert int(input_exponent(x.to(dtype)).abs().max()) == 0
+    near = (torch.randn(2, 128, 128) * 300).half()  # rotated values under 65504: no scaling
+    assert float(rotate(near.float()).abs().max()) < 65504 and int(input_exponent(near).abs().max()) == 0
+
+
+def test_input_exponent_fp16_rotation_overflow():
+    # fp16 values inside fp16's range whose rotation is not: a large common offset goes to one channel
+    x = (20000 + 2000 * torch.randn(2, 128, 128)).half()
+    assert float(rotate(x.float()).abs().max()) > 65504
+    s = input_exponent(x)
+    assert bool((s > 0).all())
+    scaled = rotate(torch.ldexp(x.float(), -s[:, None, None].float()))
+    assert float(scaled.abs().max()) < 2.0**15
+    assert int(input_exponent(x, rotate_=False).abs().max()) == 0  # without rotation nothing overflows
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_input_exponent_past_max_abs(dtype):
+    x = (torch.randn(2, 64, 64) * torch.tensor([1e10, 10.0])[:, None, None]).to(dtype)
+    s = input_exponent(x)
+    assert int(s[1]) == 0 and int(s[0]) > 0
+    assert float(torch.ldexp(x[0].float(), -s[0].float()).abs().max()) <= MAX_ABS
+
+
+def test_input_exponent_fp16_subnormal_tiles():
+    x = (torch.randn(2, 64, 64) * torch.tensor([1e-6, 1.0])[:, None, None]).half()
+    s = input_exponent(x)
+    assert int(s[1]) == 0 and int(s[0]) < 0
+    amax = float(torch.ldexp(x[0].float(), -s[0].float()).abs().max())
+    assert 1.0 <= amax < 2.0
+
+
+def test_scale_records_is_exact():
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
+    k, v = (prepare(torch.randn(3, 64, 64)) for _ in range(2))
+    rec = encode_records(k, v, cfg)
+    ke, ve = torch.tensor([0, 20, -30]), torch.tensor([5, 0, -7])
+    k2, v2 = decode_records(scale_records(rec, ke, ve, cfg), cfg)
+    k1, v1 = decode_records(rec, cfg)
+    assert torch.equal(k2, torch.ldexp(k1, ke[:, None, None].float()))
+    assert torch.equal(v2, torch.ldexp(v1, ve[:, None, None].float()))
+
+
+def test_encode_half_is_the_record_orientation():
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
+    k, v = (prepare(torch.randn(2, 64, 64)) for _ in range(2))
+    k_half, v_half = unpack_record(encode_records(k, v, cfg), cfg)
+    for role, want, x in (("key", k_half, k), ("value", v_half, v)):
+        got = encode_half(x, role, cfg)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    wk, wv = decode_records(encode_records(k, v, cfg), cfg)
+    assert torch.equal(decode_half(k_half, "key"), wk) and torch.equal(decode_half(v_half, "value"), wv)
+    assert encode_half(k, "key", cfg).codes.shape == (2, 64, 64)
+    with pytest.raises(ValueError, match="role must be 'key' or 'value', got 'query'"):
+        encode_half(k, "query", cfg)

@@ -60,7 +60,7 @@ def test_the_dtype_flag_alone_selects_the_preset_backend_and_its_block_size(pres
     with set_current_vllm_config(config):
         for head_size in (64, 128):
             assert get_attn_backend(head_size, torch.bfloat16, preset) is BACKENDS[preset]
-        assert config.cache_config.block_size == PRESETS[preset][2]
+        assert config.cache_config.block_size == PRESETS[preset].group_size
         other = get_attn_backend(64, torch.bfloat16, "auto")
     assert not issubclass(other, BACKENDS[preset]), "other dtypes go to the platform's own backend"
 

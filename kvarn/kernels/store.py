@@ -10,7 +10,8 @@ straight into its record; a launch covers every (tile, head, half) of the call. 
   scaled tile ``X = M / (r c^T)`` is taken in factored form: ``colstd(X)_j = std_i(M_ij / r_i) / c_j``
   and ``rowstd(X)_i = std_j(M_ij / c_j) / r_i``, two centered passes per iteration instead of four.
 - ``c`` rounded to bf16 before ``B = M / (r c^T)``, asymmetric RTN (ties to even), the range guard's
-  exponent from the fp32 bits (``frexp`` semantics), fp16 row parameters, bf16 column scales.
+  exponent from the fp32 bits (``frexp`` semantics), fp16 row parameters, bf16 column scales; a
+  tiny tile half is rescaled by a power of two first, which its column scales take back.
 - Planar packing along rows (K: channels, V: tokens).
 
 Results equal the reference's except where fp32 rounding differs (``exp``/``log`` approximations,
@@ -50,6 +51,10 @@ from kvarn.kernels._common import (
     sanitize,
     store_model,
 )
+
+TINY = tl.constexpr(2.0**-24)  # kvarn.reference.quantize: 2^TINY_EXP, TINY_TARGET_EXP, MIN_EXP
+TINY_TARGET_EXP = tl.constexpr(1)
+MIN_EXP = tl.constexpr(-126)
 
 _empty = torch.empty
 """Allocator of outputs (tests swap in one that pre-fills them)."""
@@ -100,6 +105,9 @@ def _encode_half(
     """Quantize one oriented tile half ``m: [R, C]`` fp32 and write its fields at record ``out``."""
     QMAX: tl.constexpr = (1 << BITS) - 1
     P: tl.constexpr = 8 // BITS
+    amax_m = tl.max(tl.max(tl.abs(m), axis=1), axis=0)  # tiny tiles: rescaled, 2^p folded into col
+    p = tl.where((amax_m > 0.0) & (amax_m < TINY), tl.maximum(frexp_exponent(amax_m) - TINY_TARGET_EXP, MIN_EXP), 0)
+    m = m * pow2(-p)
     lr = tl.zeros([R], dtype=tl.float32)
     lc = tl.zeros([C], dtype=tl.float32)
     best_lr = lr
@@ -137,7 +145,7 @@ def _encode_half(
     e = tl.where((e > ROW_EXP_LO) & (e <= ROW_EXP_HI), 0, e)
     scale = scale * pow2(-e)
     zero = zero * pow2(-e)
-    col = c * pow2(e)
+    col = c * pow2(e) * pow2(p)
 
     packed = tl.reshape(codes, (P, R // P, C))
     shifts = (tl.arange(0, P) * BITS)[:, None, None]

@@ -12,8 +12,23 @@ from kvarn.reference.dequant import dequantize_rows
 from kvarn.reference.hadamard import hadamard_matrix, rotate
 from kvarn.reference.normalize import imbalance, sinkhorn
 from kvarn.reference.packing import pack_codes, unpack_codes
-from kvarn.reference.quantize import TileHalf, dequantize_half, prepare, quantize_half
-from kvarn.reference.record import decode_records, encode_records, pack_record, unpack_record
+from kvarn.reference.quantize import (
+    TileHalf,
+    dequantize_half,
+    input_exponent,
+    prepare,
+    quantize_half,
+    scale_half,
+)
+from kvarn.reference.record import (
+    decode_half,
+    decode_records,
+    encode_half,
+    encode_records,
+    pack_record,
+    scale_records,
+    unpack_record,
+)
 from kvarn.reference.rtn import choose_qparams, quantize_rows
 from kvarn.reference.tiling import merge_tiles, split_tiles
 
@@ -22,13 +37,16 @@ __all__ = [
     "attend",
     "choose_qparams",
     "commit_tiles",
+    "decode_half",
     "decode_records",
     "dequantize_half",
     "dequantize_rows",
+    "encode_half",
     "encode_records",
     "gather_sequence",
     "hadamard_matrix",
     "imbalance",
+    "input_exponent",
     "merge_tiles",
     "pack_codes",
     "pack_record",
@@ -37,6 +55,8 @@ __all__ = [
     "quantize_half",
     "quantize_rows",
     "rotate",
+    "scale_half",
+    "scale_records",
     "sinkhorn",
     "split_tiles",
     "store_tiles",

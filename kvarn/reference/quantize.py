@@ -4,6 +4,8 @@ A *tile half* is the K or the V part of one tile, oriented so that its rows are 
 pair of RTN parameters: ``M: [..., R, C]`` with ``R = D, C = G`` for K (rows are channels) and
 ``R = G, C = D`` for V (rows are tokens). Stages, each in its own module::
 
+    p           = tiny-tile exponent (see below)          0 for ordinary tiles
+    M           = M / 2^p
     (r, c)      = sinkhorn(M, iters)                      normalize.py
     c           = bf16(c)                                 rounded first, so its rounding is exact
     B           = M / (r c^T)
@@ -11,7 +13,7 @@ pair of RTN parameters: ``M: [..., R, C]`` with ``R = D, C = G`` for K (rows are
     codes       = quantize_rows(B, lo, step, bits)        rtn.py
     scale, zero = r * step, r * lo                        folded into one pair per row
     e           = range guard (see below)
-    stored      = fp16(scale / 2^e), fp16(zero / 2^e), bf16(c * 2^e), codes
+    stored      = fp16(scale / 2^e), fp16(zero / 2^e), bf16(c * 2^e * 2^p), codes
 
 Reconstruction: ``M~[i, j] = (codes[i, j] * scale[i] + zero[i]) * c[j]`` (``dequant.py``).
 
@@ -21,14 +23,25 @@ it to ``[0.5, 1)`` moves from the row parameters to the column scales. The produ
 (powers of two scale exactly), ordinary tiles are stored exactly as the method states, and no
 finite input can overflow fp16 or sink into its subnormals wholesale.
 
+Tiny tiles. The method's absolute floors (the RTN step floor ``1e-10``, the imbalance floor
+``1e-8``) were set for values of ordinary size: below a largest ``|M|`` of about ``1e-9`` they
+dominate, and a tile of ``randn * 1e-20`` would round to zeros. A tile half whose largest ``|M|``
+is below ``2^TINY_EXP`` (``2^-24``, 64x above where the floors start to cost accuracy) is first
+divided by the power of two ``2^p`` that brings its largest value to ``[1, 2)``, and ``2^p`` is
+folded into its column scales: exact, and a no-op (``p = 0``) for every other tile. ``p`` is
+bounded below by ``-126`` so ``2^-p`` is a normal fp32 number; the column scales, bf16 with
+fp32's exponent range, stay normal down to inputs of about ``2^-120``.
+
 Input policy (:func:`prepare`): NaN becomes 0 and values are saturated to ``+-MAX_ABS`` (2^24,
 far past any KV value of a working model, and small enough that every fp32 statistic of a
-rotated tile stays finite). ``kvarn.quantize`` refuses NaN and inf instead; the store path, which
-cannot raise in the middle of a model step, applies this policy so nothing non-finite is stored.
+rotated tile stays finite). ``kvarn.quantize`` refuses NaN and inf instead and scales tiles that
+would saturate (:func:`input_exponent`); the store path, which cannot raise in the middle of a
+model step, applies this policy so nothing non-finite is stored.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -38,10 +51,17 @@ from kvarn.reference.hadamard import rotate
 from kvarn.reference.normalize import sinkhorn
 from kvarn.reference.rtn import choose_qparams, quantize_rows
 
-MAX_ABS = 2.0**24
+MAX_ABS_EXP = 24
+MAX_ABS = 2.0**MAX_ABS_EXP
 """Inputs are saturated to [-MAX_ABS, MAX_ABS] before rotation."""
 ROW_PARAM_RANGE = (-8, 15)
 """A tile half's largest row parameter is kept in [2^-8, 2^15) (see the range guard)."""
+TINY_EXP = -24
+"""A tile half whose largest ``|value|`` is below ``2^TINY_EXP`` is rescaled first (tiny tiles)."""
+TINY_TARGET_EXP = 1
+"""... by the power of two that brings its largest ``|value|`` to ``[2^(TINY_TARGET_EXP - 1), 2^TINY_TARGET_EXP)``."""
+MIN_EXP = -126
+"""Smallest exponent of a normal fp32 number: bounds every power of two applied here."""
 ROW_DTYPE = torch.float16
 COL_DTYPE = torch.bfloat16
 
@@ -80,6 +100,14 @@ def range_exponent(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     return torch.where(inside, torch.zeros_like(exp), exp)
 
 
+def tiny_exponent(m: torch.Tensor) -> torch.Tensor:
+    """The tiny-tile exponent ``p: [...]`` (int32) of tile halves ``m: [..., R, C]``; 0 unless tiny."""
+    amax = m.abs().amax((-2, -1))
+    _, exp = torch.frexp(amax)
+    tiny = (amax > 0) & (amax < 2.0**TINY_EXP)
+    return torch.where(tiny, (exp - TINY_TARGET_EXP).clamp_min(MIN_EXP), torch.zeros_like(exp))
+
+
 def quantize_half(m: torch.Tensor, bits: int, iters: int = 8, normalize: bool = True) -> TileHalf:
     """Quantize tile halves ``m: [..., R, C]`` (rotated and oriented) with ``bits`` per code.
 
@@ -94,6 +122,8 @@ def quantize_half(m: torch.Tensor, bits: int, iters: int = 8, normalize: bool = 
             m.new_empty(rows, dtype=ROW_DTYPE),
             m.new_empty(cols, dtype=COL_DTYPE),
         )
+    p = tiny_exponent(m)[..., None].float()
+    m = torch.ldexp(m, -p[..., None])
     if normalize:
         r, c = sinkhorn(m, iters)
     else:
@@ -104,13 +134,54 @@ def quantize_half(m: torch.Tensor, bits: int, iters: int = 8, normalize: bool = 
     lo, step = choose_qparams(b, bits)
     codes = quantize_rows(b, lo, step, bits)
     scale, zero = r * step, r * lo
-    e = range_exponent(scale, zero)
-    scale = torch.ldexp(scale, -e[..., None].float()).to(ROW_DTYPE)
-    zero = torch.ldexp(zero, -e[..., None].float()).to(ROW_DTYPE)
-    col = torch.ldexp(c, e[..., None].float()).to(COL_DTYPE)
+    e = range_exponent(scale, zero)[..., None].float()
+    scale = torch.ldexp(scale, -e).to(ROW_DTYPE)
+    zero = torch.ldexp(zero, -e).to(ROW_DTYPE)
+    col = torch.ldexp(torch.ldexp(c, e), p).to(COL_DTYPE)  # two exact steps, as the kernel does
     return TileHalf(codes, scale, zero, col)
 
 
 def dequantize_half(half: TileHalf) -> torch.Tensor:
     """``TileHalf`` -> reconstructed tile halves ``[..., R, C]`` in fp32 (rotated frame)."""
     return dequantize_rows(half.codes, half.scale, half.zero, half.col)
+
+
+def scale_half(half: TileHalf, exp: torch.Tensor) -> TileHalf:
+    """``half`` with its column scales times ``2^exp`` (``exp: [...]`` int): it reconstructs ``2^exp`` times the tiles.
+
+    Exact while the scaled column scales stay normal bf16 numbers.
+    """
+    col = torch.ldexp(half.col.float(), exp[..., None].float().to(half.col.device)).to(COL_DTYPE)
+    return half._replace(col=col)
+
+
+def input_exponent(x: torch.Tensor, dtype: torch.dtype | None = None, rotate_: bool = True) -> torch.Tensor:
+    """Per tile, the power of two ``s: [...]`` (int32) that ``kvarn.quantize`` divides tiles ``x: [..., G, D]`` by.
+
+    ``s`` is 0 for every tile that :func:`prepare` stores as it is, so those tiles keep the bytes
+    the caches store. It is not 0 where ``prepare(x, dtype)`` would lose the tile:
+
+    - ``max |x| > MAX_ABS`` (fp32 or bf16 values past 2^24 would saturate): ``s`` brings the
+      largest value under ``2^24``;
+    - ``max |x H|`` past the finite range of ``dtype`` (fp16 values whose rotation exceeds 65504):
+      ``s`` brings the rotated tile under ``2^15``;
+    - ``0 < max |x|`` below the smallest normal number of ``dtype`` (fp16 values under ``2^-14``,
+      whose rotation would round to fp16 subnormals): ``s`` (negative) brings it to ``[1, 2)``.
+
+    The caller stores ``x / 2^s`` and folds ``2^s`` into the column scales (:func:`scale_half`).
+    """
+    dtype = dtype or x.dtype
+    x = x.to(torch.float32)
+    info = torch.finfo(dtype)
+    amax = x.abs().amax((-2, -1))
+    _, exp = torch.frexp(amax)
+    s = torch.where(amax > MAX_ABS, exp - MAX_ABS_EXP, torch.zeros_like(exp))
+    tiny = (amax > 0) & (amax < info.tiny)
+    s = torch.where(tiny, (exp - TINY_TARGET_EXP).clamp_min(MIN_EXP), s)
+    scaled_max = torch.ldexp(amax, -s.float())
+    if rotate_ and bool((scaled_max * x.shape[-1] ** 0.5 > info.max).any()):  # |x H| <= sqrt(D) max |x|
+        rot = rotate(torch.ldexp(x, -s[..., None, None].float())).abs().amax((-2, -1))
+        _, rot_exp = torch.frexp(rot)
+        top = math.frexp(info.max)[1] - 1  # 2^top <= the finite max
+        s = torch.where(rot > info.max, s + rot_exp - top, s)
+    return s

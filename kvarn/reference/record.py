@@ -4,6 +4,8 @@
 rounded: ``k, v: [..., G, D]`` (tokens, channels) for one (tile, head) each. K is transposed to
 ``[D, G]`` so its rows are channels (per-channel parameters, per-token scale); V stays ``[G, D]``
 (per-token parameters, per-channel scale). Both halves are quantized by the same routine.
+:func:`encode_half` and :func:`decode_half` hold this orientation for one role; everything that
+quantizes a K or a V half on its own (``kvarn.quantize(x, role=...)``) goes through them.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import torch
 
 from kvarn.config import SCALE_FIELDS, KVarNConfig
 from kvarn.reference.packing import pack_codes, unpack_codes
-from kvarn.reference.quantize import COL_DTYPE, ROW_DTYPE, TileHalf, dequantize_half, quantize_half
+from kvarn.reference.quantize import COL_DTYPE, ROW_DTYPE, TileHalf, dequantize_half, quantize_half, scale_half
+
+ROLES = ("key", "value")
 
 _FIELD_DTYPES = {
     "k_scale": ROW_DTYPE,
@@ -24,11 +28,33 @@ _FIELD_DTYPES = {
 }
 
 
+def _check_role(role: str) -> None:
+    if role not in ROLES:
+        raise ValueError(f"role must be 'key' or 'value', got {role!r}")
+
+
+def encode_half(tiles: torch.Tensor, role: str, cfg: KVarNConfig) -> TileHalf:
+    """Quantize prepared tiles ``[..., G, D]`` as the K (``role="key"``) or V half of a record.
+
+    Returns the K half ``[..., D, G]`` (rows: channels) with ``cfg.k_bits`` codes, or the V half
+    ``[..., G, D]`` (rows: tokens) with ``cfg.v_bits`` codes.
+    """
+    _check_role(role)
+    if role == "key":
+        return quantize_half(tiles.transpose(-1, -2), cfg.k_bits, cfg.sinkhorn_iters, cfg.normalize)
+    return quantize_half(tiles, cfg.v_bits, cfg.sinkhorn_iters, cfg.normalize)
+
+
+def decode_half(half: TileHalf, role: str) -> torch.Tensor:
+    """Inverse of :func:`encode_half`: tiles ``[..., G, D]`` fp32 in the rotated frame."""
+    _check_role(role)
+    tiles = dequantize_half(TileHalf(*half))
+    return tiles.transpose(-1, -2) if role == "key" else tiles
+
+
 def quantize_kv_tiles(k: torch.Tensor, v: torch.Tensor, cfg: KVarNConfig) -> tuple[TileHalf, TileHalf]:
     """Quantize prepared tiles ``k, v: [..., G, D]`` -> (K half ``[..., D, G]``, V half ``[..., G, D]``)."""
-    k_half = quantize_half(k.transpose(-1, -2), cfg.k_bits, cfg.sinkhorn_iters, cfg.normalize)
-    v_half = quantize_half(v, cfg.v_bits, cfg.sinkhorn_iters, cfg.normalize)
-    return k_half, v_half
+    return encode_half(k, "key", cfg), encode_half(v, "value", cfg)
 
 
 def pack_record(k_half: TileHalf, v_half: TileHalf, cfg: KVarNConfig) -> torch.Tensor:
@@ -76,4 +102,14 @@ def encode_records(k: torch.Tensor, v: torch.Tensor, cfg: KVarNConfig) -> torch.
 def decode_records(records: torch.Tensor, cfg: KVarNConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Records ``[..., record_bytes]`` -> ``(k, v): [..., G, D]`` fp32 in the rotated frame."""
     k_half, v_half = unpack_record(records, cfg)
-    return dequantize_half(k_half).transpose(-1, -2), dequantize_half(v_half)
+    return decode_half(k_half, "key"), decode_half(v_half, "value")
+
+
+def scale_records(records: torch.Tensor, k_exp: torch.Tensor, v_exp: torch.Tensor, cfg: KVarNConfig) -> torch.Tensor:
+    """Records ``[..., record_bytes]`` whose K and V tiles reconstruct ``2^k_exp`` and ``2^v_exp`` times larger.
+
+    ``k_exp, v_exp: [...]`` int. The powers of two go into the column scales (``k_tok``,
+    ``v_chan``): exact while those stay normal bf16 numbers. Returns a new tensor.
+    """
+    k_half, v_half = unpack_record(records, cfg)
+    return pack_record(scale_half(k_half, k_exp), scale_half(v_half, v_exp), cfg)
