@@ -43,7 +43,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvarn import ops
-from kvarn.config import DEFAULT_PRESET, KVarNConfig
+from kvarn.config import DEFAULT_PRESET, KVarNConfig, check_preset
 from kvarn.paged import PagedKV, TilePlan, TilePlanner
 
 ATTENTION_NAME = "kvarn"
@@ -502,7 +502,7 @@ class KVarNCache(Cache):
     ):
         if impl not in ops.IMPLS:
             raise ValueError(f"impl must be one of {ops.IMPLS}, got {impl!r}")
-        KVarNConfig.from_preset(preset)  # fail early on an unknown name or a wrong type
+        check_preset(preset)
         self.preset, self.sink, self.paged = preset, sink, paged
         self._sequences = _Sequences(sink, attention_mask)
         kwargs = {
