@@ -1,8 +1,12 @@
 # Two commands set everything up on a fresh clone:  `make report`  and  `make test`.
 VENV ?= .venv
 STAMP := $(VENV)/.kvarn-installed
+# The GPU targets need no venv: on a CUDA machine with torch and triton, `make gpu-test PY=python3`.
+PY ?= $(VENV)/bin/python
+BENCH_OUT ?= bench-out
+BENCH_ARGS ?=
 
-.PHONY: setup demo report test lint format clean
+.PHONY: setup demo report test lint format clean gpu-test bench
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	VENV=$(VENV) bash scripts/setup.sh
@@ -24,6 +28,16 @@ lint: $(STAMP)
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
+
+# The GPU suite: every test marked gpu (kernels against the reference, the vLLM backend's CUDA path).
+gpu-test:
+	PYTHONPATH=. $(PY) -m pytest -m gpu
+
+# Decode attention and store benchmarks; JSON lands in $(BENCH_OUT). BENCH_ARGS=--quick: a few decode shapes.
+bench:
+	mkdir -p $(BENCH_OUT)
+	PYTHONPATH=. $(PY) benchmarks/bench_decode.py --out $(BENCH_OUT)/decode.json $(BENCH_ARGS)
+	PYTHONPATH=. $(PY) benchmarks/bench_store.py --out $(BENCH_OUT)/store.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
+from pathlib import Path
 
 import torch
 import triton
+
+
+def _load_tolerances():
+    """``tests/tolerances.py``, the one table of tolerances (the benchmarks' correctness gates use it too)."""
+    path = Path(__file__).resolve().parents[1] / "tests" / "tolerances.py"
+    spec = importlib.util.spec_from_file_location("kvarn_test_tolerances", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TOL = _load_tolerances()
 
 
 def environment() -> dict:

@@ -19,13 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks._common import copy_bandwidth, environment, time_graph
+from benchmarks._common import TOL, copy_bandwidth, environment, time_graph
 from kvarn import reference as R
 from kvarn.config import KVarNConfig
 from kvarn.kernels import attention as A
 
 TAIL = 37
-REL_TOL = {torch.float16: 1e-2, torch.bfloat16: 1.6e-2}  # as tests/test_kernels_common.ATTN_REL
+REL_TOL = TOL.ATTN_REL
 
 
 def synthetic_cache(cfg: KVarNConfig, batch: int, ctx: int, hkv: int, dtype: torch.dtype, seed: int) -> dict:
@@ -120,13 +120,14 @@ def sdpa_flash(q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
 
 
-def bench_shape(preset, d, hq, hkv, batch, ctx, dtype, copy_bw, sdpa: bool = True) -> dict:
+def bench_shape(preset, d, hq, hkv, batch, ctx, dtype, copy_bw, launch: dict, sdpa: bool = True) -> dict:
+    """Time one shape; ``launch`` holds the attention kernel's ``num_warps`` and ``num_stages``."""
     cfg = KVarNConfig.from_preset(preset, head_dim=d)
     st = synthetic_cache(cfg, batch, ctx, hkv, dtype, seed=batch * 7 + ctx)
     q = torch.randn(batch, hq, d, device="cuda").to(dtype)
-    out = A.paged_attention(*args_of(st, q, cfg))
+    out = A.paged_attention(*args_of(st, q, cfg), **launch)
     err = check(out, st, q, cfg, 1, f"{preset} d={d} B={batch} ctx={ctx}")
-    t_kv = time_graph(lambda: A.paged_attention(*args_of(st, q, cfg)))
+    t_kv = time_graph(lambda: A.paged_attention(*args_of(st, q, cfg), **launch))
     n_full = ctx // cfg.group_size
     kv_bytes = batch * hkv * (n_full * cfg.record_bytes + TAIL * d * 2 * 2)
     if not sdpa:
@@ -153,7 +154,7 @@ def bench_shape(preset, d, hq, hkv, batch, ctx, dtype, copy_bw, sdpa: bool = Tru
         "kvarn_pct_copy": 100 * kv_bytes / t_kv / 1e3 / copy_bw,
         "sdpa_GBps": fp16_bytes / t_sd / 1e3,
         "check_rel_err": err,
-        "splits": A._choose_splits(batch * hkv, n_full + 1, torch.device("cuda")),
+        "splits": A.choose_splits(batch * hkv, n_full + 1, torch.device("cuda")),
     }
 
 
@@ -195,16 +196,16 @@ def main() -> None:
     sweep = []
     best, best_t = None, float("inf")
     for warps, stages in [(4, 2), (4, 3), (4, 4), (8, 2), (8, 3)]:
-        A.ATTN_NUM_WARPS, A.ATTN_NUM_STAGES = warps, stages
+        launch = {"num_warps": warps, "num_stages": stages}
         t = 0.0
         for batch, ctx in ((16, 32768), (64, 4096)):
-            r = bench_shape("kvarn_k4v2_g128", 128, 32, 8, batch, ctx, torch.float16, copy_bw, sdpa=False)
+            r = bench_shape("kvarn_k4v2_g128", 128, 32, 8, batch, ctx, torch.float16, copy_bw, launch, sdpa=False)
             t += r["kvarn_us"]
             sweep.append({"num_warps": warps, "num_stages": stages, **r})
             print(f"sweep warps={warps} stages={stages} B={batch} ctx={ctx}: {r['kvarn_us']:.1f} us", flush=True)
         if t < best_t:
             best, best_t = (warps, stages), t
-    A.ATTN_NUM_WARPS, A.ATTN_NUM_STAGES = best
+    launch = {"num_warps": best[0], "num_stages": best[1]}
     print(f"using num_warps={best[0]} num_stages={best[1]}", flush=True)
     shapes = []
     if args.quick:
@@ -227,7 +228,7 @@ def main() -> None:
     rows = []
     print("| preset | D | Hq/Hkv | B | ctx | kvarn us | SDPA us | speedup | kvarn GB/s | % copy BW | SDPA GB/s |")
     for preset, d, hq, hkv, batch, ctx in shapes:
-        r = bench_shape(preset, d, hq, hkv, batch, ctx, torch.float16, copy_bw)
+        r = bench_shape(preset, d, hq, hkv, batch, ctx, torch.float16, copy_bw, launch)
         torch.cuda.empty_cache()
         rows.append(r)
         print(

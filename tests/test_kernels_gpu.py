@@ -1,7 +1,7 @@
 """Triton kernels vs the reference on a CUDA device, at full size (``pytest -m gpu``).
 
 The reference runs on the same device, so both sides see the same inputs; the checks are those of
-``test_kernels_common`` (records equal up to rounding ties, attention within ``ATTN_REL``). Each
+``kernel_oracle`` (records equal up to rounding ties, attention within ``ATTN_REL``). Each
 test prints its measured statistics (``-s`` shows them): the tie fractions in the results file
 come from these lines.
 """
@@ -18,13 +18,13 @@ pytestmark = [
 
 triton = pytest.importorskip("triton")
 
-from test_kernels_common import (  # noqa: E402
+from kernel_oracle import (  # noqa: E402
     attention_args,
     build_cache,
     check_attention,
     check_records,
     make_kv,
-    poison_outputs,
+    poisoned_empty,
     ragged_lengths,
 )
 
@@ -49,25 +49,23 @@ ENCODE_CASES = [(p, d, torch.float16) for p in PRESETS for d in (64, 128, 256)] 
 
 
 @pytest.mark.parametrize("preset,d,dtype", ENCODE_CASES)
-def test_encode_records_gpu(preset, d, dtype, monkeypatch):
-    poison_outputs(monkeypatch, store)
+def test_encode_records_gpu(preset, d, dtype):
     cfg = KVarNConfig.from_preset(preset, head_dim=d)
     k, v = make_kv(8, cfg.group_size, 2, d, dtype, seed=d)
     kr = R.prepare(k.to(DEV), dtype).transpose(1, 2)
     vr = R.prepare(v.to(DEV), dtype).transpose(1, 2)
-    got = store.encode_records(kr, vr, cfg)
+    got = store.encode_records(kr, vr, cfg, empty=poisoned_empty)
     want = R.encode_records(kr, vr, cfg)
     _report(f"encode {preset} d={d} {dtype}", check_records(got, want, kr, vr, cfg))
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_decode_records_gpu_is_exact(preset, d, monkeypatch):
-    poison_outputs(monkeypatch, dequant)
+def test_decode_records_gpu_is_exact(preset, d):
     cfg = KVarNConfig.from_preset(preset, head_dim=d)
     k, v = make_kv(4, cfg.group_size, 2, d, torch.bfloat16, seed=1)
     records = R.encode_records(R.prepare(k.to(DEV)).transpose(1, 2), R.prepare(v.to(DEV)).transpose(1, 2), cfg)
-    gk, gv = dequant.decode_records(records, cfg)
+    gk, gv = dequant.decode_records(records, cfg, empty=poisoned_empty)
     wk, wv = R.decode_records(records, cfg)
     assert torch.equal(gk, wk) and torch.equal(gv, wv)
 
@@ -86,7 +84,7 @@ def test_store_tiles_gpu(preset, d, dtype):
     block_ids = (torch.randperm(n) + 1).to(torch.int32).to(DEV)
     got = torch.full((n + 3, hkv, cfg.record_bytes), 0xAB, dtype=torch.uint8, device=DEV)
     want = got.clone()
-    store.store_tiles(k, v, block_ids, got, cfg)
+    store.store_tiles(k, v, block_ids, got, cfg, empty=poisoned_empty)
     R.store_tiles(k, v, block_ids, want, cfg)
     untouched = [0, n + 1, n + 2]
     assert torch.equal(got[untouched], want[untouched])
@@ -143,31 +141,27 @@ ATTN_CASES = [
 
 
 @pytest.mark.parametrize("preset,d,dtype,hq,hkv,sink,splits", ATTN_CASES)
-def test_paged_attention_gpu(preset, d, dtype, hq, hkv, sink, splits, monkeypatch):
+def test_paged_attention_gpu(preset, d, dtype, hq, hkv, sink, splits):
     cfg = KVarNConfig.from_preset(preset, head_dim=d)
-    monkeypatch.setattr(attention, "NUM_SPLITS_OVERRIDE", splits)
-    poison_outputs(monkeypatch, attention)
     lengths = ragged_lengths(cfg.group_size, cfg.group_size, seed=d + hq, max_tiles=12)
     state = build_cache(cfg, lengths, hkv, dtype, seed=5, device=DEV)
     query = (torch.randn(len(lengths), hq, d) * 2).to(dtype).to(DEV)
     args = attention_args(state, query, cfg, sink=sink)
-    err = check_attention(attention.paged_attention(*args), args)
+    err = check_attention(attention.paged_attention(*args, num_splits=splits, empty=poisoned_empty), args)
     print(f"STATS attention {preset} d={d} {dtype} hq={hq} hkv={hkv} sink={sink} splits={splits} rel_err={err:.2e}")
 
 
 @pytest.mark.parametrize("splits", [None, 1, 4])
 @pytest.mark.parametrize("hq", [32, 64])
-def test_paged_attention_multi_query_gpu(splits, hq, monkeypatch):
+def test_paged_attention_multi_query_gpu(splits, hq):
     cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
-    monkeypatch.setattr(attention, "NUM_SPLITS_OVERRIDE", splits)
-    poison_outputs(monkeypatch, attention)
     lengths = [1000, 300, 128, 7, 2050, 640]
     n_q = [37, 0, 128, 7, 300, 1]
     state = build_cache(cfg, lengths, 8, torch.float16, seed=8, device=DEV)
     qsl = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
     query = torch.randn(int(qsl[-1]), hq, 128, device=DEV).half()
     args = attention_args(state, query, cfg, qsl=qsl, sink=True)
-    err = check_attention(attention.paged_attention(*args), args)
+    err = check_attention(attention.paged_attention(*args, num_splits=splits, empty=poisoned_empty), args)
     print(f"STATS multi_query hq={hq} splits={splits} rel_err={err:.2e}")
 
 
@@ -179,4 +173,4 @@ def test_ops_auto_picks_triton_on_cuda():
     assert ops.triton_available()
     got = ops.encode_records(kr, vr, cfg, impl="auto")
     check_records(got, R.encode_records(kr, vr, cfg), kr, vr, cfg)
-    assert ops._pick("paged_attention", "auto", torch.device(DEV)) is attention.paged_attention
+    assert ops._pick("paged_attention", "auto", kr) is attention.paged_attention  # kr: fp16 on CUDA

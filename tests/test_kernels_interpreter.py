@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from test_kernels_common import (
+from kernel_oracle import (
     attention_args,
     build_cache,
     check_attention,
@@ -29,21 +29,35 @@ from test_kernels_common import (
     check_records,
     expect_math_constants,
     make_kv,
-    poison_outputs,
+    poisoned_empty,
     ragged_lengths,
 )
 
 from kvarn import reference as R
-from kvarn.config import PRESETS, KVarNConfig
+from kvarn.config import PRESETS, SUPPORTED_HEAD_DIMS, KVarNConfig
+
+KERNEL_MODULES = (
+    "kvarn.kernels._common",
+    "kvarn.kernels.store",
+    "kvarn.kernels.dequant",
+    "kvarn.kernels.attention_tiles",
+    "kvarn.kernels.attention_decode",
+    "kvarn.kernels.attention_prologue",
+    "kvarn.kernels.attention_epilogue",
+    "kvarn.kernels.attention",
+)
+"""Every module of ``kvarn/kernels`` with kernels, each after the ones it imports from."""
 
 
 def _interpreted_kernels():
     """The kernel modules, defined under the interpreter (reloaded if first imported compiled)."""
-    names = ("kvarn.kernels._common", "kvarn.kernels.store", "kvarn.kernels.dequant", "kvarn.kernels.attention")
-    mods = [importlib.import_module(n) for n in names]
-    if type(mods[1]._encode_kernel).__name__ != "InterpretedFunction" and os.environ.get("TRITON_INTERPRET") == "1":
-        mods = [importlib.reload(sys.modules[n]) for n in names]
-    return mods
+    mods = {n: importlib.import_module(n) for n in KERNEL_MODULES}
+    store_mod = mods["kvarn.kernels.store"]
+    if type(store_mod._encode_kernel).__name__ != "InterpretedFunction" and os.environ.get("TRITON_INTERPRET") == "1":
+        mods = {n: importlib.reload(sys.modules[n]) for n in KERNEL_MODULES}
+    return [mods[n] for n in ("kvarn.kernels._common", "kvarn.kernels.store", "kvarn.kernels.dequant")] + [
+        mods["kvarn.kernels.attention"]
+    ]
 
 
 _common, store, dequant, attention = _interpreted_kernels()
@@ -63,13 +77,12 @@ def test_constants_match_reference():
 
 @pytest.mark.parametrize("preset", list(PRESETS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-def test_encode_records_matches_reference(preset, dtype, monkeypatch):
-    poison_outputs(monkeypatch, store)
+def test_encode_records_matches_reference(preset, dtype):
     cfg = KVarNConfig.from_preset(preset, head_dim=64)
     k, v = make_kv(2, cfg.group_size, 1, 64, dtype, seed=zlib.crc32(preset.encode()) % 1000)
     kr = R.prepare(k[:, :, 0], dtype)
     vr = R.prepare(v[:, :, 0], dtype)
-    got = store.encode_records(kr, vr, cfg)
+    got = store.encode_records(kr, vr, cfg, empty=poisoned_empty)
     check_records(got, R.encode_records(kr, vr, cfg), kr, vr, cfg)
 
 
@@ -91,12 +104,11 @@ def test_encode_records_no_normalize_no_rotate():
 
 
 @pytest.mark.parametrize("preset,d", [(p, 64) for p in PRESETS] + [("kvarn_k4v2_g128", 128)])
-def test_decode_records_is_exact(preset, d, monkeypatch):
-    poison_outputs(monkeypatch, dequant)
+def test_decode_records_is_exact(preset, d):
     cfg = KVarNConfig.from_preset(preset, head_dim=d)
     k, v = make_kv(2, cfg.group_size, 1, d, torch.float16, seed=11)
     rec = R.encode_records(R.prepare(k[:, :, 0]), R.prepare(v[:, :, 0]), cfg)
-    gk, gv = dequant.decode_records(rec, cfg)
+    gk, gv = dequant.decode_records(rec, cfg, empty=poisoned_empty)
     wk, wv = R.decode_records(rec, cfg)
     assert torch.equal(gk, wk) and torch.equal(gv, wv)
 
@@ -113,7 +125,7 @@ def test_store_tiles_prepares_and_writes_only_its_blocks(dtype, d):
     block_ids = torch.tensor([3, 1], dtype=torch.int32)
     got = torch.full((5, hkv, cfg.record_bytes), 0xAB, dtype=torch.uint8)
     want = got.clone()
-    store.store_tiles(k, v, block_ids, got, cfg)
+    store.store_tiles(k, v, block_ids, got, cfg, empty=poisoned_empty)
     R.store_tiles(k, v, block_ids, want, cfg)
     untouched = [0, 2, 4]
     assert torch.equal(got[untouched], want[untouched])
@@ -159,15 +171,13 @@ ATTN_CASES = [
 
 
 @pytest.mark.parametrize("preset,d,dtype,hq,hkv,sink,splits", ATTN_CASES)
-def test_paged_attention_decode(preset, d, dtype, hq, hkv, sink, splits, monkeypatch):
+def test_paged_attention_decode(preset, d, dtype, hq, hkv, sink, splits):
     cfg = KVarNConfig.from_preset(preset, head_dim=d)
-    monkeypatch.setattr(attention, "NUM_SPLITS_OVERRIDE", splits)
-    poison_outputs(monkeypatch, attention)
     lengths = ragged_lengths(cfg.group_size, 12, seed=d + hq)
     state = build_cache(cfg, lengths, hkv, dtype, seed=1)
     query = torch.randn(len(lengths), hq, d).to(dtype)
     args = attention_args(state, query, cfg, sink=sink)
-    out = attention.paged_attention(*args)
+    out = attention.paged_attention(*args, num_splits=splits, empty=poisoned_empty)
     check_attention(out, args)
 
 
@@ -182,17 +192,15 @@ def test_paged_attention_every_tail_length():
 
 
 @pytest.mark.parametrize("splits", [1, 2])
-def test_paged_attention_multi_query(splits, monkeypatch):
+def test_paged_attention_multi_query(splits):
     cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
-    monkeypatch.setattr(attention, "NUM_SPLITS_OVERRIDE", splits)
-    poison_outputs(monkeypatch, attention)
     lengths = [190, 70, 64, 5, 130]
     n_q = [20, 0, 64, 5, 3]
     state = build_cache(cfg, lengths, 2, torch.float16, seed=6)
     qsl = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32)
     query = torch.randn(int(qsl[-1]), 4, 64).to(torch.float16)
     args = attention_args(state, query, cfg, qsl=qsl, sink=True)
-    check_attention(attention.paged_attention(*args), args)
+    check_attention(attention.paged_attention(*args, num_splits=splits, empty=poisoned_empty), args)
 
 
 def test_kernels_reject_bad_input():
@@ -204,6 +212,21 @@ def test_kernels_reject_bad_input():
         dequant.decode_records(torch.zeros(1, 7, dtype=torch.uint8), cfg)
     with pytest.raises(ValueError, match="cache must be uint8"):
         store.store_tiles(k[None].half(), k[None].half(), torch.zeros(1), torch.zeros(1, 1, 3, dtype=torch.uint8), cfg)
+    state = build_cache(cfg, [70], 1, torch.float16, seed=0)
+    args = attention_args(state, torch.zeros(1, 2, 64, dtype=torch.float16), cfg)
+    for bad in (0, -1, 2.0):
+        with pytest.raises(ValueError, match="num_splits must be a positive int"):
+            attention.paged_attention(*args, num_splits=bad)
+
+
+@pytest.mark.parametrize("d", SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_record_layout_is_the_configs(preset, d):
+    cfg = KVarNConfig.from_preset(preset, head_dim=d)
+    layout = _common.record_layout(cfg)
+    assert (layout.D, layout.G, layout.K_BITS, layout.V_BITS) == (d, cfg.group_size, cfg.k_bits, cfg.v_bits)
+    assert (layout.K_PER_BYTE, layout.V_PER_BYTE) == (8 // cfg.k_bits, 8 // cfg.v_bits)
+    assert {name.lower(): getattr(layout, name) for name in layout._fields[6:]} == cfg.offsets
 
 
 @pytest.mark.parametrize("exp", [-40, -100])

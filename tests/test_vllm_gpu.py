@@ -5,7 +5,7 @@ CUDA, :class:`~kvarn.paged.TilePlanner` plus :meth:`~kvarn.paged.PagedKV.store` 
 :meth:`~kvarn.paged.PagedKV.attend` with ``impl="triton"``, through a schedule like vLLM's (chunks ending inside
 tiles, mixed decode and prefill, permuted blocks, skipped steps, a prefix hit, preemption). Every
 step checks the records of every full tile against the reference encoding of its tokens (equal up
-to rounding ties, as in ``test_kernels_common``) and the attention output against
+to rounding ties, as in ``kernel_oracle``) and the attention output against
 ``kvarn.reference.paged_attention`` over the same state.
 """
 
@@ -23,7 +23,7 @@ pytestmark = [
 
 pytest.importorskip("triton")
 
-from test_kernels_common import check_attention, check_records  # noqa: E402
+from kernel_oracle import check_attention, check_records  # noqa: E402
 
 from kvarn import reference as R  # noqa: E402
 from kvarn.config import KVarNConfig  # noqa: E402

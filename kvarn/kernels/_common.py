@@ -3,6 +3,9 @@
 The constants mirror :mod:`kvarn.reference.normalize`, :mod:`kvarn.reference.rtn` and
 :mod:`kvarn.reference.quantize` (the kernels do not import the reference; a test pins them equal).
 
+:func:`record_layout` turns a :class:`~kvarn.config.KVarNConfig` into the one compile-time constant
+every kernel launch passes as ``LAYOUT``: the record's byte layout and the shapes it implies.
+
 Two helpers stand in for conversions the Triton CPU interpreter gets wrong: fp32 -> bf16 casts
 (it truncates instead of rounding to nearest even) and bf16 loads and dots. bf16 values travel as
 their 16 raw bits in ``int16`` and are converted with integer shifts, which compile to the same
@@ -11,7 +14,10 @@ instructions as a cast on the GPU.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -29,8 +35,59 @@ ROW_EXP_HI = tl.constexpr(15)
 FP16_MAX = tl.constexpr(65504.0)
 BF16_MAX = tl.constexpr(3.3895313892515355e38)
 
+NEG_BIG = tl.constexpr(-1.0e30)
+"""Start value of a running maximum: finite, so ``exp2(NEG_BIG - NEG_BIG)`` is 1, not NaN."""
+LOG2E = 1.4426950408889634
+"""``log2(e)``: kernels take ``exp2`` of scores pre-scaled by it."""
+
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 """Model dtypes the kernels take for K, V, queries and the tail pool."""
+
+
+class RecordLayout(NamedTuple):
+    """One config's record layout as kernel constants, passed to every launch as ``LAYOUT: tl.constexpr``.
+
+    Kernels read ``LAYOUT.K_SCALE`` etc.; the values come from :class:`~kvarn.config.KVarNConfig`
+    only (see ``docs/cache_layout.md``). Offsets are in bytes from the start of a record.
+    """
+
+    D: int
+    """head_dim"""
+    G: int
+    """tokens per tile (``group_size``)"""
+    K_BITS: int
+    V_BITS: int
+    K_PER_BYTE: int
+    """K codes per byte (``8 // K_BITS``): the number of planar bit fields of the K codes"""
+    V_PER_BYTE: int
+    K_CODES: int
+    V_CODES: int
+    K_SCALE: int
+    K_ZERO: int
+    K_TOK: int
+    V_SCALE: int
+    V_ZERO: int
+    V_CHAN: int
+
+
+@functools.cache
+def record_layout(cfg) -> RecordLayout:
+    """The :class:`RecordLayout` of ``cfg`` (a :class:`~kvarn.config.KVarNConfig`)."""
+    offsets = {name.upper(): off for name, off in cfg.offsets.items()}
+    return RecordLayout(
+        D=cfg.head_dim,
+        G=cfg.group_size,
+        K_BITS=cfg.k_bits,
+        V_BITS=cfg.v_bits,
+        K_PER_BYTE=cfg.k_per_byte,
+        V_PER_BYTE=cfg.v_per_byte,
+        **offsets,
+    )
+
+
+def interpreting() -> bool:
+    """Whether the kernels run under the Triton CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def inv_sqrt(d: int) -> float:

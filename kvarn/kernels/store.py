@@ -23,6 +23,8 @@ than the reference, with equivalent scales. ``tests/test_kernels_*.py`` bounds a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -45,6 +47,7 @@ from kvarn.kernels._common import (
     inv_sqrt,
     load_f32,
     pow2,
+    record_layout,
     rotate_rows,
     rotate_rows_split,
     round_to_dtype,
@@ -56,8 +59,9 @@ TINY = tl.constexpr(2.0**-24)  # kvarn.reference.quantize: 2^TINY_EXP, TINY_TARG
 TINY_TARGET_EXP = tl.constexpr(1)
 MIN_EXP = tl.constexpr(-126)
 
-_empty = torch.empty
-"""Allocator of outputs (tests swap in one that pre-fills them)."""
+ENCODE_SMALL_TILE = 128 * 128
+"""Tiles of up to this many elements (``D * G``) run the encoder with 4 warps per program, larger ones
+with 8 (``benchmarks/RESULTS.md`` has the warps sweep)."""
 
 
 @triton.jit
@@ -160,10 +164,10 @@ def _encode_half(
 
 
 @triton.jit
-def _load_tile(base, s_tok, G: tl.constexpr, D: tl.constexpr, IS_BF16: tl.constexpr):
+def _load_tile(base, s_tok, LAYOUT: tl.constexpr, IS_BF16: tl.constexpr):
     """Load one prepared tile ``[G, D]`` (tokens, channels) as fp32."""
-    tok = tl.arange(0, G)
-    ch = tl.arange(0, D)
+    tok = tl.arange(0, LAYOUT.G)
+    ch = tl.arange(0, LAYOUT.D)
     return load_f32(base + tok[:, None] * s_tok + ch[None, :], None, IS_BF16)
 
 
@@ -182,21 +186,11 @@ def _encode_kernel(
     HAS_SRC_IDX: tl.constexpr,
     HAS_DST_IDX: tl.constexpr,
     IS_BF16: tl.constexpr,
-    D: tl.constexpr,
-    G: tl.constexpr,
-    K_BITS: tl.constexpr,
-    V_BITS: tl.constexpr,
+    LAYOUT: tl.constexpr,
     ITERS: tl.constexpr,
-    K_CODES: tl.constexpr,
-    V_CODES: tl.constexpr,
-    K_SCALE: tl.constexpr,
-    K_ZERO: tl.constexpr,
-    K_TOK: tl.constexpr,
-    V_SCALE: tl.constexpr,
-    V_ZERO: tl.constexpr,
-    V_CHAN: tl.constexpr,
 ):
     """Grid ``(N, Hkv, 2)``: tile ``i``, head ``h``, half (0 = K, 1 = V) -> its part of one record."""
+    L: tl.constexpr = LAYOUT
     i = tl.program_id(0)
     h = tl.program_id(1)
     half = tl.program_id(2)
@@ -211,27 +205,21 @@ def _encode_kernel(
     off = t * s_tile + h.to(tl.int64) * s_head
     out = dst + blk * d_block + h.to(tl.int64) * d_head
     if half == 0:
-        x = _load_tile(k_src + off, s_tok, G, D, IS_BF16)
-        _encode_half(tl.trans(x), out, D, G, K_BITS, ITERS, K_CODES, K_SCALE, K_ZERO, K_TOK)
+        x = _load_tile(k_src + off, s_tok, L, IS_BF16)  # [G, D]
+        _encode_half(tl.trans(x), out, L.D, L.G, L.K_BITS, ITERS, L.K_CODES, L.K_SCALE, L.K_ZERO, L.K_TOK)
     else:
-        x = _load_tile(v_src + off, s_tok, G, D, IS_BF16)
-        _encode_half(x, out, G, D, V_BITS, ITERS, V_CODES, V_SCALE, V_ZERO, V_CHAN)
+        x = _load_tile(v_src + off, s_tok, L, IS_BF16)  # [G, D]
+        _encode_half(x, out, L.G, L.D, L.V_BITS, ITERS, L.V_CODES, L.V_SCALE, L.V_ZERO, L.V_CHAN)
 
 
-ENCODE_NUM_WARPS: int | None = None
-"""Override of the encode kernel's warps per program (benchmarks sweep it)."""
+def default_encode_warps(cfg: KVarNConfig) -> int:
+    """Warps per program of the encode kernel unless the caller picks them (see ``ENCODE_SMALL_TILE``)."""
+    return 4 if cfg.head_dim * cfg.group_size <= ENCODE_SMALL_TILE else 8
 
 
-def _encode_warps(cfg: KVarNConfig) -> int:
-    if ENCODE_NUM_WARPS is not None:
-        return ENCODE_NUM_WARPS
-    return 4 if cfg.head_dim * cfg.group_size <= 16384 else 8
-
-
-def _launch_encode(k, v, src_idx, n_tiles, n_heads, strides, dst, dst_idx, d_strides, cfg) -> None:
+def _launch_encode(k, v, src_idx, n_tiles, n_heads, strides, dst, dst_idx, d_strides, cfg, num_warps) -> None:
     if n_tiles == 0 or n_heads == 0:
         return
-    off = cfg.offsets
     iters = cfg.sinkhorn_iters if cfg.normalize else 0
     _encode_kernel[(n_tiles, n_heads, 2)](
         k,
@@ -247,20 +235,9 @@ def _launch_encode(k, v, src_idx, n_tiles, n_heads, strides, dst, dst_idx, d_str
         HAS_SRC_IDX=src_idx is not None,
         HAS_DST_IDX=dst_idx is not None,
         IS_BF16=k.dtype == torch.bfloat16,
-        D=cfg.head_dim,
-        G=cfg.group_size,
-        K_BITS=cfg.k_bits,
-        V_BITS=cfg.v_bits,
+        LAYOUT=record_layout(cfg),
         ITERS=iters,
-        K_CODES=off["k_codes"],
-        V_CODES=off["v_codes"],
-        K_SCALE=off["k_scale"],
-        K_ZERO=off["k_zero"],
-        K_TOK=off["k_tok"],
-        V_SCALE=off["v_scale"],
-        V_ZERO=off["v_zero"],
-        V_CHAN=off["v_chan"],
-        num_warps=_encode_warps(cfg),
+        num_warps=num_warps or default_encode_warps(cfg),
     )
 
 
@@ -279,16 +256,28 @@ def _check_kv_tiles(k: torch.Tensor, v: torch.Tensor, cfg: KVarNConfig, layout: 
         )
 
 
-def encode_records(k: torch.Tensor, v: torch.Tensor, cfg: KVarNConfig) -> torch.Tensor:
-    """Prepared tiles ``k, v: [..., G, D]`` (rotated, fp16/bf16) -> records ``[..., record_bytes]`` uint8."""
+def encode_records(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cfg: KVarNConfig,
+    *,
+    num_warps: int | None = None,
+    empty: Callable[..., torch.Tensor] = torch.empty,
+) -> torch.Tensor:
+    """Prepared tiles ``k, v: [..., G, D]`` (rotated, fp16/bf16) -> records ``[..., record_bytes]`` uint8.
+
+    Knobs (keyword only, as for every store op): ``num_warps`` of the encode kernel (default
+    :func:`default_encode_warps`); ``empty`` allocates outputs and workspaces (``torch.empty``'s
+    signature; tests pass one that pre-fills them).
+    """
     _check_kv_tiles(k, v, cfg, "tiles")
     lead = k.shape[:-2]
     kf = k.reshape(-1, cfg.group_size, cfg.head_dim).contiguous()
     vf = v.reshape(-1, cfg.group_size, cfg.head_dim).contiguous()
     n = kf.shape[0]
-    out = _empty(n, cfg.record_bytes, dtype=torch.uint8, device=k.device)
+    out = empty(n, cfg.record_bytes, dtype=torch.uint8, device=k.device)
     strides = (kf.stride(0), kf.stride(1), 0)
-    _launch_encode(kf, vf, None, n, 1, strides, out, None, (out.stride(0), 0), cfg)
+    _launch_encode(kf, vf, None, n, 1, strides, out, None, (out.stride(0), 0), cfg, num_warps)
     return out.reshape(*lead, cfg.record_bytes)
 
 
@@ -299,6 +288,8 @@ def commit_tiles(
     block_ids: torch.Tensor,
     cache: torch.Tensor,
     cfg: KVarNConfig,
+    *,
+    num_warps: int | None = None,
 ) -> None:
     """Quantize full pool tiles ``tail_*[tail_slots[i]]`` (``[num_slots, G, Hkv, D]``) into ``cache[block_ids[i]]``."""
     check_cache(cache, cfg)
@@ -321,11 +312,19 @@ def commit_tiles(
         block_ids,
         (cache.stride(0), cache.stride(1)),
         cfg,
+        num_warps,
     )
 
 
 def store_tiles(
-    k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor, cache: torch.Tensor, cfg: KVarNConfig
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_ids: torch.Tensor,
+    cache: torch.Tensor,
+    cfg: KVarNConfig,
+    *,
+    num_warps: int | None = None,
+    empty: Callable[..., torch.Tensor] = torch.empty,
 ) -> None:
     """Quantize whole model-frame tiles ``k, v: [N, G, Hkv, D]`` into ``cache[block_ids]``, in place.
 
@@ -343,13 +342,14 @@ def store_tiles(
     n, g, hkv, d = k.shape
     if n == 0:
         return
-    work_k = _empty((n, g, hkv, d), dtype=k.dtype, device=k.device)
-    work_v = _empty((n, g, hkv, d), dtype=k.dtype, device=k.device)
+    work_k = empty((n, g, hkv, d), dtype=k.dtype, device=k.device)
+    work_v = empty((n, g, hkv, d), dtype=k.dtype, device=k.device)
     mapping = torch.arange(n * g, device=k.device)
     write_tail(k.reshape(n * g, hkv, d), v.reshape(n * g, hkv, d), work_k, work_v, mapping, cfg)
     strides = (work_k.stride(0), work_k.stride(1), work_k.stride(2))
     tiles = torch.arange(n, dtype=torch.int32, device=k.device)  # same kernel variant as commit_tiles
-    _launch_encode(work_k, work_v, tiles, n, hkv, strides, cache, block_ids, (cache.stride(0), cache.stride(1)), cfg)
+    d_strides = (cache.stride(0), cache.stride(1))
+    _launch_encode(work_k, work_v, tiles, n, hkv, strides, cache, block_ids, d_strides, cfg, num_warps)
 
 
 def _check_pool(tail_k: torch.Tensor, tail_v: torch.Tensor, cache: torch.Tensor, cfg: KVarNConfig) -> None:
@@ -382,8 +382,7 @@ def _prepare_kernel(
     p_slot,
     p_off,
     p_head,
-    G: tl.constexpr,
-    D: tl.constexpr,
+    LAYOUT: tl.constexpr,
     ROWS: tl.constexpr,
     ROTATE: tl.constexpr,
     IN_BF16: tl.constexpr,
@@ -391,6 +390,8 @@ def _prepare_kernel(
     INV_SQRT_D: tl.constexpr,
 ):
     """Grid ``(cdiv(T * Hkv, ROWS), 2)``: ``ROWS`` (token, head) rows of K (0) or V (1) -> ``prepare`` -> pool."""
+    G: tl.constexpr = LAYOUT.G
+    D: tl.constexpr = LAYOUT.D
     which = tl.program_id(1)
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     in_range = r < n_rows
@@ -463,8 +464,7 @@ def write_tail(
         tail_k.stride(0),
         tail_k.stride(1),
         tail_k.stride(2),
-        G=cfg.group_size,
-        D=cfg.head_dim,
+        LAYOUT=record_layout(cfg),
         ROWS=PREPARE_ROWS,
         ROTATE=cfg.rotate,
         IN_BF16=k.dtype == torch.bfloat16,

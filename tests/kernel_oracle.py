@@ -1,9 +1,8 @@
-"""Shared builders and checks for the Triton kernel tests (no tests in this module).
+"""The kernel oracle: builders and checks that hold the Triton kernels to the reference (no tests here).
 
 ``test_kernels_interpreter.py`` runs them on the CPU under ``TRITON_INTERPRET=1`` on tiny shapes,
-``test_kernels_gpu.py`` on CUDA at full size. Both compare the kernels with the reference.
-
-Tolerances (derivations next to each):
+``test_kernels_gpu.py`` on CUDA at full size, ``test_vllm_gpu.py`` through the vLLM backend. The
+tolerances they assert, with their derivations, are in ``tolerances.py``.
 """
 
 from __future__ import annotations
@@ -11,6 +10,16 @@ from __future__ import annotations
 import math
 
 import torch
+from tolerances import (
+    ATTN_REL,
+    CODE_MISMATCH_MAX,
+    COL_REL,
+    PREPARE_ULP_FRACTION,
+    QUALITY_ABS,
+    QUALITY_REL,
+    ROW_REL,
+    TIE_WINDOW,
+)
 
 from kvarn import reference as R
 from kvarn.config import KVarNConfig
@@ -18,62 +27,14 @@ from kvarn.reference.normalize import sinkhorn
 from kvarn.reference.quantize import COL_DTYPE
 from kvarn.reference.rtn import choose_qparams
 
-CODE_MISMATCH_MAX = 0.03
-"""Largest fraction of codes allowed to differ from the reference (each by one step, each at a
-rounding tie: see ``TIE_WINDOW``). fp32 ``exp``/``log``/summation differences move ``B`` by a few
-ulps; bf16 inputs make exact ties common. Most differences on the GPU come from the Sinkhorn
-gauge (see :func:`check_records`): when the kernel keeps another iterate of the same imbalance,
-every column scale is re-rounded to bf16, which moves ``B`` by up to 2^-9 per column. Measured on
-the H200: 0.1-1% (``STATS`` lines of ``test_kernels_gpu.py``)."""
-
-TIE_WINDOW = 0.12
-"""Every differing code must sit within this distance of a half-integer in the reference's
-pre-rounding value ``(B - lo) / step``. A one-bf16-ulp column-scale change moves that value by
-at most ``(2^b - 1) * 2^-8 < 0.06``; the window doubles that."""
-
-COL_REL = 2.0**-6
-"""Column scales (bf16), after dividing out the tile half's gauge factor (see
-:func:`check_records`), may differ by one bf16 ulp each side of the ratio (2^-8 relative spacing,
-2^-7 just above a power of two)."""
-
-ROW_REL = 2.0**-6
-"""Row parameters (fp16), gauge factor divided out, relative to the half's largest: a one-ulp
-column-scale change moves ``lo``/``step`` of the rows that touch it by up to ~2^-7."""
-
-QUALITY_REL = 0.01
-"""The kernel's reconstruction error (Frobenius, against the prepared tiles) may exceed the
-reference's by at most 1%: a code that moves at a rounding tie is as far from the value as the
-reference's code (equal at an exact tie), so the two errors agree closely."""
-
-QUALITY_ABS = 2.0**-8
-"""Plus this fraction of the tile's norm: where several iterates tie exactly (degenerate tiles,
-e.g. constant ones, score the same imbalance at every iterate), kernel and reference may store
-different but equivalent scales whose fp16/bf16 rounding (2^-11 / 2^-8) differs."""
-
-PREPARE_ULP_FRACTION = 0.02
-"""Fraction of prepared (rotated, rounded) values allowed to differ by one ulp of the model dtype:
-the rotation's fp32 sums run in a different order than the reference matmul, which moves a value
-across a rounding boundary with probability ~(a few fp32 ulps) / (one fp16 ulp) ~ 1e-3."""
-
-ATTN_REL = {torch.float16: 1e-2, torch.bfloat16: 1.6e-2}
-"""Attention output vs the reference computed in fp32, relative to max |ref|. The kernel rounds
-``q * k_scale`` and ``p * v_scale`` to fp16 for the tensor-core dots (unit roundoff 2^-11); a torch
-emulation of exactly that arithmetic puts the score side at up to 2e-3 and the value side at 3e-4
-(CPU, 10 x 48 query rows), and the kernel measured up to 3.6e-3 over 40 random queries. 1e-2 leaves
-~3x headroom; a wrong tile, scale, mask or softmax step costs 1e-1..1. bf16 outputs add their own
-rounding (half an ulp is 2^-9 relative), hence 1.6e-2."""
-
 
 def poisoned_empty(*shape, dtype=torch.float32, device=None, **kw):
-    """``torch.empty`` that fills floats with NaN and bytes with 0xAB, so unwritten outputs fail loudly."""
+    """``torch.empty`` that fills floats with NaN and bytes with 0xAB, so unwritten outputs fail loudly.
+
+    Kernels take it as their ``empty=`` allocator.
+    """
     t = torch.empty(*shape, dtype=dtype, device=device, **kw)
     return t.fill_(0xAB) if dtype == torch.uint8 else t.fill_(float("nan"))
-
-
-def poison_outputs(monkeypatch, *modules) -> None:
-    """Route the kernels' output allocations in ``modules`` through :func:`poisoned_empty`."""
-    for mod in modules:
-        monkeypatch.setattr(mod, "_empty", poisoned_empty)
 
 
 def make_kv(n: int, g: int, hkv: int, d: int, dtype: torch.dtype, seed: int, kind: str = "mixed") -> tuple:

@@ -1,0 +1,222 @@
+"""The paged-attention kernel: one program per (query block, KV head, split).
+
+A program serves ``BLOCK_Q`` queries x all ``Hq / Hkv`` query heads of one KV head (the rows of
+its ``[BLOCK_M, ...]`` blocks), so each tile is read from memory once per KV head. It walks its
+split's share of the sequence's tiles: quantized tiles first (:mod:`kvarn.kernels.attention_tiles`),
+then the full-precision sink and tail tiles, and writes the unnormalized result of its split (or,
+with one split, the normalized one). The launcher is :mod:`kvarn.kernels.attention`.
+
+Each query row is divided by a power of two so ``|q| < 1``; the range guard keeps every row
+parameter under ``2^15``, so ``q * k_scale`` and ``p * v_scale`` fit fp16 without a per-tile scale.
+Their fp16 rounding is the kernel's main error against the fp32 reference (~2e-3 of max |out|).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvarn.kernels._common import NEG_BIG, frexp_exponent, pow2
+from kvarn.kernels.attention_tiles import _causal, _fp_tile, _tile_scores, _tile_values
+
+
+@triton.jit
+def _query_block(pid, query_start_loc, num_seqs, BLOCK_Q: tl.constexpr):
+    """Multi-query grid: program ``pid``'s ``(seq, q_start, n_q, q_first)``.
+
+    Sequence ``b`` owns programs ``query_start_loc[b] // BLOCK_Q + b ..`` (one spare per sequence,
+    so every sequence's blocks fit); a binary search finds ``pid``'s. ``q_start, n_q``: the
+    sequence's first query row and query count; ``q_first``: the program's first query in it.
+    """
+    lo = 0
+    hi = num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        start = tl.load(query_start_loc + mid) // BLOCK_Q + mid
+        if start <= pid:
+            lo = mid
+        else:
+            hi = mid
+    seq = lo
+    q_start = tl.load(query_start_loc + seq)
+    n_q = tl.load(query_start_loc + seq + 1) - q_start
+    q_first = (pid - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    return seq, q_start, n_q, q_first
+
+
+@triton.jit
+def _query_field(q_base, row_ok, q_norm, f: tl.constexpr, DK: tl.constexpr):
+    """Channels ``f * DK ..`` of the program's query rows, times ``q_norm``: ``[BLOCK_M, DK]`` fp32."""
+    dk = tl.arange(0, DK)
+    return tl.load(q_base + f * DK + dk[None, :], mask=row_ok[:, None], other=0.0) * q_norm[:, None]
+
+
+@triton.jit
+def _load_query(q_base, row_ok, LAYOUT: tl.constexpr):
+    """The rows' queries split into the K fields' channel blocks, scaled so ``|q| < 1``.
+
+    Returns ``(q0, q1, q2, q3, rf)``: ``q0 .. q3: [BLOCK_M, DK]`` (``q2, q3`` repeat ``q0`` with two
+    fields) and ``rf: [BLOCK_M]``, the power of two that undoes the scaling.
+    """
+    D: tl.constexpr = LAYOUT.D
+    DK: tl.constexpr = D // LAYOUT.K_PER_BYTE
+    qmax = tl.max(tl.abs(tl.load(q_base + tl.arange(0, D)[None, :], mask=row_ok[:, None], other=0.0)), axis=1)
+    e = frexp_exponent(qmax)
+    q_norm = pow2(-e)  # |q| * 2^-e < 1
+    rf = pow2(e)
+    q0 = _query_field(q_base, row_ok, q_norm, 0, DK)
+    q1 = _query_field(q_base, row_ok, q_norm, 1, DK)
+    q2 = q0
+    q3 = q0
+    if LAYOUT.K_PER_BYTE == 4:
+        q2 = _query_field(q_base, row_ok, q_norm, 2, DK)
+        q3 = _query_field(q_base, row_ok, q_norm, 3, DK)
+    return q0, q1, q2, q3, rf
+
+
+@triton.jit
+def _quantized_tiles(
+    query, records, bt_row, u0, u1, pos_q, LAYOUT: tl.constexpr, MULTI_Q: tl.constexpr, USE_ASM: tl.constexpr
+):
+    """Online softmax over the quantized tiles ``u0 .. u1 - 1`` of one sequence.
+
+    ``query`` as returned by :func:`_load_query`; ``records = (cache, block_stride, head_stride,
+    kv_head)``; ``bt_row`` points at the sequence's block table row. Returns the running max
+    ``m_i``, the sum ``l_i`` (``[BLOCK_M]``) and the unnormalized output ``acc: [BLOCK_M, D]``
+    (rotated frame).
+    """
+    BLOCK_M: tl.constexpr = query[4].shape[0]
+    G: tl.constexpr = LAYOUT.G
+    D: tl.constexpr = LAYOUT.D
+    cache, s_cb, s_ch, kvh = records
+    m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+    l_e = tl.zeros([BLOCK_M, G // 2], tl.float32)  # per token pair, summed at the end
+    acc_e = tl.zeros([BLOCK_M, D // 2], tl.float32)  # even output channels
+    acc_o = tl.zeros([BLOCK_M, D // 2], tl.float32)  # odd output channels
+    for u in range(u0, u1):
+        blk = tl.load(bt_row + u).to(tl.int64)
+        rec = cache + blk * s_cb + kvh.to(tl.int64) * s_ch
+        s_e, s_o = _tile_scores(rec, query, LAYOUT, USE_ASM)  # [BLOCK_M, G // 2] each
+        if MULTI_Q:
+            s_e, s_o = _causal(s_e, s_o, pos_q, u * G, G // 2)
+        m_new = tl.maximum(m_i, tl.max(tl.maximum(s_e, s_o), axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p_e = tl.exp2(s_e - m_new[:, None])
+        p_o = tl.exp2(s_o - m_new[:, None])
+        l_e = l_e * alpha[:, None] + (p_e + p_o)
+        acc_e, acc_o = _tile_values(rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT, USE_ASM)
+        m_i = m_new
+    l_i = tl.sum(l_e, axis=1)
+    acc = tl.reshape(tl.join(acc_e, acc_o), (BLOCK_M, D))
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attn_kernel(
+    q,
+    cache,
+    block_table,
+    seq_lens,
+    tail_k,
+    tail_v,
+    tail_slots,
+    sink_slots,
+    query_start_loc,
+    out,
+    ws_m,
+    ws_l,
+    num_seqs,
+    s_q,
+    s_qh,
+    s_cb,
+    s_ch,
+    s_bt,
+    p_slot,
+    p_tok,
+    p_head,
+    s_ws,
+    num_splits,
+    GQ: tl.constexpr,
+    GQP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    LAYOUT: tl.constexpr,
+    MULTI_Q: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    POOL_BF16: tl.constexpr,
+    SPLIT: tl.constexpr,
+    USE_ASM: tl.constexpr,
+):
+    """Grid ``(query blocks, Hkv, num_splits)``; writes ``out`` (one split) or the split partials.
+
+    ``q: [Nq, Hq, D]`` fp32 from the prologue; ``GQ`` query heads per KV head, padded to ``GQP``
+    (a power of two); row ``r`` of a block is query ``r // GQP``, head ``r % GQP``.
+    """
+    G: tl.constexpr = LAYOUT.G
+    D: tl.constexpr = LAYOUT.D
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    if MULTI_Q:
+        seq, q_start, n_q, q_first = _query_block(pid, query_start_loc, num_seqs, BLOCK_Q)
+    else:
+        seq = pid
+        q_start = pid
+        n_q = 1
+        q_first = 0
+
+    if q_first < n_q:
+        seq_len = tl.load(seq_lens + seq)
+        rows = tl.arange(0, BLOCK_M)
+        hj = rows % GQP
+        q_local = q_first + rows // GQP
+        row_ok = (hj < GQ) & (q_local < n_q)
+        q_row = (q_start + q_local).to(tl.int64)  # [BLOCK_M]
+        head = kvh * GQ + hj
+        pos_q = seq_len - n_q + q_local  # [BLOCK_M]
+        q_base = q + q_row[:, None] * s_q + head[:, None] * s_qh  # [BLOCK_M, 1]
+        query = _load_query(q_base, row_ok, LAYOUT)  # 4 x [BLOCK_M, DK], [BLOCK_M]
+
+        n_full = seq_len // G  # quantized tiles; the rem last tokens sit in the tail tile
+        rem = seq_len % G
+        n_units = n_full + (rem > 0).to(tl.int32)
+        if MULTI_Q:
+            last_pos = seq_len - n_q + tl.minimum(n_q, q_first + BLOCK_Q) - 1
+            n_units = tl.minimum(n_units, last_pos // G + 1)
+        per = tl.cdiv(n_units, num_splits)
+        u0 = split * per  # this split's tiles: u0 .. u1 - 1
+        u1 = tl.minimum(u0 + per, n_units)
+        if HAS_SINK:
+            sink_slot = tl.load(sink_slots + seq)
+        else:
+            sink_slot = seq * 0 - 1
+        has_sink = (sink_slot >= 0) & (n_full > 0)  # tile 0 is read from the sink slot
+        qt0 = u0
+        if has_sink & (u0 == 0):
+            qt0 = 1
+
+        bt_row = block_table + seq.to(tl.int64) * s_bt
+        records = (cache, s_cb, s_ch, kvh)
+        qt1 = tl.minimum(u1, n_full)
+        m_i, l_i, acc = _quantized_tiles(query, records, bt_row, qt0, qt1, pos_q, LAYOUT, MULTI_Q, USE_ASM)
+        sink_here = has_sink & (u0 == 0)
+        tail_here = (rem > 0) & (u0 <= n_full) & (n_full < u1)
+        dd = tl.arange(0, D)
+        if sink_here | tail_here:
+            q_full = tl.load(q_base + dd[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+            pool = (tail_k, tail_v, p_slot, p_tok, p_head, kvh)
+            if sink_here:
+                m_i, l_i, acc = _fp_tile(q_full, m_i, l_i, acc, pool, sink_slot, G, 0, pos_q, POOL_BF16)
+            if tail_here:
+                slot = tl.load(tail_slots + seq)
+                m_i, l_i, acc = _fp_tile(q_full, m_i, l_i, acc, pool, slot, rem, n_full * G, pos_q, POOL_BF16)
+
+        out_rows = q_row[:, None] * s_q + head[:, None] * s_qh + dd[None, :]  # [BLOCK_M, D]
+        if not SPLIT:
+            res = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+            tl.store(out + out_rows, res, mask=row_ok[:, None])
+        else:
+            ws_rows = split.to(tl.int64) * s_ws + q_row * (s_q // D) + head
+            tl.store(ws_m + ws_rows, m_i, mask=row_ok)
+            tl.store(ws_l + ws_rows, l_i, mask=row_ok)
+            tl.store(out + split.to(tl.int64) * s_ws * D + out_rows, acc, mask=row_ok[:, None])

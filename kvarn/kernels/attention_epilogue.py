@@ -1,0 +1,90 @@
+"""The paged-attention epilogue: merge the splits, leave the rotated frame, cast.
+
+One launch after :mod:`kvarn.kernels.attention_decode` (launched by :mod:`kvarn.kernels.attention`).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvarn.kernels._common import NEG_BIG, rotate_rows, rotate_rows_split, store_model
+
+TF32_HI_MASK = tl.constexpr(-8192)
+"""fp32 bits with the 13 low mantissa bits cleared, the ones tf32 drops."""
+
+
+@triton.jit
+def _split_tf32(x):
+    """``x`` (fp32) as ``hi + lo`` with ``hi`` exact in tf32 (low 13 mantissa bits cleared)."""
+    hi = (x.to(tl.int32, bitcast=True) & TF32_HI_MASK).to(tl.float32, bitcast=True)
+    return hi, x - hi
+
+
+@triton.jit
+def _merge_splits(part, ws_m, ws_l, rows, hmask, m2, num_splits, n_rows, D: tl.constexpr):
+    """Log-sum-exp merge of the split partials of ``rows: [BLOCK_H]`` -> normalized ``[BLOCK_H, D]``."""
+    BLOCK_H: tl.constexpr = rows.shape[0]
+    dd = tl.arange(0, D)
+    m_max = tl.full([BLOCK_H], NEG_BIG, tl.float32)
+    for sp in range(num_splits):
+        m_max = tl.maximum(m_max, tl.load(ws_m + sp * n_rows + rows, mask=hmask, other=NEG_BIG))
+    den = tl.zeros([BLOCK_H], tl.float32)
+    o = tl.zeros([BLOCK_H, D], tl.float32)
+    for sp in range(num_splits):
+        w = tl.exp2(tl.load(ws_m + sp * n_rows + rows, mask=hmask, other=NEG_BIG) - m_max)
+        den += w * tl.load(ws_l + sp * n_rows + rows, mask=hmask, other=0.0)
+        a = tl.load(part + (sp * n_rows + rows)[:, None] * D + dd[None, :], mask=m2, other=0.0)  # [BLOCK_H, D]
+        o += a * w[:, None]
+    return o / tl.where(den > 0.0, den, 1.0)[:, None]
+
+
+@triton.jit
+def _epilogue_kernel(
+    part,
+    ws_m,
+    ws_l,
+    out,
+    n_rows,
+    num_splits,
+    n_heads,
+    s_o,
+    s_oh,
+    BLOCK_H: tl.constexpr,
+    LAYOUT: tl.constexpr,
+    SPLIT: tl.constexpr,
+    ROTATE: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    INV_SQRT_D: tl.constexpr,
+):
+    """Grid ``(Nq,)``: merge the split partials (log-sum-exp), un-rotate, cast and store one query's heads.
+
+    ``part: [splits, Nq, Hq, D]`` fp32 (normalized when ``SPLIT`` is off), ``ws_m, ws_l: [splits,
+    Nq, Hq]``, ``out: [Nq, Hq, D]`` in the query dtype. Un-rotation runs as two tf32 dots with the
+    +-1 Hadamard on ``hi + lo`` parts of ``o~`` (``hi`` exact in tf32, ``lo`` below 2^-11 of it),
+    so it keeps ~22 bits.
+    """
+    D: tl.constexpr = LAYOUT.D
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)
+    hmask = heads < n_heads
+    dd = tl.arange(0, D)
+    rows = t * n_heads + heads
+    m2 = hmask[:, None] & (dd[None, :] < D)
+    if SPLIT:
+        o = _merge_splits(part, ws_m, ws_l, rows, hmask, m2, num_splits, n_rows, D)
+    else:
+        o = tl.load(part + rows[:, None] * D + dd[None, :], mask=m2, other=0.0)  # [BLOCK_H, D]
+    if ROTATE:
+        HALF: tl.constexpr = D // 2
+        if D > 128:
+            o3 = tl.permute(tl.reshape(o, (BLOCK_H, 2, HALF)), (0, 2, 1))  # [BLOCK_H, HALF, 2]
+            o1, o2 = tl.split(o3)
+            h1, l1 = _split_tf32(o1)
+            h2, l2 = _split_tf32(o2)
+            o = rotate_rows_split(h1, h2, HALF, INV_SQRT_D) + rotate_rows_split(l1, l2, HALF, INV_SQRT_D)
+        else:
+            hi, lo = _split_tf32(o)
+            o = rotate_rows(hi, D, INV_SQRT_D) + rotate_rows(lo, D, INV_SQRT_D)
+    dst = out + t * s_o + heads[:, None] * s_oh + dd[None, :]
+    store_model(dst, o, m2, OUT_BF16)

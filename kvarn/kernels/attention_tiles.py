@@ -1,0 +1,258 @@
+"""One tile's share of paged attention: unpack codes, scores, values, full-precision tiles.
+
+``@triton.jit`` helpers of :mod:`kvarn.kernels.attention_decode` (Triton inlines them). A program
+holds ``BLOCK_M`` rows, each one (query, query head) pair of one KV head. Per quantized tile, in
+the rotated frame with ``q`` pre-scaled by ``softmax_scale * log2(e)`` (``docs/algorithm.md``,
+"Attention over the cache")::
+
+    s[t]  = k_tok[t] * ( sum_d (q_d k_scale[d]) code[d, t] + sum_d q_d k_zero[d] )
+    o~   += v_chan * ( sum_t (p_t v_scale[t]) code[t, :] + sum_t p_t v_zero[t] )
+
+The code products are ``tl.dot`` on codes converted to fp16 (exact for 2- and 4-bit integers),
+centered (``code - 2^(b-1)``, with the mean folded into the fp32 zero-point term) so the dot and
+the zero term do not cancel. Planar packing hands each bit field over as a contiguous slice: a K
+field is a block of channels (the score dot's reduction axis), a V field a block of tokens (the
+value dot's reduction axis). Codes are read as 16-bit words: K words pair two neighbouring tokens
+(the score dot runs on even and odd tokens), V words two neighbouring channels (the value dot
+fills even and odd output channels), so one 32-bit mask unpacks two codes on the GPU.
+
+Tail and sink tiles (full precision in the pool) use tf32 dots: fp16/bf16 keys and values are
+exact in tf32.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvarn.kernels._common import bf16_to_f32, load_f32
+
+FP16_1024 = tl.constexpr(0x6400)
+"""fp16 bits of 1024.0. OR-ing an integer ``c < 1024`` into them gives the fp16 value ``1024 + c``."""
+FP16_1024_PAIR = tl.constexpr(0x64006400)
+"""``FP16_1024`` in both halves of a 32-bit word (1677747200): unpacks two codes in one ``lop3``."""
+LOP3_AND_OR = tl.constexpr(0xEA)
+"""``lop3`` truth table of ``(a & b) | c``."""
+FP_TILE_TOKENS = tl.constexpr(16)
+"""Tokens per step of a full-precision pool tile (keeps the tf32 operands small in registers)."""
+
+
+@triton.jit
+def _unpack(w, f: tl.constexpr, BITS: tl.constexpr, HIGH: tl.constexpr, USE_ASM: tl.constexpr):
+    """Bit field ``f`` of the low (``HIGH=0``) or high byte of 16-bit words ``w`` as centered fp16 codes.
+
+    ``(field | 0x6400)`` read as fp16 is ``1024 + field``; subtracting ``1024 + 2^(BITS-1)`` is exact
+    and centers the codes (``-8 .. 7`` for 4 bits): the dot then does not carry the row's mean,
+    which the caller folds into the fp32 zero-point term instead (``zero + 2^(BITS-1) * scale``).
+    Uncentered, the dot and the zero term nearly cancel on centered rows and the fp16 rounding
+    of ``q * k_scale`` is amplified many times. On the GPU
+    two 16-bit words share a 32-bit register: one ``shr`` + one ``lop3`` unpack both (LLVM would
+    split the shift per 16-bit lane); the interpreter takes the plain expression.
+    """
+    SHIFT: tl.constexpr = f * BITS + 8 * HIGH
+    MASK: tl.constexpr = (1 << BITS) - 1
+    MASK_PAIR: tl.constexpr = MASK | (MASK << 16)
+    if USE_ASM:
+        if SHIFT == 0:
+            x = tl.inline_asm_elementwise(
+                f"lop3.b32 $0, $1, {MASK_PAIR}, {FP16_1024_PAIR}, {LOP3_AND_OR};",
+                "=r,r",
+                [w],
+                dtype=tl.int16,
+                is_pure=True,
+                pack=2,
+            )
+        else:
+            x = tl.inline_asm_elementwise(
+                f"{{ .reg .b32 t; shr.b32 t, $1, {SHIFT}; "
+                f"lop3.b32 $0, t, {MASK_PAIR}, {FP16_1024_PAIR}, {LOP3_AND_OR}; }}",
+                "=r,r",
+                [w],
+                dtype=tl.int16,
+                is_pure=True,
+                pack=2,
+            )
+    else:
+        x = ((w >> SHIFT) & MASK) | FP16_1024
+    return x.to(tl.float16, bitcast=True) - (1024.0 + (1 << (BITS - 1)))
+
+
+@triton.jit
+def _field_dot(a, w, f: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr, even, odd):
+    """``even += a @ field f of the low bytes of w``, ``odd += a @ field f of the high bytes``.
+
+    ``a: [M, K]`` fp16, ``w: [K, N]`` int16 -> ``[M, N]`` fp32 each; ``None`` accumulators start at 0.
+    """
+    even = tl.dot(a, _unpack(w, f, BITS, 0, USE_ASM), even)
+    odd = tl.dot(a, _unpack(w, f, BITS, 1, USE_ASM), odd)
+    return even, odd
+
+
+@triton.jit
+def _packed_dot(a0, a1, a2, a3, w, P: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr):
+    """``sum_f a_f @ field_f(w)`` over the ``P`` planar bit fields of the code words ``w: [K, N]`` int16.
+
+    ``a_f: [M, K]`` fp16 is the operand of field ``f`` (``a2, a3`` unused when ``P = 2``). Returns
+    ``(even, odd)``: the products with the codes of the low and of the high byte of each word,
+    ``[M, N]`` fp32 each. Serves both the score dot (K) and the value dot (V).
+    """
+    even, odd = _field_dot(a0, w, 0, BITS, USE_ASM, None, None)
+    even, odd = _field_dot(a1, w, 1, BITS, USE_ASM, even, odd)
+    if P == 4:
+        even, odd = _field_dot(a2, w, 2, BITS, USE_ASM, even, odd)
+        even, odd = _field_dot(a3, w, 3, BITS, USE_ASM, even, odd)
+    return even, odd
+
+
+@triton.jit
+def _load_f16(ptr):
+    return tl.load(ptr.to(tl.pointer_type(tl.float16))).to(tl.float32)
+
+
+@triton.jit
+def _load_bf16(ptr):
+    return bf16_to_f32(tl.load(ptr.to(tl.pointer_type(tl.int16))))
+
+
+@triton.jit
+def _k_operands(q_f, rec, f: tl.constexpr, LAYOUT: tl.constexpr):
+    """Query block ``q_f: [BLOCK_M, DK]`` of K field ``f`` (channels ``f * DK ..``) against record ``rec``.
+
+    Returns the score dot's fp16 operand ``q * k_scale`` and the fp32 zero-point term
+    ``q * (k_zero + 2^(K_BITS-1) k_scale)`` (the centering of :func:`_unpack`), ``[BLOCK_M, DK]`` each.
+    """
+    DK: tl.constexpr = LAYOUT.D // LAYOUT.K_PER_BYTE
+    KC: tl.constexpr = 1 << (LAYOUT.K_BITS - 1)
+    ch = f * DK + tl.arange(0, DK)
+    ks = _load_f16(rec + LAYOUT.K_SCALE + 2 * ch)  # [DK]
+    kz = _load_f16(rec + LAYOUT.K_ZERO + 2 * ch) + KC * ks
+    return (q_f * ks[None, :]).to(tl.float16), q_f * kz[None, :]
+
+
+@triton.jit
+def _tile_scores(rec, query, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr):
+    """Scores of one quantized tile: ``(even, odd)`` tokens, each ``[BLOCK_M, G // 2]`` fp32.
+
+    ``query = (q0, q1, q2, q3, rf)``: ``q0 .. q3: [BLOCK_M, DK]`` are the query's channel blocks of
+    the K fields, divided by ``rf: [BLOCK_M]`` (a power of two) so ``|q| < 1`` (``q2, q3`` unused
+    with two fields). The K code bytes are read as 16-bit words ``[DK, G // 2]`` (two neighbouring
+    tokens), so a 32-bit register of the dot operand holds two channels' words and one mask
+    unpacks two codes.
+    """
+    q0, q1, q2, q3, rf = query
+    PK: tl.constexpr = LAYOUT.K_PER_BYTE
+    DK: tl.constexpr = LAYOUT.D // PK
+    GH: tl.constexpr = LAYOUT.G // 2
+    qs0, qz = _k_operands(q0, rec, 0, LAYOUT)  # [BLOCK_M, DK] fp16, fp32
+    qs1, qz1 = _k_operands(q1, rec, 1, LAYOUT)
+    qz += qz1
+    qs2 = qs0
+    qs3 = qs0
+    if PK == 4:
+        qs2, qz2 = _k_operands(q2, rec, 2, LAYOUT)
+        qz += qz2
+        qs3, qz3 = _k_operands(q3, rec, 3, LAYOUT)
+        qz += qz3
+    qz = tl.sum(qz, axis=1)  # [BLOCK_M]
+    jk = tl.arange(0, DK)
+    ti = tl.arange(0, GH)
+    kw = tl.load((rec + LAYOUT.K_CODES).to(tl.pointer_type(tl.int16)) + jk[:, None] * GH + ti[None, :])  # [DK, GH]
+    s_e, s_o = _packed_dot(qs0, qs1, qs2, qs3, kw, PK, LAYOUT.K_BITS, USE_ASM)  # [BLOCK_M, GH] each
+    kt_e = _load_bf16(rec + LAYOUT.K_TOK + 4 * ti)  # [GH] k_tok of even tokens
+    kt_o = _load_bf16(rec + LAYOUT.K_TOK + 4 * ti + 2)
+    s_e = (s_e + qz[:, None]) * (rf[:, None] * kt_e[None, :])
+    s_o = (s_o + qz[:, None]) * (rf[:, None] * kt_o[None, :])
+    return s_e, s_o
+
+
+@triton.jit
+def _split_fields(x, BM: tl.constexpr, PV: tl.constexpr, CT: tl.constexpr):
+    """``x: [BM, PV * CT]`` (tokens in order) -> its ``PV`` token chunks ``[BM, CT]``.
+
+    Always returns four; with ``PV = 2`` the last two repeat the first two.
+    """
+    x = tl.permute(tl.reshape(x, (BM, PV, CT)), (0, 2, 1))  # [BM, CT, PV]
+    if PV == 2:
+        a, b = tl.split(x)
+        return a, b, a, b
+    else:
+        e, o = tl.split(tl.reshape(x, (BM, CT, 2, 2)))
+        x0, x2 = tl.split(e)
+        x1, x3 = tl.split(o)
+        return x0, x1, x2, x3
+
+
+@triton.jit
+def _tile_values(rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr):
+    """Online-softmax value step of one quantized tile: ``acc * alpha + p @ V~``.
+
+    ``p_e, p_o: [BLOCK_M, G // 2]`` are the probabilities of the even and odd tokens, ``alpha:
+    [BLOCK_M]`` the rescale of the running accumulators ``acc_e, acc_o: [BLOCK_M, D // 2]`` (even
+    and odd output channels). The V code bytes are read as 16-bit words ``[G // PV, D // 2]`` (two
+    neighbouring channels).
+    """
+    BLOCK_M: tl.constexpr = p_e.shape[0]
+    G: tl.constexpr = LAYOUT.G
+    PV: tl.constexpr = LAYOUT.V_PER_BYTE
+    CT: tl.constexpr = G // PV
+    DH: tl.constexpr = LAYOUT.D // 2
+    VC: tl.constexpr = 1 << (LAYOUT.V_BITS - 1)  # code centering, see _unpack
+    th = tl.arange(0, G // 2)
+    vs_e = _load_f16(rec + LAYOUT.V_SCALE + 4 * th)  # [G // 2] v_scale of even tokens
+    vs_o = _load_f16(rec + LAYOUT.V_SCALE + 4 * th + 2)
+    vz_e = _load_f16(rec + LAYOUT.V_ZERO + 4 * th) + VC * vs_e
+    vz_o = _load_f16(rec + LAYOUT.V_ZERO + 4 * th + 2) + VC * vs_o
+    z = tl.sum(p_e * vz_e[None, :] + p_o * vz_o[None, :], axis=1)  # [BLOCK_M]
+    pv_e = (p_e * vs_e[None, :]).to(tl.float16)
+    pv_o = (p_o * vs_o[None, :]).to(tl.float16)
+    pv = tl.reshape(tl.join(pv_e, pv_o), (BLOCK_M, G))  # tokens in order
+    pv0, pv1, pv2, pv3 = _split_fields(pv, BLOCK_M, PV, CT)  # [BLOCK_M, CT] each
+
+    jv = tl.arange(0, CT)
+    dh = tl.arange(0, DH)
+    vw = tl.load((rec + LAYOUT.V_CODES).to(tl.pointer_type(tl.int16)) + jv[:, None] * DH + dh[None, :])  # [CT, DH]
+    o_e, o_o = _packed_dot(pv0, pv1, pv2, pv3, vw, PV, LAYOUT.V_BITS, USE_ASM)  # [BLOCK_M, DH] each
+    vc_e = _load_bf16(rec + LAYOUT.V_CHAN + 4 * dh)  # [DH] v_chan of even channels
+    vc_o = _load_bf16(rec + LAYOUT.V_CHAN + 4 * dh + 2)
+    acc_e = acc_e * alpha[:, None] + (o_e + z[:, None]) * vc_e[None, :]
+    acc_o = acc_o * alpha[:, None] + (o_o + z[:, None]) * vc_o[None, :]
+    return acc_e, acc_o
+
+
+@triton.jit
+def _causal(s_e, s_o, pos_q, key0, GH: tl.constexpr):
+    """Mask keys past each row's query position; ``s_e, s_o`` hold the even and odd tokens from ``key0``."""
+    kpos = key0 + 2 * tl.arange(0, GH)
+    s_e = tl.where(kpos[None, :] <= pos_q[:, None], s_e, float("-inf"))
+    s_o = tl.where(kpos[None, :] + 1 <= pos_q[:, None], s_o, float("-inf"))
+    return s_e, s_o
+
+
+@triton.jit
+def _fp_tile(q_full, m_i, l_i, acc, pool, slot, n_valid, key0, pos_q, POOL_BF16: tl.constexpr):
+    """Online-softmax steps over one full-precision pool tile: ``n_valid`` tokens at positions ``key0 ..``.
+
+    ``q_full: [BLOCK_M, D]`` fp32; running ``m_i, l_i: [BLOCK_M]``, ``acc: [BLOCK_M, D]`` in and out.
+    ``pool = (tail_k, tail_v, slot_stride, token_stride, head_stride, kv_head)`` names the pool
+    and the KV head; ``slot`` is the tile's pool slot. Walks the tile ``FP_TILE_TOKENS`` at a time.
+    """
+    tail_k, tail_v, p_slot, p_tok, p_head, kvh = pool
+    dd = tl.arange(0, q_full.shape[1])
+    base = slot.to(tl.int64) * p_slot + kvh.to(tl.int64) * p_head
+    ft = tl.arange(0, FP_TILE_TOKENS)
+    for c in range(0, n_valid, FP_TILE_TOKENS):
+        tt = c + ft
+        ptr = base + tt[:, None] * p_tok + dd[None, :]
+        tok_ok = tt < n_valid
+        kt = load_f32(tail_k + ptr, tok_ok[:, None], POOL_BF16)  # [FP_TILE_TOKENS, D]
+        vt = load_f32(tail_v + ptr, tok_ok[:, None], POOL_BF16)
+        s = tl.dot(q_full, tl.trans(kt), input_precision="tf32")  # [BLOCK_M, FP_TILE_TOKENS]
+        ok = tok_ok[None, :] & ((key0 + tt)[None, :] <= pos_q[:, None])
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="tf32")
+        m_i = m_new
+    return m_i, l_i, acc
