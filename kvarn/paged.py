@@ -28,6 +28,10 @@ first among the slots this step does not touch. A request that continues a tile 
 gone raises :class:`TailLostError` instead of attending over garbage; the pool is sized so that
 this needs more partial tiles than ``num_slots`` to be outstanding at once.
 
+A caller that gives every live request a stable index (vLLM's GPU model runner) plans with
+:func:`plan_request_slots` instead: the request's slot is its index, nothing is claimed or
+evicted, and no block id is read on the host.
+
 Sink (optional, ``num_sink_slots > 0``): the tokens of a sequence's first tile also go to a
 *sink slot*, keyed by the block id of that first tile, and attention reads the first tile from
 the sink slot in full precision instead of from its record. Sink slots are not evicted; the
