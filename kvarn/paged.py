@@ -28,6 +28,10 @@ first among the slots this step does not touch. A request that continues a tile 
 gone raises :class:`TailLostError` instead of attending over garbage; the pool is sized so that
 this needs more partial tiles than ``num_slots`` to be outstanding at once.
 
+A caller that gives every live request a stable index (vLLM's GPU model runner) plans with
+:func:`plan_request_slots` instead: the request's slot is its index, nothing is claimed or
+evicted, and no block id is read on the host.
+
 Sink (optional, ``num_sink_slots > 0``): the tokens of a sequence's first tile also go to a
 *sink slot*, keyed by the block id of that first tile, and attention reads the first tile from
 the sink slot in full precision instead of from its record. Sink slots are not evicted; the
@@ -68,6 +72,9 @@ class TilePlan:
             first tile, ``-1`` elsewhere; ``None`` without a sink.
         sink_slots: ``[B]`` int64, each request's sink slot; ``None`` without a sink.
         slots_needed: one past the highest pool row the plan touches (a pool may grow lazily).
+        late_tail_slot_mapping: ``[T]`` int64 or ``None``, tail tokens written after the commit
+            (:func:`plan_request_slots`: a chunk that completes its request's tile and starts
+            another reuses the slot), ``-1`` elsewhere.
     """
 
     tail_slot_mapping: torch.Tensor
@@ -79,6 +86,7 @@ class TilePlan:
     sink_slot_mapping: torch.Tensor | None = None
     sink_slots: torch.Tensor | None = None
     slots_needed: int = 0
+    late_tail_slot_mapping: torch.Tensor | None = None
 
 
 class TilePlanner:
@@ -338,19 +346,41 @@ class PagedKV:
     def store(self, plan: TilePlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one step's ``k, v: [T, Hkv, D]`` (model frame) as ``plan`` says, in place.
 
-        Tail (and sink) tokens first, then the tiles they complete, then the step's whole tiles.
+        Tail (and sink) tokens first, then the tiles they complete, then the step's whole tiles:
+        :meth:`write_tail`, :meth:`commit`, :meth:`write_late_tail`, :meth:`store_whole` in that order.
         """
+        self.write_tail(plan, k, v)
+        self.commit(plan)
+        self.write_late_tail(plan, k, v)
+        self.store_whole(plan, k, v)
+
+    def write_tail(self, plan: TilePlan, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The plan's tail (and sink) tokens of ``k, v: [T, Hkv, D]`` into the pool (negative entries skip)."""
         cfg, impl = self.cfg, self.impl
         if plan.slots_needed > self.tail_k.shape[0]:
             raise ValueError(f"the plan uses {plan.slots_needed} pool slots, this pool has {self.tail_k.shape[0]}")
         ops.write_tail(k, v, self.tail_k, self.tail_v, plan.tail_slot_mapping, cfg, impl=impl)
         if plan.sink_slot_mapping is not None:
             ops.write_tail(k, v, self.tail_k, self.tail_v, plan.sink_slot_mapping, cfg, impl=impl)
-        ops.commit_tiles(self.tail_k, self.tail_v, plan.commit_slots, plan.commit_blocks, self.cache, cfg, impl=impl)
+
+    def write_late_tail(self, plan: TilePlan, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The plan's tail tokens that go in after the commit (a slot reused in the same step)."""
+        if plan.late_tail_slot_mapping is not None:
+            ops.write_tail(k, v, self.tail_k, self.tail_v, plan.late_tail_slot_mapping, self.cfg, impl=self.impl)
+
+    def commit(self, plan: TilePlan) -> None:
+        """Quantize the pool tiles that are full after this step into their blocks."""
+        ops.commit_tiles(
+            self.tail_k, self.tail_v, plan.commit_slots, plan.commit_blocks, self.cache, self.cfg, impl=self.impl
+        )
+
+    def store_whole(self, plan: TilePlan, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize the step's whole tiles straight from ``k, v: [T, Hkv, D]``."""
+        cfg = self.cfg
         if plan.store_blocks.numel():
             idx = plan.store_token_idx.reshape(-1)
             shape = (plan.store_blocks.numel(), cfg.group_size, *k.shape[1:])
-            ops.store_tiles(k[idx].view(shape), v[idx].view(shape), plan.store_blocks, self.cache, cfg, impl=impl)
+            ops.store_tiles(k[idx].view(shape), v[idx].view(shape), plan.store_blocks, self.cache, cfg, impl=self.impl)
 
     def attend(
         self,
@@ -420,3 +450,86 @@ class PagedKV:
             "tail": per_slot * self.num_slots,
             "sink": per_slot * self.num_sink_slots,
         }
+
+
+def plan_request_slots(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    num_tokens: int,
+    request_slots,
+    group_size: int,
+) -> TilePlan:
+    """Plan one step when the caller names each request's tail slot; no block id is read on the host.
+
+    For callers that give every live request a stable index (vLLM's GPU model runner does): the
+    request's incomplete tile lives in pool slot ``request_slots[r]`` for the request's whole
+    life, so slots are never claimed, evicted or lost, and the pool needs exactly one slot per
+    request that can run. A new owner of a slot starts its tile at offset 0 (or at a prefix hit,
+    on a tile boundary), so it overwrites the slot before it reads it.
+
+    Args:
+        query_start_loc: ``[B + 1]`` int (CPU), offsets of each request's new tokens.
+        seq_lens: ``[B]`` int (CPU), tokens of each request after the step.
+        block_table: ``[B, max_blocks]`` int on the plan's device; the commit and store blocks
+            are gathered from it there (no copy to the host).
+        num_tokens: rows of the step's key/value tensors (``>= query_start_loc[-1]``).
+        request_slots: ``[B]`` ints (CPU), each request's tail slot.
+        group_size: the tile length ``G``.
+
+    Returns the same :class:`TilePlan` as :meth:`TilePlanner.plan`, on ``block_table``'s device.
+    """
+    import numpy as np
+
+    g = group_size
+    qsl = np.asarray(query_start_loc, dtype=np.int64)
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    slots = np.asarray(request_slots, dtype=np.int64)
+    batch = lens.shape[0]
+    if qsl.shape != (batch + 1,) or slots.shape != (batch,):
+        raise ValueError(
+            f"query_start_loc must be [B + 1] and request_slots [B] for B = {batch}, got "
+            f"{tuple(qsl.shape)} and {tuple(slots.shape)}"
+        )
+    n = qsl[1:] - qsl[:-1]
+    start = lens - n
+    if (n < 0).any() or (start < 0).any():
+        bad = int(np.nonzero((n < 0) | (start < 0))[0][0])
+        raise ValueError(f"request {bad} has {n[bad]} new tokens but a length of {lens[bad]}")
+    total = int(qsl[-1])
+    if total > num_tokens:
+        raise ValueError(f"the step has {total} tokens but num_tokens is {num_tokens}")
+    row = np.repeat(np.arange(batch), n)
+    tok = np.arange(total)
+    pos = start[row] + tok - qsl[row]
+    tile = pos // g
+    whole = (tile * g >= start[row]) & ((tile + 1) * g <= lens[row])
+    commits = (n > 0) & (start % g != 0) & ((start // g + 1) * g <= lens)
+    late = ~whole & commits[row] & (tile > start[row] // g)
+    mapping = np.full(num_tokens, -1, dtype=np.int64)
+    slot_pos = slots[row] * g + pos % g
+    mapping[:total] = np.where(whole | late, -1, slot_pos)
+    late_mapping = np.full(num_tokens if late.any() else 0, -1, dtype=np.int64)
+    if late.any():
+        late_mapping[:total] = np.where(late, slot_pos, -1)
+    first = whole & (pos % g == 0)
+    commit = np.nonzero(commits)[0]
+    nc, ns, nl = commit.shape[0], int(first.sum()), late_mapping.shape[0]
+    host = np.concatenate(
+        [mapping, late_mapping, slots[commit], commit, start[commit] // g, tok[first], row[first], tile[first], slots]
+    )
+    device = block_table.device
+    staged = torch.from_numpy(host)
+    if device.type == "cuda":
+        staged = staged.pin_memory().to(device, non_blocking=True)
+    parts = torch.split(staged, [num_tokens, nl, nc, nc, nc, ns, ns, ns, batch])
+    mapping_d, late_d, commit_slots, commit_rows, commit_tiles, store_first, store_rows, store_tiles, tail_slots = parts
+    return TilePlan(
+        late_tail_slot_mapping=late_d if nl else None,
+        tail_slot_mapping=mapping_d,
+        commit_slots=commit_slots,
+        commit_blocks=block_table[commit_rows, commit_tiles].long(),
+        store_token_idx=store_first[:, None] + torch.arange(g, device=device)[None, :],
+        store_blocks=block_table[store_rows, store_tiles].long(),
+        tail_slots=tail_slots,
+    )

@@ -90,3 +90,22 @@ def test_the_pool_evicts_the_least_recently_used_idle_slot_and_refuses_a_lost_ta
         plan(p, [(1, 2)], [[1]])
     with pytest.raises(TailLostError, match="incomplete tiles in one step"):
         plan(TilePlanner(1, G), [(1, 1), (1, 1)], [[1], [2]])
+
+
+def test_request_slots_plan_without_block_ids_on_the_host():
+    """Slots named by the caller; a chunk that completes its tile and starts another writes it after the commit."""
+    from kvarn.paged import plan_request_slots
+
+    table = torch.tensor([[7, 3, 9, 4], [5, 6, 0, 0]])
+    # request 0: 5 -> 30 (completes tile 0, stores 1 and 2, starts 3); request 1: 7 -> 8 (decode completes tile 0)
+    out = plan_request_slots(torch.tensor([0, 25, 26]), torch.tensor([30, 8]), table, 28, [2, 1], G)
+    assert out.commit_slots.tolist() == [2, 1] and out.commit_blocks.tolist() == [7, 5]
+    assert out.store_blocks.tolist() == [3, 9]
+    assert out.store_token_idx[:, 0].tolist() == [3, 11]
+    assert out.tail_slot_mapping.tolist() == [2 * G + 5, 2 * G + 6, 2 * G + 7] + [-1] * 22 + [1 * G + 7, -1, -1]
+    assert out.late_tail_slot_mapping.tolist() == [-1] * 19 + [2 * G + i for i in range(6)] + [-1] * 3
+    assert out.tail_slots.tolist() == [2, 1]
+    quiet = plan_request_slots(torch.tensor([0, 1]), torch.tensor([3]), table[:1], 1, [0], G)
+    assert quiet.late_tail_slot_mapping is None and quiet.commit_slots.numel() == 0
+    with pytest.raises(ValueError, match="new tokens"):
+        plan_request_slots(torch.tensor([0, 4]), torch.tensor([3]), table[:1], 4, [0], G)

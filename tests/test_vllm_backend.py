@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,7 +24,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvarn import reference
 from kvarn.config import PRESETS, KVarNConfig
-from kvarn.integration.vllm.backend import BACKENDS, KVarNAttentionImpl
+from kvarn.integration.vllm.backend import BACKENDS, KVarNAttentionImpl, _DecodeBuffers, set_step_rows
 from kvarn.paged import TailLostError, TilePlanner
 
 pytestmark = pytest.mark.vllm
@@ -34,7 +35,7 @@ HQ, HKV, D = 4, 2, 64
 class Sim:
     """Requests with a token history, a block table and a schedule; blocks from a shuffled pool."""
 
-    def __init__(self, preset, dtype, num_blocks=96, seed=0, max_num_seqs=8, tail_slots=None):
+    def __init__(self, preset, dtype, num_blocks=96, seed=0, max_num_seqs=8, tail_slots=None, request_slots=False):
         self.rng = random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed)
         self.cfg = KVarNConfig.from_preset(preset, head_dim=D)
@@ -55,6 +56,17 @@ class Sim:
         if tail_slots is not None:
             self.builder.num_slots = tail_slots
             self.builder.planner = TilePlanner(tail_slots, self.g)
+        self.request_slots = request_slots
+        self.pad = True
+        if request_slots:
+            # what the builder does on vLLM's GPU runner: one pool slot per request index + scratch
+            self.builder.per_request = True
+            self.builder.planner = None
+            self.builder.num_slots = max_num_seqs
+            self.builder.scratch_slot = max_num_seqs
+            self.builder.buffers = _DecodeBuffers(4 * max_num_seqs * self.g, 2 * max_num_seqs, "cpu")
+            self.free_index = list(range(max_num_seqs))
+            self.index = {}
         self.impl = KVarNAttentionImpl(HQ, D, 0.125, HKV, kv_cache_dtype=preset)
         self.layer = torch.nn.Module()
         self.layer.layer_name = "layer.0"
@@ -84,10 +96,14 @@ class Sim:
             req["len"] = hit * self.g
             req["shared"] = hit
         self.reqs[rid] = req
+        if self.request_slots:
+            self.index[rid] = self.free_index.pop(self.rng.randrange(len(self.free_index)))
         return rid
 
     def free_req(self, rid, keep_prefix=False):
         req = self.reqs.pop(rid)
+        if self.request_slots:
+            self.free_index.append(self.index.pop(rid))
         if keep_prefix:
             self.prefix[rid] = req
             full = len(req["k"]) // self.g
@@ -115,7 +131,7 @@ class Sim:
             lens.append(req["len"])
         width = 1 + max(len(self.reqs[r]["blocks"]) for r in order)
         rows = [self.reqs[r]["blocks"] + [0] * (width - len(self.reqs[r]["blocks"])) for r in order]
-        num_tokens = qsl[-1] + self.rng.randrange(3)
+        num_tokens = qsl[-1] + (self.rng.randrange(3) if self.pad else 0)
         pad = num_tokens - qsl[-1]
         key = torch.cat([*ks, torch.zeros(pad, HKV, D, dtype=self.dtype)])
         value = torch.cat([*vs, torch.zeros(pad, HKV, D, dtype=self.dtype)])
@@ -135,7 +151,10 @@ class Sim:
             slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),
             seq_lens_cpu_upper_bound=lens_t,
         )
+        if self.request_slots:
+            set_step_rows(np.array([self.index[r] for r in order]), qsl_t.numpy())
         meta = self.builder.build(0, cam)
+        self.last_meta = meta
         output = torch.full((num_tokens, HQ, D), float("nan"), dtype=self.dtype)
         self.impl.forward(self.layer, query, key, value, self.kv_cache, meta, output=output)
         self.check(order, query[: qsl[-1]], qsl_t, lens_t, table, output[: qsl[-1]])
@@ -170,11 +189,18 @@ class Sim:
 
 
 @pytest.mark.parametrize(
-    ("preset", "dtype"),
-    [("kvarn_k4v2_g64", torch.bfloat16), ("kvarn_k4v2_g128", torch.float16), ("kvarn_k2v2_g128", torch.bfloat16)],
+    ("preset", "dtype", "request_slots"),
+    [
+        ("kvarn_k4v2_g64", torch.bfloat16, False),
+        ("kvarn_k4v2_g128", torch.float16, False),
+        ("kvarn_k2v2_g128", torch.bfloat16, False),
+        ("kvarn_k4v2_g64", torch.bfloat16, True),
+        ("kvarn_k4v4_g128", torch.float16, True),
+    ],
 )
-def test_backend_matches_reference_through_a_random_schedule(preset, dtype):
-    sim = Sim(preset, dtype, seed=hash(preset) % 1000)
+def test_backend_matches_reference_through_a_random_schedule(preset, dtype, request_slots):
+    """Block-id tail slots (CPU runner) and request-index tail slots (GPU runner), same results."""
+    sim = Sim(preset, dtype, seed=hash(preset) % 1000, request_slots=request_slots)
     g = sim.g
     rng = sim.rng
     for _ in range(5):
@@ -211,7 +237,8 @@ def test_backend_matches_reference_through_a_random_schedule(preset, dtype):
         chunks = {r: n for r, n in chunks.items() if r in sim.reqs and n > 0}
         if chunks:
             sim.step(chunks)
-    assert sim.builder.planner.num_slots >= len(sim.builder.planner.live_slots)
+    if not request_slots:
+        assert sim.builder.planner.num_slots >= len(sim.builder.planner.live_slots)
 
 
 def test_chunk_boundaries_inside_tiles_and_a_prefix_hit():
@@ -260,3 +287,33 @@ def test_customize_spec_pages_hold_one_record_per_kv_head(preset):
         assert BACKENDS[preset].supports_block_size(cfg.group_size)
         assert BACKENDS[preset].supports_block_size(4 * cfg.group_size)
         assert not BACKENDS[preset].supports_block_size(cfg.group_size // 2)
+
+
+def test_request_slots_decode_steps_fill_the_persistent_graph_buffers():
+    """A decode batch's plan lives in fixed buffers; commits are padded with the scratch slot and block 0."""
+    sim = Sim("kvarn_k4v2_g64", torch.bfloat16, seed=11, max_num_seqs=4, request_slots=True)
+    sim.pad = False  # a CUDA-graph decode batch has exactly one token per row
+    a, b = sim.add(200), sim.add(200)
+    sim.step({a: 63, b: 10})
+    sim.step({a: 1, b: 1})
+    meta = sim.last_meta
+    buf = sim.builder.buffers
+    assert meta.decode and meta.graph_plan is not None
+    assert meta.graph_plan.commit_slots.data_ptr() == buf.commit_slots.data_ptr()
+    assert meta.graph_plan.tail_slot_mapping.data_ptr() == buf.mapping.data_ptr()
+    assert bool(meta.commit_flag) and meta.plan.commit_slots.tolist() == [sim.index[a]]
+    assert meta.graph_plan.commit_slots.tolist() == [sim.index[a], 4]
+    assert meta.graph_plan.commit_blocks.tolist() == [sim.reqs[a]["blocks"][0], 0]
+    sim.step({a: 1, b: 1})
+    assert not bool(sim.last_meta.commit_flag) and sim.last_meta.graph_plan.commit_slots.tolist() == [4, 4]
+    sim.step({a: 70})
+    assert not sim.last_meta.decode and sim.last_meta.graph_plan is None
+
+
+def test_a_chunk_that_completes_a_tile_and_starts_another_reuses_its_slot_after_the_commit():
+    sim = Sim("kvarn_k4v2_g64", torch.bfloat16, seed=13, request_slots=True)
+    a = sim.add(300)
+    sim.step({a: 40})
+    sim.step({a: 100})  # 40 -> 140: completes tile 0 from the slot, stores tile 1, starts tile 2 in the slot
+    assert sim.last_meta.plan.late_tail_slot_mapping is not None
+    sim.step({a: 1})

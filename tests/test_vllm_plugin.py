@@ -23,7 +23,7 @@ from vllm.v1.attention.selector import AttentionSelectorConfig, get_attn_backend
 
 import kvarn.integration.vllm as kv
 from kvarn.config import PRESETS
-from kvarn.integration.vllm import plugin
+from kvarn.integration.vllm import checks, plugin
 from kvarn.integration.vllm.backend import BACKENDS
 
 pytestmark = pytest.mark.vllm
@@ -104,18 +104,18 @@ def _run(block_size=128, user_block=False, unit=None, spec=None, dbo=False):
 )
 def test_unservable_runs_are_refused_with_what_to_change(run, advice):
     with pytest.raises(ValueError, match=advice):
-        plugin.check_run(run, "kvarn_k4v2_g128")
+        checks.check_run(run, "kvarn_k4v2_g128")
     with pytest.raises(ValueError, match=advice):
-        plugin.check_layer(_selector(), run)
+        checks.check_layer(_selector(), run)
 
 
 def test_the_run_check_sets_the_block_size_unless_the_user_chose_it():
     run = _run(block_size=16)
-    plugin.check_run(run, "kvarn_k4v2_g64")
+    checks.check_run(run, "kvarn_k4v2_g64")
     assert run.cache_config.block_size == 64
-    plugin.check_run(_run(block_size=128, user_block=True, unit=256), "kvarn_k4v2_g128")
+    checks.check_run(_run(block_size=128, user_block=True, unit=256), "kvarn_k4v2_g128")
     run = _run(block_size=256, user_block=True)
-    plugin.check_run(run, "kvarn_k4v2_g128")
+    checks.check_run(run, "kvarn_k4v2_g128")
     assert run.cache_config.block_size == 256, "a multiple of G is split into tiles by vLLM"
 
 
@@ -156,7 +156,7 @@ class Keep(logging.Handler):
     def emit(self, record):
         records.append(record)
 logging.getLogger("vllm.kvarn").addHandler(Keep())
-from kvarn.integration.vllm import plugin
+from kvarn.integration.vllm import checks, plugin
 def boom():
     raise RuntimeError("simulated failure while adding the dtype names")
 plugin.install_dtypes = boom
@@ -203,3 +203,44 @@ def test_importing_the_integration_imports_neither_vllm_nor_transformers():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def _sched_run(max_num_seqs):
+    run = _run()
+    run.scheduler_config = SimpleNamespace(max_num_seqs=max_num_seqs)
+    return run
+
+
+@pytest.mark.parametrize(("env", "advice"), [("3", "at least 8"), ("0", "at least 8"), ("many", "positive integer")])
+def test_a_tail_pool_smaller_than_the_scheduler_can_fill_is_refused_at_start_up(monkeypatch, env, advice):
+    monkeypatch.setenv(checks.TAIL_SLOTS_ENV, env)
+    with pytest.raises(ValueError, match=advice):
+        checks.check_run(_sched_run(8), "kvarn_k4v2_g128")
+    monkeypatch.setenv(checks.TAIL_SLOTS_ENV, "8")
+    checks.check_run(_sched_run(8), "kvarn_k4v2_g128")
+    assert checks.tail_slot_count(_sched_run(8)) == 8
+    assert checks.tail_slot_count(_sched_run(8), per_request=True) == 8, "per-request slots ignore the variable"
+
+
+def test_where_the_backend_enum_takes_no_new_names_kvarn_registers_as_custom(monkeypatch):
+    from vllm.v1.attention.backends import registry
+
+    from kvarn.integration.vllm.backend import KVarNBackend
+
+    calls = []
+
+    def closed_register_backend(backend, class_path=None, is_mamba=False):
+        calls.append(backend)
+        if isinstance(backend, str):
+            return lambda x: x  # 0.26 stores the string and never adds an enum member
+        return lambda x: x
+
+    enum = registry.AttentionBackendEnum
+    members = {k: v for k, v in enum.__members__.items() if k != "KVARN"}
+    closed = SimpleNamespace(__members__=members, CUSTOM=enum.CUSTOM)
+    monkeypatch.setattr(registry, "register_backend", closed_register_backend)
+    monkeypatch.setattr(registry, "AttentionBackendEnum", closed)
+    monkeypatch.setattr(KVarNBackend, "registered_name", "KVARN")
+    assert plugin.install_backend_name() == "CUSTOM"
+    assert registry.AttentionBackendEnum.CUSTOM in calls
+    assert BACKENDS["kvarn_k4v2_g128"].get_name() == "CUSTOM"

@@ -1,16 +1,29 @@
 """The KVarN attention backend for vLLM: backend classes, metadata builder and impl.
 
-One backend class per preset (``KVarNBackend_k4v2_g128``, ...), so that every class knows its
-record layout without looking at the run's config: :meth:`KVarNBackend.customize_spec` turns the
-layer's KV-cache spec into one of ``G``-token blocks whose page holds one record per KV head
-(``state_content_bytes = record_bytes / G`` per head and token slot, layout ``LBHNC``, so each
-``(block, head)`` record is contiguous). vLLM sizes the pool from that page and hands each layer
-a ``[num_blocks, Hkv, G, record_bytes / G]`` uint8 view, which the impl reads as
+One backend class per preset (``KVarNBackend_k4v2_g128``, ...), each with its own builder and
+impl classes, so every class knows its format from its own preset and never from the run's
+``cache_dtype`` (the format is parsed once, :func:`~kvarn.integration.vllm.checks.preset_config`).
+:meth:`KVarNBackend.customize_spec` turns the layer's KV-cache spec into one of ``G``-token blocks
+whose page holds one record per KV head: on vLLM with ``state_content_bytes`` (0.32, 0.33) it sets
+``record_bytes / G`` bytes per head and token slot (layout ``LBHNC``); on vLLM without it (0.26)
+it returns a ``TQFullAttentionSpec`` with ``tq_slot_size = record_bytes / G``, whose page size is
+exact, and :meth:`KVarNBackend.get_kv_cache_shape` gives the matching
+``[num_blocks, Hkv, G, record_bytes / G]`` uint8 view. The impl reads it as
 ``cache: [num_blocks, Hkv, record_bytes]``.
 
-The builder plans each step with :class:`~kvarn.paged.TilePlanner`; the impl's ``forward``
-stores the step's K/V and then attends through :class:`~kvarn.paged.PagedKV`, which calls
-``kvarn.ops`` (the reference on CPU, the Triton kernels on CUDA). This module holds no math.
+Tail slots. On vLLM's GPU model runner (V2) every live request has a stable index below
+``max_num_seqs``; the plugin hands the builder each step's indices (:func:`set_step_rows`) and the
+request's incomplete tile lives in the pool slot of that index (:func:`kvarn.paged.plan_request_slots`):
+no block id is read on the host, a slot can never be lost, and the pool is exactly ``max_num_seqs``
+slots (plus one scratch slot for CUDA-graph padding). Elsewhere (the CPU runner) slots are keyed by
+block id (:class:`kvarn.paged.TilePlanner`) and the block table is on the host anyway.
+
+CUDA graphs (GPU runner): the builder declares ``UNIFORM_SINGLE_TOKEN_DECODE``. For a decode
+batch it writes the plan into persistent device tensors of fixed size: the tail mapping, each
+row's slot, and the commit lists padded to the batch with the scratch slot and block 0 (vLLM's
+null block, never read). The captured forward writes the tail, then commits under a CUDA-graph
+conditional node that runs only when the builder set its flag (a decode step commits a tile in
+one step of ``G``), then attends; nothing in it reads a value on the host.
 
 The first tile of a sequence is quantized like every other tile (no full-precision sink): a sink
 would be per-request state for the request's whole life, shared through the prefix cache and lost
@@ -19,12 +32,13 @@ on preemption, and it would not be recoverable from its own page (see ``docs/vll
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -35,41 +49,59 @@ from vllm.v1.attention.backend import (
     AttentionType,
     CommonAttentionMetadata,
 )
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+try:
+    from vllm.v1.kv_cache_interface import KVCacheLayout
+except ImportError:  # vLLM 0.26: pages are laid out by get_kv_cache_shape
+    KVCacheLayout = None
 
 from kvarn.config import PRESETS, SUPPORTED_HEAD_DIMS, KVarNConfig
-from kvarn.paged import PagedKV, TilePlan, TilePlanner
+from kvarn.integration.vllm.checks import SUPPORTED_MODEL_DTYPES, check_run, preset_config, tail_slot_count
+from kvarn.paged import PagedKV, TilePlan, TilePlanner, plan_request_slots
 
 logger = logging.getLogger("vllm.kvarn")
 
 BACKEND_NAME = "KVARN"
-TAIL_SLOTS_ENV = "KVARN_TAIL_SLOTS"
-SUPPORTED_MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _logged_capacity: set[tuple] = set()
+_step: dict[str, object] = {"rows": None, "qsl": None, "hooked": False}
 
 
-def tail_slot_count(vllm_config) -> int:
-    """Tail slots per layer: ``$KVARN_TAIL_SLOTS`` or twice ``max_num_seqs``.
+def set_step_rows(idx_mapping: np.ndarray, query_start_loc: np.ndarray) -> None:
+    """Record the stable request index of each row of the step being built (the plugin calls it).
 
-    A running request holds at most one incomplete tile; the second half of the pool absorbs the
-    tails of finished requests until their blocks are recycled.
+    ``idx_mapping: [num_reqs]`` (request index per batch row), ``query_start_loc``: the host array
+    the step's ``CommonAttentionMetadata.query_start_loc_cpu`` is a view of (how :meth:`build`
+    knows the indices belong to the batch it builds).
     """
-    env = os.environ.get(TAIL_SLOTS_ENV)
-    if env:
-        try:
-            value = int(env)
-        except ValueError:
-            raise ValueError(f"{TAIL_SLOTS_ENV} must be a positive integer, got {env!r}") from None
-        if value < 1:
-            raise ValueError(f"{TAIL_SLOTS_ENV} must be a positive integer, got {env!r}")
-        return value
-    return 2 * int(vllm_config.scheduler_config.max_num_seqs)
+    _step["rows"] = np.asarray(idx_mapping)
+    _step["qsl"] = query_start_loc
+
+
+def mark_step_rows_hooked() -> None:
+    """The plugin hooked the model runner: :func:`set_step_rows` will be called every step."""
+    _step["hooked"] = True
+
+
+def per_request_slots(vllm_config) -> bool:
+    """Whether tail slots follow vLLM's request indices: the GPU model runner (V2) with the step hook."""
+    if not _step["hooked"] or not getattr(vllm_config, "use_v2_model_runner", False):
+        return False
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
+    return device in (None, "cuda")
+
+
+def pool_slots(vllm_config) -> int:
+    """Slots of each layer's full-precision pool: the tail slots, plus one scratch slot per request index mode."""
+    per_request = per_request_slots(vllm_config)
+    return tail_slot_count(vllm_config, per_request=per_request) + int(per_request)
 
 
 class KVarNBackend(AttentionBackend):
     """Base of the per-preset KVarN backends; ``preset`` names the cache format."""
 
     preset: ClassVar[str] = ""
+    registered_name: ClassVar[str] = BACKEND_NAME
+    """The name vLLM's backend registry knows KVarN by (``CUSTOM`` where the registry takes no new names)."""
     forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = list(SUPPORTED_MODEL_DTYPES)
     supported_kv_cache_dtypes: ClassVar[list[str]] = list(PRESETS)
@@ -77,19 +109,19 @@ class KVarNBackend(AttentionBackend):
     @classmethod
     def config(cls, head_size: int) -> KVarNConfig:
         """The record layout of this backend's preset for ``head_size``."""
-        return KVarNConfig.from_preset(cls.preset, head_dim=head_size)
+        return preset_config(cls.preset, head_size)
 
     @staticmethod
     def get_name() -> str:
-        return BACKEND_NAME
+        return KVarNBackend.registered_name
 
-    @staticmethod
-    def get_impl_cls() -> type[KVarNAttentionImpl]:
-        return KVarNAttentionImpl
+    @classmethod
+    def get_impl_cls(cls) -> type[KVarNAttentionImpl]:
+        return cls.impl_cls
 
-    @staticmethod
-    def get_builder_cls() -> type[KVarNMetadataBuilder]:
-        return KVarNMetadataBuilder
+    @classmethod
+    def get_builder_cls(cls) -> type[KVarNMetadataBuilder]:
+        return cls.builder_cls
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
@@ -100,24 +132,32 @@ class KVarNBackend(AttentionBackend):
         return kv_cache_dtype == cls.preset
 
     @classmethod
-    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        return (KVCacheLayout.LBHNC,)
+    def supported_kv_cache_layouts(cls) -> tuple:
+        return (KVCacheLayout.LBHNC,) if KVCacheLayout is not None else ()
 
     @classmethod
     def get_preferred_block_size(cls, default_block_size: int) -> int:
-        return PRESETS[cls.preset][2]
+        return cls.config(128).group_size
 
     @classmethod
     def get_supported_kernel_block_sizes(cls, kv_cache_spec=None) -> list[int]:
         """Exactly one tile: a larger cache block (a multiple of G) is split into tiles by vLLM."""
-        return [PRESETS[cls.preset][2]]
+        return [cls.config(128).group_size]
+
+    @classmethod
+    def get_kv_cache_shape(
+        cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype_str: str = "auto"
+    ) -> tuple[int, ...]:
+        """``[num_blocks, Hkv, block_size, record_bytes / G]`` uint8: one record per (block, KV head)."""
+        cfg = cls.config(head_size)
+        return (num_blocks, num_kv_heads, block_size, cfg.record_bytes // cfg.group_size)
 
     @classmethod
     def supports_kv_connector(cls) -> bool:
         return False
 
     @classmethod
-    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+    def customize_spec(cls, spec):
         """One record per (block, KV head): ``record_bytes / G`` bytes per head and token slot."""
         if spec.head_size_v != spec.head_size:
             raise ValueError(
@@ -127,22 +167,18 @@ class KVarNBackend(AttentionBackend):
         cfg = cls.config(spec.head_size)
         per_slot, rest = divmod(cfg.record_bytes, cfg.group_size)
         assert rest == 0, "record_bytes is a multiple of the tile length for every preset"
-        return dataclasses.replace(spec, dtype=torch.uint8, state_content_bytes=per_slot, tokens_per_state=1)
+        if "state_content_bytes" in {f.name for f in dataclasses.fields(spec)}:
+            return dataclasses.replace(spec, dtype=torch.uint8, state_content_bytes=per_slot, tokens_per_state=1)
+        from vllm.v1.kv_cache_interface import TQFullAttentionSpec
 
-
-def _backend_for(preset: str) -> type[KVarNBackend]:
-    name = f"KVarNBackend_{preset.removeprefix('kvarn_')}"
-    return type(name, (KVarNBackend,), {"preset": preset, "__module__": __name__, "__qualname__": name})
-
-
-BACKENDS: dict[str, type[KVarNBackend]] = {preset: _backend_for(preset) for preset in PRESETS}
-globals().update({cls.__name__: cls for cls in BACKENDS.values()})
-
-
-def backend_path(preset: str) -> str:
-    """The importable path of the backend class of ``preset``."""
-    cls = BACKENDS[preset]
-    return f"{cls.__module__}.{cls.__qualname__}"
+        return TQFullAttentionSpec(
+            block_size=spec.block_size,
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            head_size_v=spec.head_size_v,
+            dtype=torch.uint8,
+            tq_slot_size=per_slot,
+        )
 
 
 @dataclass
@@ -150,7 +186,10 @@ class KVarNMetadata(AttentionMetadata):
     """One step of one KV-cache group: the tile plan plus what attention reads.
 
     ``query_start_loc: [B + 1]``, ``seq_lens: [B]``, ``block_table: [B, max_blocks]`` as vLLM
-    gives them; ``plan`` from :meth:`TilePlanner.plan`; ``num_slots`` tail slots per layer.
+    gives them; ``plan`` from the planner; ``num_slots`` slots in each layer's pool. For a
+    decode batch on the GPU runner also ``graph_plan`` (the same tensors with the commit lists
+    padded to ``B``), ``commit_flag`` (a device bool: some row commits) and ``decode`` (one query
+    per row).
     """
 
     num_actual_tokens: int
@@ -159,25 +198,51 @@ class KVarNMetadata(AttentionMetadata):
     block_table: torch.Tensor
     plan: TilePlan
     num_slots: int
+    graph_plan: TilePlan | None = None
+    commit_flag: torch.Tensor | None = None
+    decode: bool = False
+
+
+class _DecodeBuffers:
+    """Persistent device tensors a captured decode step reads; :meth:`KVarNMetadataBuilder.build` refills them."""
+
+    def __init__(self, max_tokens: int, max_reqs: int, device):
+        self.mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        self.tail_slots = torch.zeros(max_reqs, dtype=torch.int64, device=device)
+        self.commit_slots = torch.zeros(max_reqs, dtype=torch.int64, device=device)
+        self.commit_blocks = torch.zeros(max_reqs, dtype=torch.int64, device=device)
+        self.commit_flag = torch.zeros((), dtype=torch.bool, device=device)
 
 
 class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
-    """Builds :class:`KVarNMetadata`; owns the tail-slot table of its KV-cache group."""
+    """Builds :class:`KVarNMetadata` for its backend's preset; owns its group's tail-slot state."""
 
+    backend: ClassVar[type[KVarNBackend]] = KVarNBackend
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        if per_request_slots(vllm_config):
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        preset = vllm_config.cache_config.cache_dtype
-        if preset not in PRESETS:
-            raise ValueError(f"the KVarN backend serves kvarn_* cache dtypes, got {preset!r}")
-        self.cfg = KVarNConfig.from_preset(preset, head_dim=kv_cache_spec.head_size)
+        self.cfg = self.backend.config(kv_cache_spec.head_size)
+        preset = self.cfg.name
         if kv_cache_spec.block_size != self.cfg.group_size:
             raise ValueError(
                 f"{preset} needs kernel blocks of {self.cfg.group_size} tokens, vLLM gave {kv_cache_spec.block_size}"
             )
-        self.num_slots = tail_slot_count(vllm_config)
-        self.planner = TilePlanner(self.num_slots, self.cfg.group_size)
+        self.per_request = per_request_slots(vllm_config) and torch.device(device).type == "cuda"
+        self.num_slots = tail_slot_count(vllm_config, per_request=self.per_request)
+        self.scratch_slot = self.num_slots
+        self.planner = None if self.per_request else TilePlanner(self.num_slots, self.cfg.group_size)
+        self.buffers = None
+        if self.per_request:
+            sched = vllm_config.scheduler_config
+            size = max(int(sched.max_num_batched_tokens), int(sched.max_num_seqs))
+            self.buffers = _DecodeBuffers(size, size, device)
         self._log_capacity(vllm_config, kv_cache_spec, len(layer_names))
 
     def _log_capacity(self, vllm_config, spec, num_layers: int) -> None:
@@ -189,13 +254,16 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         cfg = self.cfg
         tokens = num_blocks * cfg.group_size
         cache_bytes = num_blocks * num_layers * spec.num_kv_heads * cfg.record_bytes
-        fp16_tokens = cache_bytes // (num_layers * spec.num_kv_heads * 4 * cfg.head_dim)
         dtype_bytes = torch.tensor([], dtype=vllm_config.model_config.dtype).element_size()
-        tail_bytes = self.num_slots * cfg.group_size * spec.num_kv_heads * cfg.head_dim * 2 * dtype_bytes * num_layers
+        pool = self.num_slots + int(self.per_request)
+        tail_bytes = pool * cfg.group_size * spec.num_kv_heads * cfg.head_dim * 2 * dtype_bytes * num_layers
+        fp16_tokens = cache_bytes // (num_layers * spec.num_kv_heads * 4 * cfg.head_dim)
+        fp16_all = (cache_bytes + tail_bytes) // (num_layers * spec.num_kv_heads * 4 * cfg.head_dim)
         logger.info(
             "KVarN %s KV cache: %d blocks of %d tokens = %d tokens in %.1f MiB (%d layers, %d KV heads, %d B "
             "per record); an fp16 cache of the same size holds %d tokens: %.2fx the capacity. Full-precision "
-            "tail pool: %d slots, %.1f MiB.",
+            "tail pool (inside vLLM's KV budget, allocated in its profiling run): %d slots (%s), %.1f MiB; "
+            "counting it, %.2fx an fp16 cache of records + pool.",
             cfg.name,
             num_blocks,
             cfg.group_size,
@@ -206,9 +274,22 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             cfg.record_bytes,
             fp16_tokens,
             tokens / max(fp16_tokens, 1),
-            self.num_slots,
+            pool,
+            "one per request index + 1 scratch" if self.per_request else "keyed by block id",
             tail_bytes / 2**20,
+            tokens / max(fp16_all, 1),
         )
+
+    def _request_slots(self, cam: CommonAttentionMetadata, batch: int) -> np.ndarray:
+        rows, qsl = _step["rows"], _step["qsl"]
+        if rows is None or qsl is None or not np.shares_memory(cam.query_start_loc_cpu.numpy(), qsl):
+            raise RuntimeError(
+                "the KVarN backend did not receive this step's request indices from vLLM's GPU model runner; "
+                "run with VLLM_USE_V2_MODEL_RUNNER=0 (tail slots then follow block ids) or report this"
+            )
+        slots = np.full(batch, self.scratch_slot, dtype=np.int64)
+        slots[: min(len(rows), batch)] = rows[:batch]
+        return slots
 
     def build(
         self,
@@ -218,28 +299,85 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
     ) -> KVarNMetadata:
         cam = common_attn_metadata
         batch = cam.num_reqs
-        seq_lens_cpu = cam.seq_lens_cpu_upper_bound
-        seq_lens_cpu = cam.seq_lens[:batch].cpu() if seq_lens_cpu is None else seq_lens_cpu[:batch]
+        lens_cpu = cam.seq_lens_cpu_upper_bound
+        lens_cpu = cam.seq_lens[:batch].cpu() if lens_cpu is None else lens_cpu[:batch]
+        qsl_cpu = cam.query_start_loc_cpu[: batch + 1]
         block_table = cam.block_table_tensor[:batch]
-        plan = self.planner.plan(
-            cam.query_start_loc_cpu[: batch + 1],
-            seq_lens_cpu,
-            block_table.cpu(),
-            cam.num_actual_tokens,
-            self.device,
-        )
-        return KVarNMetadata(
+        meta = KVarNMetadata(
             num_actual_tokens=cam.num_actual_tokens,
             query_start_loc=cam.query_start_loc[: batch + 1],
             seq_lens=cam.seq_lens[:batch],
             block_table=block_table,
-            plan=plan,
-            num_slots=self.num_slots,
+            plan=None,
+            num_slots=self.num_slots + int(self.per_request),
         )
+        if not self.per_request:
+            meta.plan = self.planner.plan(qsl_cpu, lens_cpu, block_table.cpu(), cam.num_actual_tokens, self.device)
+            return meta
+        slots = self._request_slots(cam, batch)
+        plan = plan_request_slots(qsl_cpu, lens_cpu, block_table, cam.num_actual_tokens, slots, self.cfg.group_size)
+        meta.plan = plan
+        if cam.max_query_len == 1 and cam.num_actual_tokens == batch and plan.late_tail_slot_mapping is None:
+            self._decode_shape(meta, plan, batch)
+        return meta
+
+    def _decode_shape(self, meta: KVarNMetadata, plan: TilePlan, batch: int) -> None:
+        """Copy a decode step's plan into the persistent buffers a captured graph reads."""
+        buf = self.buffers
+        nc = plan.commit_slots.numel()
+        buf.mapping[:batch].copy_(plan.tail_slot_mapping)
+        buf.tail_slots[:batch].copy_(plan.tail_slots)
+        buf.commit_slots[:batch].fill_(self.scratch_slot)
+        buf.commit_blocks[:batch].fill_(0)
+        if nc:
+            buf.commit_slots[:nc].copy_(plan.commit_slots)
+            buf.commit_blocks[:nc].copy_(plan.commit_blocks)
+        buf.commit_flag.fill_(nc > 0)
+        exact = dataclasses.replace(
+            plan,
+            tail_slot_mapping=buf.mapping[:batch],
+            tail_slots=buf.tail_slots[:batch],
+            commit_slots=buf.commit_slots[:nc],
+            commit_blocks=buf.commit_blocks[:nc],
+        )
+        meta.plan = exact
+        meta.graph_plan = dataclasses.replace(
+            exact, commit_slots=buf.commit_slots[:batch], commit_blocks=buf.commit_blocks[:batch]
+        )
+        meta.commit_flag = buf.commit_flag
+        meta.decode = True
+
+
+_warned_unconditional = [False]
+
+
+@contextlib.contextmanager
+def _captured_if(flag: torch.Tensor):
+    """While a CUDA graph is being captured, capture the body as a conditional node on ``flag``.
+
+    Without conditional nodes (older torch) the body is captured unconditionally: the padded
+    commit then quantizes the scratch slot into block 0 on every replay (correct, slower).
+    """
+    graph_cls = torch.cuda.CUDAGraph
+    get = getattr(graph_cls, "get_currently_capturing_graph", None)
+    graph = get() if get is not None else None
+    if graph is None or not hasattr(graph, "begin_capture_to_if_node"):
+        if not _warned_unconditional[0]:
+            _warned_unconditional[0] = True
+            logger.warning("KVarN: this torch has no CUDA-graph conditional nodes; decode graphs commit every step")
+        yield
+        return
+    graph.begin_capture_to_if_node(flag)
+    try:
+        yield
+    finally:
+        graph.end_capture_to_conditional_node()
 
 
 class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
-    """Stores K/V as KVarN tiles and attends over them, through ``kvarn.ops`` only."""
+    """Stores K/V as KVarN tiles and attends over them, through :class:`kvarn.paged.PagedKV` only."""
+
+    backend: ClassVar[type[KVarNBackend]] = KVarNBackend
 
     def __init__(
         self,
@@ -255,6 +393,7 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
         kv_sharing_target_layer_name: str | None = None,
         **kwargs,
     ) -> None:
+        preset = self.backend.preset or kv_cache_dtype
         refused = {
             "ALiBi slopes": alibi_slopes is not None,
             "a sliding window": sliding_window is not None,
@@ -266,27 +405,25 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
         for what, present in refused.items():
             if present:
                 raise ValueError(
-                    f"--kv-cache-dtype {kv_cache_dtype}: this layer uses {what}, which KVarN does not serve; "
+                    f"--kv-cache-dtype {preset}: this layer uses {what}, which KVarN does not serve; "
                     "use --kv-cache-dtype auto for this model"
                 )
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
         self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        self.kv_cache_dtype = kv_cache_dtype
-        self.cfg = KVarNConfig.from_preset(kv_cache_dtype, head_dim=head_size)
+        self.kv_cache_dtype = preset
+        self.cfg = preset_config(preset, head_size)
         self.attn_type = attn_type
         from vllm.config import get_current_vllm_config_or_none
 
-        from kvarn.integration.vllm.plugin import check_run
-
         config = get_current_vllm_config_or_none()
         if config is not None:
-            check_run(config, kv_cache_dtype)
-        self.num_slots = tail_slot_count(config) if config is not None else 1
+            check_run(config, preset)
+        self.pool_slots = pool_slots(config) if config is not None else 1
 
     def _pool(self, layer, num_slots: int, dtype: torch.dtype, device: torch.device):
-        """The layer's ``tail_k, tail_v: [num_slots, G, Hkv, D]``, allocated on first use."""
+        """The layer's ``tail_k, tail_v: [num_slots, G, Hkv, D]``, allocated in vLLM's profiling run."""
         pool = getattr(layer, "_kvarn_tail", None)
         if pool is None or pool[0].shape[0] != num_slots or pool[0].dtype != dtype or pool[0].device != device:
             shape = (num_slots, self.cfg.group_size, self.num_kv_heads, self.head_size)
@@ -313,32 +450,71 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
     ) -> torch.Tensor:
         """Store this step's K/V, then attend over the records, the tail and the tokens just stored.
 
-        The store runs here, inside vLLM's attention op, rather than in ``do_kv_cache_update``:
-        vLLM keeps the attention op out of CUDA graphs in every compilation mode, and the planner's
-        Python bookkeeping must run every step.
+        The store runs here, inside vLLM's attention op, rather than in ``do_kv_cache_update``, so
+        a tile completed in this step is quantized before this step's attention reads it.
         """
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported by the KVarN backend")
         if output is None:
             output = torch.empty(query.shape[0], self.num_heads, self.head_size, dtype=query.dtype, device=query.device)
         if attn_metadata is None:
-            self._pool(layer, self.num_slots, query.dtype, query.device)
+            self._pool(layer, self.pool_slots, query.dtype, query.device)
             return output.fill_(0)
         meta = attn_metadata
         n = meta.num_actual_tokens
+        capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
+        plan = meta.plan
+        if capturing:
+            if meta.graph_plan is None:
+                raise RuntimeError("the KVarN backend captures CUDA graphs of single-token decode batches only")
+            plan = meta.graph_plan
         tail_k, tail_v = self._pool(layer, meta.num_slots, query.dtype, query.device)
         paged = PagedKV(self.cfg, self._records(kv_cache), tail_k, tail_v)
         if kv_cache.numel() and key is not None and value is not None:
             k = key[:n].view(n, self.num_kv_heads, self.head_size)
             v = value[:n].view(n, self.num_kv_heads, self.head_size)
-            paged.store(meta.plan, k, v)
+            paged.write_tail(plan, k, v)
+            if capturing:
+                with _captured_if(meta.commit_flag):
+                    paged.commit(plan)
+            else:
+                paged.commit(plan)
+            paged.write_late_tail(plan, k, v)
+            paged.store_whole(plan, k, v)
         out = paged.attend(
-            meta.plan,
+            plan,
             query[:n].view(n, self.num_heads, self.head_size),
             meta.block_table,
             meta.seq_lens,
-            meta.query_start_loc,
+            None if meta.decode else meta.query_start_loc,
             self.scale,
         )
         output[:n] = out.view(output[:n].shape)
         return output
+
+
+def _backend_for(preset: str) -> type[KVarNBackend]:
+    short = preset.removeprefix("kvarn_")
+    names = {
+        "backend": f"KVarNBackend_{short}",
+        "builder": f"KVarNMetadataBuilder_{short}",
+        "impl": f"KVarNAttentionImpl_{short}",
+    }
+    backend = type(names["backend"], (KVarNBackend,), {"preset": preset, "__module__": __name__})
+    builder = type(names["builder"], (KVarNMetadataBuilder,), {"backend": backend, "__module__": __name__})
+    impl = type(names["impl"], (KVarNAttentionImpl,), {"backend": backend, "__module__": __name__})
+    backend.builder_cls, backend.impl_cls = builder, impl
+    for cls in (backend, builder, impl):
+        cls.__qualname__ = cls.__name__
+    return backend
+
+
+BACKENDS: dict[str, type[KVarNBackend]] = {preset: _backend_for(preset) for preset in PRESETS}
+for _cls in BACKENDS.values():
+    globals().update({c.__name__: c for c in (_cls, _cls.builder_cls, _cls.impl_cls)})
+
+
+def backend_path(preset: str) -> str:
+    """The importable path of the backend class of ``preset``."""
+    cls = BACKENDS[preset]
+    return f"{cls.__module__}.{cls.__qualname__}"

@@ -8,11 +8,19 @@ Three things, each detected by feature, never by version number:
    ``CacheConfig``'s field type and pydantic validator, the selector's copy, the CLI choices)
    and maps each name to ``torch.uint8`` in ``STR_DTYPE_TO_TORCH_DTYPE``.
 2. **The backend name** ``KVARN`` in vLLM's backend registry, so that a layer can record which
-   backend it runs (vLLM looks the name up in ``AttentionBackendEnum``).
+   backend it runs (vLLM looks the name up in ``AttentionBackendEnum``); ``CUSTOM`` where the
+   enum takes no new names (0.26).
 3. **The selection hook.** The current platform's ``get_attn_backend_cls`` is wrapped: a layer
    whose ``kv_cache_dtype`` is a KVarN preset gets that preset's backend after the checks of
-   :func:`check_layer`; every other layer goes to the platform unchanged. That is what makes
-   ``--kv-cache-dtype kvarn_k4v2_g128`` alone select KVarN on CPU and on CUDA.
+   :func:`~kvarn.integration.vllm.checks.check_layer`; every other layer goes to the platform
+   unchanged. That is what makes ``--kv-cache-dtype kvarn_k4v2_g128`` alone select KVarN on CPU
+   and on CUDA.
+4. **Where vLLM lacks them (0.26):** a page-size hook (``Attention.get_kv_cache_spec`` asks the
+   KVarN backend's ``customize_spec``, as 0.32 does itself) and, on CUDA, the request indices of
+   each step of the GPU model runner for the tail slots (see :mod:`kvarn.integration.vllm.backend`).
+   Both act on KVarN layers only.
+
+The checks shared with the backend live in :mod:`kvarn.integration.vllm.checks`.
 """
 
 from __future__ import annotations
@@ -22,7 +30,10 @@ import typing
 
 import torch
 
-from kvarn.config import PRESETS, SUPPORTED_HEAD_DIMS
+from kvarn.config import PRESETS
+from kvarn.integration.vllm.checks import check_layer, check_run, run_problems
+
+__all__ = ["check_layer", "check_run", "install", "run_problems"]
 
 logger = logging.getLogger("vllm.kvarn")
 
@@ -107,94 +118,106 @@ def _widen_cache_dtype_literal(cache_mod) -> None:
         compute.cache_clear()
 
 
-def install_backend_name() -> None:
-    """Add ``KVARN`` to vLLM's attention-backend registry (once per process)."""
+def install_backend_name() -> str:
+    """Register the KVarN backend in vLLM's attention-backend registry (once per process); returns its name.
+
+    ``KVARN`` where the registry takes new names (0.32 and later); ``CUSTOM`` where its enum is
+    closed (0.26), the slot vLLM keeps for one out-of-tree backend. The backend classes'
+    ``get_name()`` answers the name used, since vLLM looks each layer's backend up by it.
+    """
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     from kvarn.config import DEFAULT_PRESET
-    from kvarn.integration.vllm.backend import BACKEND_NAME, backend_path
+    from kvarn.integration.vllm.backend import BACKEND_NAME, KVarNBackend, backend_path
 
+    path = backend_path(DEFAULT_PRESET)
     if BACKEND_NAME not in AttentionBackendEnum.__members__:
-        register_backend(BACKEND_NAME, backend_path(DEFAULT_PRESET))
+        try:
+            register_backend(BACKEND_NAME, path)
+        except (TypeError, ValueError, AttributeError):
+            pass
+    if BACKEND_NAME in AttentionBackendEnum.__members__:
+        KVarNBackend.registered_name = BACKEND_NAME
+    else:
+        register_backend(AttentionBackendEnum.CUSTOM, path)
+        KVarNBackend.registered_name = "CUSTOM"
+    return KVarNBackend.registered_name
 
 
-def check_layer(selector_config, vllm_config=None) -> None:
-    """Refuse, with what to change, a layer or a run that KVarN cannot serve correctly."""
-    preset = selector_config.kv_cache_dtype
-    group = PRESETS[preset][2]
-    flag = f"--kv-cache-dtype {preset}"
-    fix = "use --kv-cache-dtype auto (or fp8) for this model"
-    problems = []
-    if selector_config.use_mla:
-        problems.append(f"this model uses MLA (a latent KV cache KVarN does not quantize); {fix}")
-    if selector_config.has_sliding_window:
-        problems.append(
-            "this layer uses sliding-window attention, whose blocks vLLM recycles while the window moves; "
-            "add --kv-cache-dtype-skip-layers sliding_window to keep those layers in the model dtype"
-        )
-    if selector_config.attn_type != "decoder":
-        problems.append(f"this is an {selector_config.attn_type} attention layer; KVarN serves decoder layers; {fix}")
-    if selector_config.head_size not in SUPPORTED_HEAD_DIMS:
-        problems.append(
-            f"head size {selector_config.head_size} is not supported (KVarN serves head sizes "
-            f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}); {fix}"
-        )
-    if selector_config.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        problems.append(f"model dtype {selector_config.dtype} is not supported; use --dtype float16 or bfloat16")
-    for attr, what in (
-        ("use_sparse", "sparse attention"),
-        ("has_sink", "learned attention sinks"),
-        ("use_mm_prefix", "bidirectional multimodal prefixes"),
-        ("use_non_causal", "non-causal attention"),
-        ("use_per_head_quant_scales", "a checkpoint KV-cache quantization scheme"),
-        ("use_kv_connector", "a KV connector (KV transfer)"),
-        ("use_pcp", "prefill context parallelism"),
-        ("use_dcp", "decode context parallelism"),
-        ("use_rswa", "reference sliding-window attention"),
-        ("use_adaptive_verification", "speculative decoding"),
-    ):
-        if getattr(selector_config, attr, False):
-            problems.append(f"{what} is not supported with KVarN; {fix}")
-    if vllm_config is not None:
-        problems.extend(_run_problems(vllm_config, group))
-    if problems:
-        raise ValueError(f"{flag}: " + "; ".join(problems))
+def install_spec_hook() -> bool:
+    """Where vLLM never asks the backend to size its page (no ``customize_spec``: 0.26), ask it.
 
-
-def check_run(vllm_config, preset: str) -> None:
-    """Refuse a run KVarN cannot serve, and set the cache block size to the tile length.
-
-    Called for every KVarN layer as it is built (selection results are cached by vLLM, layer
-    construction is not), so a second engine in the same process gets its block size too.
+    Wraps ``Attention.get_kv_cache_spec`` so a layer served by a KVarN backend gets that
+    backend's :meth:`~kvarn.integration.vllm.backend.KVarNBackend.customize_spec`; returns
+    whether a hook was installed.
     """
-    problems = _run_problems(vllm_config, PRESETS[preset][2])
-    if problems:
-        raise ValueError(f"--kv-cache-dtype {preset}: " + "; ".join(problems))
+    from vllm.v1.attention.backend import AttentionBackend
+
+    if hasattr(AttentionBackend, "customize_spec"):
+        return False
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    from kvarn.integration.vllm.backend import KVarNBackend
+
+    original = Attention.get_kv_cache_spec
+    if getattr(original, _HOOK_MARK, False):
+        return False
+
+    def get_kv_cache_spec(self, vllm_config):
+        spec = original(self, vllm_config)
+        backend = getattr(self, "attn_backend", None)
+        if spec is not None and isinstance(backend, type) and issubclass(backend, KVarNBackend):
+            spec = backend.customize_spec(spec)
+        return spec
+
+    setattr(get_kv_cache_spec, _HOOK_MARK, True)
+    get_kv_cache_spec.__wrapped__ = original
+    Attention.get_kv_cache_spec = get_kv_cache_spec
+    return True
 
 
-def _run_problems(vllm_config, group: int) -> list[str]:
-    problems = []
-    cache = vllm_config.cache_config
-    if cache.user_specified_block_size and cache.block_size % group:
-        problems.append(
-            f"--block-size {cache.block_size} is not a multiple of the tile length {group}: "
-            f"drop --block-size or set it to {group}"
-        )
-    unit = getattr(cache, "prefix_match_unit", None)
-    if unit is not None and unit % group:
-        problems.append(
-            f"--prefix-match-unit {unit} would let a prefix-cache hit end inside a {group}-token tile; "
-            f"drop it or set it to a multiple of {group}"
-        )
-    if vllm_config.speculative_config is not None:
-        problems.append(
-            "speculative decoding would freeze unverified draft tokens into quantized tiles; drop --speculative-config"
-        )
-    if getattr(vllm_config.parallel_config, "enable_dbo", False):
-        problems.append("dual-batch overlap splits one step over two metadata builders; drop --enable-dbo")
-    if not problems and not cache.user_specified_block_size:
-        cache.block_size = group
-    return problems
+def install_runner_hook() -> bool:
+    """Hand the backend each step's request indices on vLLM's GPU model runner (V2), if it has one.
+
+    Wraps the model states' ``prepare_attn(input_batch, ...)``, which every real, dummy and
+    capture step of that runner goes through right before the metadata builders run, to record
+    ``input_batch.idx_mapping_np`` (the stable index of each row's request). Returns whether a
+    hook was installed; without it tail slots are keyed by block id.
+    """
+    import importlib
+
+    from kvarn.integration.vllm.backend import mark_step_rows_hooked, set_step_rows
+
+    hooked = False
+    for module_name, class_name in (
+        ("vllm.v1.worker.gpu.model_states.default", "DefaultModelState"),
+        ("vllm.v1.worker.gpu.model_states.mamba_hybrid", "MambaHybridModelState"),
+    ):
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError):
+            continue
+        original = cls.__dict__.get("prepare_attn")
+        if original is None:
+            continue
+        if getattr(original, _HOOK_MARK, False):
+            hooked = True
+            continue
+
+        def prepare_attn(self, input_batch, *args, _original=original, **kwargs):
+            rows = getattr(input_batch, "idx_mapping_np", None)
+            qsl = getattr(input_batch, "query_start_loc_np", None)
+            if rows is not None and qsl is not None:
+                set_step_rows(rows, qsl)
+            return _original(self, input_batch, *args, **kwargs)
+
+        setattr(prepare_attn, _HOOK_MARK, True)
+        prepare_attn.__wrapped__ = original
+        cls.prepare_attn = prepare_attn
+        hooked = True
+    if hooked:
+        mark_step_rows_hooked()
+    return hooked
 
 
 def install_selection_hook(platform=None) -> bool:
@@ -251,6 +274,9 @@ def install() -> str:
     from vllm.platforms import current_platform
 
     install_backend_name()
+    install_spec_hook()
+    if current_platform.is_cuda_alike():
+        install_runner_hook()
     hooked = install_selection_hook(current_platform)
     try:
         return install_dtypes()

@@ -1,0 +1,218 @@
+"""kvarn inside vLLM on one GPU, dummy weights: engine checks and serving figures (one mode per process).
+
+usage: python benchmarks/bench_vllm.py check OUT.json
+       python benchmarks/bench_vllm.py bench MODEL CACHE_DTYPE OUT.json     (MODEL: llama3-8b | qwen3-8b)
+
+``check``: a tiny Llama (2 layers, head_dim 128, GQA 8/2) with ``kvarn_k4v2_g128`` under vLLM's
+default compilation (decode CUDA graphs) and with ``enforce_eager``, and the bf16 cache: chunk
+boundaries inside tiles (``max_num_batched_tokens`` 200), a prefix hit, ``n = 2`` sampling and 24
+concurrent requests. The graph run must give the eager run's tokens exactly (same kernels; the
+graph path adds the persistent plan buffers and the conditional commit), and every run must finish.
+Exit status 1 if not.
+
+``bench``: Llama-3-8B or Qwen3-8B shapes, ``gpu_memory_utilization`` 0.9 and vLLM's defaults:
+KV token capacity (``num_gpu_blocks * block_size``), prefill tokens/s of one 16K prompt, time per
+output token at batch 1 and 32 at 4K context (prefix-cached prompts: 65 minus 1 generated tokens),
+and capacity-bound output tokens/s with 4K prompts + 256 generated, as many requests as the cache
+holds, at a KV budget of ``KV_GIB`` GiB (default 16) so that filling it fits one device call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+SHAPES = {
+    "tiny": dict(
+        vocab_size=1024,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        max_position_embeddings=8192,
+    ),
+    "llama3-8b": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=500000.0,
+    ),
+    "qwen3-8b": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+    ),
+}
+
+
+def _model_dir(shape: str) -> str:
+    from transformers import LlamaConfig, Qwen3Config
+
+    d = tempfile.mkdtemp()
+    cls = Qwen3Config if shape.startswith("qwen3") else LlamaConfig
+    cfg = cls(**SHAPES[shape])
+    cfg.torch_dtype = "bfloat16"
+    cfg.save_pretrained(d)
+    return d
+
+
+def _llm(shape: str, kv: str, **kw):
+    import kvarn.integration.vllm as kvarn_vllm
+
+    kvarn_vllm.register()  # the entry point needs kvarn installed; the in-process engine needs only this
+    if not kvarn_vllm.is_enabled():
+        raise RuntimeError(f"kvarn plugin not installed: {kvarn_vllm.status()}")
+    from vllm import LLM
+
+    base = dict(model=_model_dir(shape), skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16", seed=0)
+    return LLM(**base, kv_cache_dtype=kv, **kw)
+
+
+def _tokens(outs):
+    return [[list(c.token_ids) for c in o.outputs] for o in outs]
+
+
+def check(out_path: str) -> int:
+    from vllm import SamplingParams
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 1000) for _ in range(n)] for n in (300, 131, 17, 520, 129, 128, 255, 700)]
+    many = [[rng.randrange(1, 1000) for _ in range(rng.randrange(100, 400))] for _ in range(24)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    results = {}
+    for name, kv, eager in (
+        ("kvarn_graphs", "kvarn_k4v2_g128", False),
+        ("kvarn_eager", "kvarn_k4v2_g128", True),
+        ("bf16_graphs", "auto", False),
+    ):
+        t0 = time.time()
+        llm = _llm(
+            "tiny",
+            kv,
+            gpu_memory_utilization=0.15,
+            max_model_len=4096,
+            max_num_seqs=32,
+            max_num_batched_tokens=200,
+            enforce_eager=eager,
+        )
+        res = {"start_s": round(time.time() - t0, 1)}
+        cc = llm.llm_engine.vllm_config.compilation_config
+        res["cudagraph_mode"] = str(cc.cudagraph_mode)
+        res["kv_blocks"] = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+        p = [{"prompt_token_ids": x} for x in prompts]
+        res["cold"] = _tokens(llm.generate(p, greedy, use_tqdm=False))
+        res["prefix_hit"] = _tokens(llm.generate(p, greedy, use_tqdm=False))
+        res["n2"] = _tokens(
+            llm.generate(p[:3], SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=24), use_tqdm=False)
+        )
+        res["many"] = _tokens(llm.generate([{"prompt_token_ids": x} for x in many], greedy, use_tqdm=False))
+        res["total_s"] = round(time.time() - t0, 1)
+        results[name] = res
+        del llm
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    def agree(a, b):
+        pairs = [(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)]
+        same = sum(sum(1 for u, v in zip(x, y, strict=False) if u == v) for x, y in pairs)
+        return same / max(1, sum(len(x) for x, _ in pairs))
+
+    g, e, b = results["kvarn_graphs"], results["kvarn_eager"], results["bf16_graphs"]
+    summary = {f"graphs_vs_eager_{k}": agree(g[k], e[k]) for k in ("cold", "prefix_hit", "n2", "many")} | {
+        f"kvarn_vs_bf16_{k}": agree(g[k], b[k]) for k in ("cold", "prefix_hit", "many")
+    }
+    summary["prefix_hit_vs_cold_kvarn"] = agree(g["cold"], g["prefix_hit"])
+    summary["prefix_hit_vs_cold_bf16"] = agree(b["cold"], b["prefix_hit"])
+    keep = ("_s", "mode", "blocks")
+    runs = {k: {kk: vv for kk, vv in v.items() if kk.endswith(keep)} for k, v in results.items()}
+    out = {"summary": summary, "runs": runs}
+    print(json.dumps(out, indent=1))
+    with open(out_path, "w") as f:
+        json.dump(out | {"tokens": results}, f)
+    ok = all(summary[f"graphs_vs_eager_{k}"] == 1.0 for k in ("cold", "prefix_hit", "many"))
+    return 0 if ok else 1
+
+
+def bench(shape: str, kv: str, out_path: str) -> int:
+    from vllm import SamplingParams
+
+    rng = random.Random(0)
+    res = {"model": shape, "kv_cache_dtype": kv}
+
+    def prompt(n):
+        return {"prompt_token_ids": [rng.randrange(100, 100000) for _ in range(n)]}
+
+    t0 = time.time()
+    llm = _llm(shape, kv, gpu_memory_utilization=0.9, max_model_len=16384 + 320)
+    cfg = llm.llm_engine.vllm_config
+    res["start_s"] = round(time.time() - t0, 1)
+    res["max_num_seqs"] = cfg.scheduler_config.max_num_seqs
+    res["kv_tokens"] = cfg.cache_config.num_gpu_blocks * cfg.cache_config.block_size
+    res["cudagraph_mode"] = str(cfg.compilation_config.cudagraph_mode)
+
+    def timed(prompts, n):
+        t = time.time()
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        return time.time() - t
+
+    p16 = [prompt(16384)]
+    timed([prompt(512)], 1)
+    res["prefill_16k_tok_s"] = round(16384 / timed(p16, 1))
+    for ctx in (4096,):
+        for batch in (1, 32):
+            ps = [prompt(ctx) for _ in range(batch)]
+            timed(ps, 1)
+            t1 = min(timed(ps, 1) for _ in range(2))
+            t65 = min(timed(ps, 65) for _ in range(2))
+            res[f"tpot_ms_b{batch}_ctx{ctx}"] = round((t65 - t1) / 64 * 1e3, 3)
+    print(json.dumps(res), flush=True)
+    with open(out_path, "w") as f:
+        json.dump(res, f)
+    if os.environ.get("CAP", "1") == "0":
+        return 0
+    del llm
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    kv_gib = float(os.environ.get("KV_GIB", "16"))
+    llm = _llm(shape, kv, kv_cache_memory_bytes=int(kv_gib * 2**30), max_model_len=4096 + 320)
+    cfg = llm.llm_engine.vllm_config
+    cap = cfg.cache_config.num_gpu_blocks * cfg.cache_config.block_size
+    nreq = max(1, cap // (4096 + 256))
+    ps = [prompt(4096) for _ in range(nreq)]
+    el = timed(ps, 256)
+    res |= {"cap_kv_gib": kv_gib, "cap_kv_tokens": cap, "cap_requests": nreq, "cap_out_tok_s": round(nreq * 256 / el)}
+    print(json.dumps(res), flush=True)
+    with open(out_path, "w") as f:
+        json.dump(res, f)
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "check":
+        sys.exit(check(sys.argv[2]))
+    sys.exit(bench(sys.argv[2], sys.argv[3], sys.argv[4]))

@@ -1,0 +1,145 @@
+"""What KVarN refuses inside vLLM, and the run-wide numbers both the plugin and the backend need.
+
+The plugin's selection hook (:mod:`kvarn.integration.vllm.plugin`) and the backend
+(:mod:`kvarn.integration.vllm.backend`) both import this module; neither imports the other's
+checks. It imports nothing from vLLM: every argument is read by attribute.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from kvarn.config import PRESETS, SUPPORTED_HEAD_DIMS, KVarNConfig
+
+TAIL_SLOTS_ENV = "KVARN_TAIL_SLOTS"
+SUPPORTED_MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@functools.cache
+def preset_config(preset: str, head_dim: int = 128) -> KVarNConfig:
+    """The format of ``preset`` at ``head_dim``, parsed once per process and shared by every user."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown KVarN preset {preset!r}; valid: {', '.join(PRESETS)}")
+    return KVarNConfig.from_preset(preset, head_dim=head_dim)
+
+
+def group_size(preset: str) -> int:
+    """The tile length ``G`` of ``preset`` (one vLLM block per tile)."""
+    return preset_config(preset).group_size
+
+
+def tail_slot_count(vllm_config, per_request: bool = False) -> int:
+    """Full-precision tail slots per layer for this run.
+
+    With ``per_request`` (the GPU model runner hands each live request a stable index) the pool
+    has exactly one slot per request the scheduler may run, ``max_num_seqs``: a tail can then
+    never be lost, and ``$KVARN_TAIL_SLOTS`` is ignored. Otherwise slots are keyed by block id
+    (:class:`kvarn.paged.TilePlanner`): ``$KVARN_TAIL_SLOTS`` or twice ``max_num_seqs``, and a
+    value below ``max_num_seqs`` is refused (each running request can hold one incomplete tile).
+    """
+    max_seqs = int(vllm_config.scheduler_config.max_num_seqs)
+    if per_request:
+        return max_seqs
+    env = os.environ.get(TAIL_SLOTS_ENV)
+    if not env:
+        return 2 * max_seqs
+    try:
+        value = int(env)
+    except ValueError:
+        raise ValueError(f"{TAIL_SLOTS_ENV} must be a positive integer, got {env!r}") from None
+    if value < max_seqs:
+        raise ValueError(
+            f"{TAIL_SLOTS_ENV}={value} is below --max-num-seqs {max_seqs}: every running request can hold "
+            f"one incomplete tile, so the scheduler could need {max_seqs} tail slots; set {TAIL_SLOTS_ENV} "
+            f"to at least {max_seqs} (or unset it), or lower --max-num-seqs"
+        )
+    return value
+
+
+def check_layer(selector_config, vllm_config=None) -> None:
+    """Refuse, with what to change, a layer or a run that KVarN cannot serve correctly."""
+    preset = selector_config.kv_cache_dtype
+    flag = f"--kv-cache-dtype {preset}"
+    fix = "use --kv-cache-dtype auto (or fp8) for this model"
+    problems = []
+    if selector_config.use_mla:
+        problems.append(f"this model uses MLA (a latent KV cache KVarN does not quantize); {fix}")
+    if selector_config.has_sliding_window:
+        problems.append(
+            "this layer uses sliding-window attention, whose blocks vLLM recycles while the window moves; "
+            "add --kv-cache-dtype-skip-layers sliding_window to keep those layers in the model dtype"
+        )
+    if selector_config.attn_type != "decoder":
+        problems.append(f"this is an {selector_config.attn_type} attention layer; KVarN serves decoder layers; {fix}")
+    if selector_config.head_size not in SUPPORTED_HEAD_DIMS:
+        problems.append(
+            f"head size {selector_config.head_size} is not supported (KVarN serves head sizes "
+            f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}); {fix}"
+        )
+    if selector_config.dtype not in SUPPORTED_MODEL_DTYPES:
+        problems.append(f"model dtype {selector_config.dtype} is not supported; use --dtype float16 or bfloat16")
+    for attr, what in (
+        ("use_sparse", "sparse attention"),
+        ("has_sink", "learned attention sinks"),
+        ("use_mm_prefix", "bidirectional multimodal prefixes"),
+        ("use_non_causal", "non-causal attention"),
+        ("use_per_head_quant_scales", "a checkpoint KV-cache quantization scheme"),
+        ("use_kv_connector", "a KV connector (KV transfer)"),
+        ("use_pcp", "prefill context parallelism"),
+        ("use_dcp", "decode context parallelism"),
+        ("use_rswa", "reference sliding-window attention"),
+        ("use_adaptive_verification", "speculative decoding"),
+    ):
+        if getattr(selector_config, attr, False):
+            problems.append(f"{what} is not supported with KVarN; {fix}")
+    if vllm_config is not None:
+        problems.extend(run_problems(vllm_config, preset))
+    if problems:
+        raise ValueError(f"{flag}: " + "; ".join(problems))
+
+
+def check_run(vllm_config, preset: str) -> None:
+    """Refuse a run KVarN cannot serve, and set the cache block size to the tile length.
+
+    Called for every KVarN layer as it is built (selection results are cached by vLLM, layer
+    construction is not), so a second engine in the same process gets its block size too.
+    """
+    problems = run_problems(vllm_config, preset)
+    if problems:
+        raise ValueError(f"--kv-cache-dtype {preset}: " + "; ".join(problems))
+
+
+def run_problems(vllm_config, preset: str) -> list[str]:
+    """What in the run (not the layer) KVarN cannot serve; sets the block size to ``G`` when none is."""
+    group = group_size(preset)
+    problems = []
+    cache = vllm_config.cache_config
+    if cache.user_specified_block_size and cache.block_size % group:
+        problems.append(
+            f"--block-size {cache.block_size} is not a multiple of the tile length {group}: "
+            f"drop --block-size or set it to {group}"
+        )
+    unit = getattr(cache, "prefix_match_unit", None)
+    if unit is not None and unit % group:
+        problems.append(
+            f"--prefix-match-unit {unit} would let a prefix-cache hit end inside a {group}-token tile; "
+            f"drop it or set it to a multiple of {group}"
+        )
+    if vllm_config.speculative_config is not None:
+        problems.append(
+            "speculative decoding would freeze unverified draft tokens into quantized tiles; drop --speculative-config"
+        )
+    if getattr(vllm_config.parallel_config, "enable_dbo", False):
+        problems.append("dual-batch overlap splits one step over two metadata builders; drop --enable-dbo")
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    if scheduler is not None and getattr(scheduler, "max_num_seqs", None) is not None:
+        try:
+            tail_slot_count(vllm_config)
+        except ValueError as exc:
+            problems.append(str(exc))
+    if not problems and not cache.user_specified_block_size:
+        cache.block_size = group
+    return problems
