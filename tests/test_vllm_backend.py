@@ -290,7 +290,7 @@ def test_customize_spec_pages_hold_one_record_per_kv_head(preset):
 
 
 def test_request_slots_decode_steps_fill_the_persistent_graph_buffers():
-    """A decode batch's plan lives in fixed buffers; commits are padded with the scratch slot and block 0."""
+    """A decode batch's plan lives in fixed buffers; commits are padded with slot -1 (skipped)."""
     sim = Sim("kvarn_k4v2_g64", torch.bfloat16, seed=11, max_num_seqs=4, request_slots=True)
     sim.pad = False  # a CUDA-graph decode batch has exactly one token per row
     a, b = sim.add(200), sim.add(200)
@@ -302,10 +302,10 @@ def test_request_slots_decode_steps_fill_the_persistent_graph_buffers():
     assert meta.graph_plan.commit_slots.data_ptr() == buf.commit_slots.data_ptr()
     assert meta.graph_plan.tail_slot_mapping.data_ptr() == buf.mapping.data_ptr()
     assert bool(meta.commit_flag) and meta.plan.commit_slots.tolist() == [sim.index[a]]
-    assert meta.graph_plan.commit_slots.tolist() == [sim.index[a], 4]
+    assert meta.graph_plan.commit_slots.tolist() == [sim.index[a], -1]
     assert meta.graph_plan.commit_blocks.tolist() == [sim.reqs[a]["blocks"][0], 0]
     sim.step({a: 1, b: 1})
-    assert not bool(sim.last_meta.commit_flag) and sim.last_meta.graph_plan.commit_slots.tolist() == [4, 4]
+    assert not bool(sim.last_meta.commit_flag) and sim.last_meta.graph_plan.commit_slots.tolist() == [-1, -1]
     sim.step({a: 70})
     assert not sim.last_meta.decode and sim.last_meta.graph_plan is None
 

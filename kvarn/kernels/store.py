@@ -204,12 +204,13 @@ def _encode_kernel(
         blk = i.to(tl.int64)
     off = t * s_tile + h.to(tl.int64) * s_head
     out = dst + blk * d_block + h.to(tl.int64) * d_head
-    if half == 0:
-        x = _load_tile(k_src + off, s_tok, L, IS_BF16)  # [G, D]
-        _encode_half(tl.trans(x), out, L.D, L.G, L.K_BITS, ITERS, L.K_CODES, L.K_SCALE, L.K_ZERO, L.K_TOK)
-    else:
-        x = _load_tile(v_src + off, s_tok, L, IS_BF16)  # [G, D]
-        _encode_half(x, out, L.G, L.D, L.V_BITS, ITERS, L.V_CODES, L.V_SCALE, L.V_ZERO, L.V_CHAN)
+    if t >= 0:  # a negative source (padding of a fixed-size commit list) writes nothing
+        if half == 0:
+            x = _load_tile(k_src + off, s_tok, L, IS_BF16)  # [G, D]
+            _encode_half(tl.trans(x), out, L.D, L.G, L.K_BITS, ITERS, L.K_CODES, L.K_SCALE, L.K_ZERO, L.K_TOK)
+        else:
+            x = _load_tile(v_src + off, s_tok, L, IS_BF16)  # [G, D]
+            _encode_half(x, out, L.G, L.D, L.V_BITS, ITERS, L.V_CODES, L.V_SCALE, L.V_ZERO, L.V_CHAN)
 
 
 def default_encode_warps(cfg: KVarNConfig) -> int:
@@ -291,7 +292,10 @@ def commit_tiles(
     *,
     num_warps: int | None = None,
 ) -> None:
-    """Quantize full pool tiles ``tail_*[tail_slots[i]]`` (``[num_slots, G, Hkv, D]``) into ``cache[block_ids[i]]``."""
+    """Quantize full pool tiles ``tail_*[tail_slots[i]]`` (``[num_slots, G, Hkv, D]``) into ``cache[block_ids[i]]``.
+
+    Entries with a negative slot are skipped: their programs exit at once (padded commit lists).
+    """
     check_cache(cache, cfg)
     _check_pool(tail_k, tail_v, cache, cfg)
     if tail_slots.shape != block_ids.shape or tail_slots.dim() != 1:

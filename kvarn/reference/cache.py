@@ -54,9 +54,12 @@ def commit_tiles(
 ) -> None:
     """Quantize full tail tiles ``tail_*[tail_slots[i]]`` into ``cache[block_ids[i]]``, in place.
 
-    ``tail_slots, block_ids: [N]``. The caller promises every token of those tiles is written
-    and committed (no speculative drafts).
+    ``tail_slots, block_ids: [N]``; an entry with a negative slot is skipped (fixed-size padded
+    lists, as a captured CUDA graph needs). The caller promises every token of those tiles is
+    written and committed (no speculative drafts).
     """
+    keep = tail_slots >= 0
+    tail_slots, block_ids = tail_slots[keep], block_ids[keep]
     if tail_slots.numel() == 0:
         return
     k = tail_k[tail_slots.long()].transpose(1, 2)  # [N, Hkv, G, D]

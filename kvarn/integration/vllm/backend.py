@@ -20,8 +20,8 @@ block id (:class:`kvarn.paged.TilePlanner`) and the block table is on the host a
 
 CUDA graphs (GPU runner): the builder declares ``UNIFORM_SINGLE_TOKEN_DECODE``. For a decode
 batch it writes the plan into persistent device tensors of fixed size: the tail mapping, each
-row's slot, and the commit lists padded to the batch with the scratch slot and block 0 (vLLM's
-null block, never read). The captured forward writes the tail, then commits under a CUDA-graph
+row's slot, and the commit lists padded to the batch with slot ``-1`` (skipped by the commit: its
+programs exit at once). The captured forward writes the tail, then commits under a CUDA-graph
 conditional node that runs only when the builder set its flag (a decode step commits a tile in
 one step of ``G``), then attends; nothing in it reads a value on the host.
 
@@ -327,7 +327,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         nc = plan.commit_slots.numel()
         buf.mapping[:batch].copy_(plan.tail_slot_mapping)
         buf.tail_slots[:batch].copy_(plan.tail_slots)
-        buf.commit_slots[:batch].fill_(self.scratch_slot)
+        buf.commit_slots[:batch].fill_(-1)  # padding: commit_tiles skips negative slots
         buf.commit_blocks[:batch].fill_(0)
         if nc:
             buf.commit_slots[:nc].copy_(plan.commit_slots)
@@ -356,7 +356,7 @@ def _captured_if(flag: torch.Tensor):
     """While a CUDA graph is being captured, capture the body as a conditional node on ``flag``.
 
     Without conditional nodes (older torch) the body is captured unconditionally: the padded
-    commit then quantizes the scratch slot into block 0 on every replay (correct, slower).
+    commit then launches on every replay, and its padding entries (slot ``-1``) exit at once.
     """
     graph_cls = torch.cuda.CUDAGraph
     get = getattr(graph_cls, "get_currently_capturing_graph", None)
