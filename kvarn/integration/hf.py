@@ -51,8 +51,10 @@ ATTENTION_NAME = "kvarn"
 _ATTENDING: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("kvarn_attending", default=None)
 """``(layer, key)``: the paged layer whose ``update`` ran last in this context and the key tensor it
 returned; the ``kvarn`` attention function takes the layer when it is handed that same key."""
-_MASKED: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("kvarn_padding", default=None)
-"""The ``[B, kv_len]`` padding mask the ``kvarn`` mask function saw last (True = real token)."""
+_MASKED: contextvars.ContextVar[torch.Tensor | str | None] = contextvars.ContextVar("kvarn_padding", default=None)
+"""What the ``kvarn`` mask function saw in this forward: the ``[B, kv_len]`` padding mask (True = real
+token), or :data:`UNPADDED` when transformers built the mask without one; taken by the next new step."""
+UNPADDED = "unpadded"
 
 
 @dataclass
@@ -203,10 +205,12 @@ class _Sequences:
         if position_ids is None or position_ids.shape[0] != self.batch:
             mask = self.prompt_mask
             seen = _MASKED.get()
-            if mask is None and seen is not None and seen.shape[0] == self.batch and seen.shape[1] >= start + n:
+            _MASKED.set(None)
+            fits = isinstance(seen, torch.Tensor) and seen.shape[0] == self.batch and seen.shape[1] >= start + n
+            if mask is None and fits:
                 mask = _left_padding_mask(seen)
             if mask is None:
-                if self.batch > 1 and start == 0:
+                if self.batch > 1 and start == 0 and seen is not UNPADDED:
                     warnings.warn(
                         "KVarNCache cannot see this batch's padding; if it is padded, pass "
                         "KVarNCache(..., attention_mask=mask) or each row's records will depend on its padding",
@@ -605,7 +609,7 @@ def register_kvarn_attention() -> str:
     def kvarn_mask(*args, **kwargs):
         """transformers' SDPA mask, after recording the padding mask for :class:`KVarNCache`."""
         padding = kwargs.get("attention_mask")
-        _MASKED.set(padding if isinstance(padding, torch.Tensor) and padding.dim() == 2 else None)
+        _MASKED.set(padding if isinstance(padding, torch.Tensor) and padding.dim() == 2 else UNPADDED)
         return sdpa_mask(*args, **kwargs)
 
     AttentionInterface.register(ATTENTION_NAME, kvarn_attention)
