@@ -264,7 +264,7 @@ def test_left_padding_leaves_a_rows_records_and_history_unchanged(sink):
         single.update(k1[1:], v1[1:], 0, kwargs={"position_ids": p[1:]})
     a, b = batch.layers[0], single.layers[0]
     real = n - pad + steps
-    assert batch._sequences.real == [n + steps, real] and b.length == real and a.length == n + steps
+    assert batch._sequences.rows.real == [n + steps, real] and b.length == real and a.length == n + steps
     tiles = real // G
     assert torch.equal(a.records[1, :tiles], b.records[0, :tiles])
     hk, hv = a.history()

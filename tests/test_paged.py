@@ -109,3 +109,44 @@ def test_request_slots_plan_without_block_ids_on_the_host():
     assert quiet.late_tail_slot_mapping is None and quiet.commit_slots.numel() == 0
     with pytest.raises(ValueError, match="new tokens"):
         plan_request_slots(torch.tensor([0, 4]), torch.tensor([3]), table[:1], 4, [0], G)
+
+
+def test_dense_batch_rows_start_their_tiles_at_their_first_real_token():
+    from kvarn.paged import DenseBatch
+
+    rows = DenseBatch(sink=True)
+    step = rows.begin(0, 20, 2, G, "cpu", lambda before: [20, 13])  # row 1: 7 positions of left padding
+    assert step.after == [20, 13] and step.seq_lens.tolist() == [20, 13]
+    assert step.token_idx.tolist() == list(range(20)) + list(range(27, 40))
+    assert step.block_table.tolist() == [[0, 2, 4], [1, 3, 5]]  # tile i of row b is block i * B + b
+    assert sorted(step.plan.store_blocks.tolist()) == [0, 1, 2]  # row 0: tiles 0, 1; row 1: tile 0
+    assert step.plan.sink_slots.tolist() == [0, 1]  # sink slots first in the pool
+    assert rows.begin(0, 20, 2, G, "cpu", lambda before: 1 / 0) is step  # the other layers reuse the plan
+    nxt = rows.begin(20, 1, 2, G, "cpu", lambda before: [1, 1])
+    assert nxt.before == [20, 13] and nxt.after == [21, 14]
+
+
+def test_dense_batch_replays_older_steps_with_the_same_decisions():
+    from kvarn.paged import DenseBatch
+
+    rows = DenseBatch()
+    lead = [rows.begin(t, 1, 3, G, "cpu", lambda before: [1, 1, 1]) for t in range(2 * G + 3)]
+    again = [rows.begin(t, 1, 3, G, "cpu", lambda before: 1 / 0) for t in range(2 * G + 3)]
+    for a, b in zip(lead, again, strict=True):
+        assert a.plan.tail_slot_mapping.tolist() == b.plan.tail_slot_mapping.tolist()
+        assert a.plan.commit_slots.tolist() == b.plan.commit_slots.tolist()
+        assert a.plan.commit_blocks.tolist() == b.plan.commit_blocks.tolist()
+    with pytest.raises(ValueError, match="rewound"):
+        rows.begin(5, 2, 3, G, "cpu", lambda before: [2, 2, 2])
+    with pytest.raises(ValueError, match="real tokens"):
+        rows.begin(2 * G + 3, 1, 3, G, "cpu", lambda before: [2, 1, 1])
+
+
+def test_dense_batch_reorder_moves_tails_and_sinks():
+    from kvarn.paged import DenseBatch
+
+    rows = DenseBatch(sink=True)
+    rows.begin(0, G + 3, 2, G, "cpu", lambda before: [G + 3, G + 3])
+    slots, sinks = rows.lead.planner.live_slots, rows.lead.planner.live_sinks
+    moves = rows.reorder([1, 1])
+    assert moves == [(slots[2], slots[3]), (sinks[0], sinks[1]), (slots[3], slots[3]), (sinks[1], sinks[1])]

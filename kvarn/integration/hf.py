@@ -1,11 +1,11 @@
 """A transformers cache that stores KVarN records: ``model.generate(..., past_key_values=KVarNCache())``.
 
-An adapter over :mod:`kvarn.paged`, like the vLLM backend: the batch's ``B`` rows are ``B``
-sequences, tile ``i`` of row ``b`` lives in block ``i * B + b`` (so growing the cache appends
-blocks and never renumbers one), one :class:`~kvarn.paged.TilePlanner` plans every step for all
-layers, and each layer keeps a :class:`~kvarn.paged.PagedKV` (records plus the full-precision
-tail and sink pool). This module moves tensors between the model and that object and holds no
-math: no rotation, no tile commits, no sink handling of its own.
+An adapter over :mod:`kvarn.paged`, like the vLLM backend: the batch's rows are a
+:class:`~kvarn.paged.DenseBatch` (which plans each step once for all layers, tile ``i`` of row
+``b`` in block ``i * B + b``), and each layer keeps a :class:`~kvarn.paged.PagedKV` (records plus
+the full-precision tail and sink pool). This module finds the batch's padding, moves tensors
+between the model and those objects, and holds no math: no rotation, no tile commits, no sink
+handling of its own.
 
 Two ways to attend:
 
@@ -37,14 +37,13 @@ from __future__ import annotations
 import contextvars
 import math
 import warnings
-from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvarn import ops
 from kvarn.config import DEFAULT_PRESET, KVarNConfig, check_preset
-from kvarn.paged import PagedKV, TilePlan, TilePlanner
+from kvarn.paged import BatchStep, DenseBatch, PagedKV
 
 ATTENTION_NAME = "kvarn"
 
@@ -55,30 +54,6 @@ _MASKED: contextvars.ContextVar[torch.Tensor | str | None] = contextvars.Context
 """What the ``kvarn`` mask function saw in this forward: the ``[B, kv_len]`` padding mask (True = real
 token), or :data:`UNPADDED` when transformers built the mask without one; taken by the next new step."""
 UNPADDED = "unpadded"
-
-
-@dataclass
-class Step:
-    """One step of the whole batch, shared by every layer.
-
-    Attributes:
-        start, n: positions before the step and new positions per row (padding included).
-        plan: the tile plan of the step's real tokens.
-        token_idx: ``[T]`` rows of the flattened ``[B * n]`` chunk that are real tokens.
-        query_start_loc: ``[B + 1]`` int32, offsets of each row's real tokens in ``token_idx``.
-        before, after: ``[B]`` real tokens of each row before and after the step (host lists).
-        seq_lens, block_table: ``[B]`` and ``[B, tiles]`` int32 on the model's device.
-    """
-
-    start: int
-    n: int
-    plan: TilePlan
-    token_idx: torch.Tensor
-    query_start_loc: torch.Tensor
-    before: list[int]
-    after: list[int]
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
 
 
 def _position_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -103,126 +78,54 @@ def _left_padding_mask(mask: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-class _Cursor:
-    """A planner walking the batch's schedule of steps; it keeps the last :class:`Step` it made."""
-
-    def __init__(self, batch: int, group_size: int, sink: bool):
-        self.batch, self.group_size = batch, group_size
-        self.planner = TilePlanner(batch, group_size, num_sink_slots=batch if sink else 0)
-        self.real = [0] * batch
-        self.index = 0  # the next step of the schedule to plan
-        self.last: Step | None = None
-
-    def advance(self, start: int, n: int, new: list[int], device: torch.device) -> Step:
-        """Plan the step that adds ``new[b]`` real tokens (of ``n`` positions) to each row."""
-        batch, g = self.batch, self.group_size
-        before = self.real
-        after = [b + r for b, r in zip(before, new, strict=True)]
-        rows = torch.arange(batch)[:, None] * n + torch.arange(n)[None, :]
-        keep = torch.arange(n)[None, :] >= torch.tensor([n - r for r in new])[:, None]
-        qsl = torch.tensor([0, *new]).cumsum(0)
-        tiles = max(1, max(math.ceil(a / g) for a in after))
-        table = torch.arange(tiles)[None, :] * batch + torch.arange(batch)[:, None]
-        plan = self.planner.plan(qsl, torch.tensor(after), table, int(qsl[-1]), device)
-        self.real, self.index = after, self.index + 1
-        self.last = Step(
-            start=start,
-            n=n,
-            plan=plan,
-            token_idx=rows[keep].to(device),
-            query_start_loc=qsl.to(device, torch.int32),
-            before=before,
-            after=after,
-            seq_lens=torch.tensor(after, dtype=torch.int32, device=device),
-            block_table=table.to(device, torch.int32),
-        )
-        return self.last
-
-
 class _Sequences:
-    """The sequences of one :class:`KVarNCache`: the schedule of its steps and the planners that walk it.
-
-    Layers normally move in step (layer 0 plans a step, the others reuse it), but a caller may also
-    fill the cache layer by layer: a layer that asks for an older step gets it from a second
-    planner replaying the schedule, which makes the same decisions as the first did.
-    """
+    """The rows of one :class:`KVarNCache` (a :class:`~kvarn.paged.DenseBatch`) and where their padding comes from."""
 
     def __init__(self, sink: bool, attention_mask: torch.Tensor | None = None):
         self.sink = sink
         self.prompt_mask = None if attention_mask is None else _left_padding_mask(attention_mask)
-        self.reset()
+        self.rows = DenseBatch(sink)
+        self.warned_range = False
 
     def reset(self) -> None:
+        self.rows.reset()
         self.warned_range = False
-        self.batch = self.group_size = self.positions = 0
-        self.schedule: list[tuple[int, int, list[int]]] = []  # (start, n, new real tokens per row)
-        self.lead: _Cursor | None = None
-        self.replay: _Cursor | None = None
 
-    @property
-    def real(self) -> list[int]:
-        """Real tokens of each row after the newest step."""
-        return self.lead.real if self.lead else []
-
-    @property
-    def step(self) -> Step | None:
-        """The newest step."""
-        return self.lead.last if self.lead else None
-
-    def begin(self, start: int, key_states: torch.Tensor, cfg: KVarNConfig, position_ids) -> Step:
+    def begin(self, start: int, key_states: torch.Tensor, cfg: KVarNConfig, position_ids) -> BatchStep:
         """The step storing ``key_states: [B, Hkv, n, D]`` at positions ``start ..``, planned once for all layers."""
         batch, _, n, _ = key_states.shape
-        if self.lead is None:
-            self.batch, self.group_size = batch, cfg.group_size
-            self.lead = _Cursor(batch, cfg.group_size, self.sink)
-        elif batch != self.batch or cfg.group_size != self.group_size:
-            raise ValueError(f"key_states must have batch size {self.batch} for this cache, got {batch}")
-        for cursor in (self.lead, self.replay):
-            if cursor is not None and cursor.last is not None and cursor.last.start == start and cursor.last.n == n:
-                return cursor.last
-        device = key_states.device
-        if start == self.positions:
-            new = self._new_tokens(start, n, position_ids, self.lead.real)
-            self.schedule.append((start, n, new))
-            self.positions = start + n
-            return self.lead.advance(start, n, new, device)
-        index = next((i for i, (s, m, _) in enumerate(self.schedule) if s == start and m == n), None)
-        if index is None:
-            raise ValueError(
-                f"KVarNCache got {n} tokens at position {start}, but its steps so far were "
-                f"{[(s, m) for s, m, _ in self.schedule]}; a KVarNCache cannot be cropped or rewound"
-            )
-        if self.replay is None or self.replay.index > index:
-            self.replay = _Cursor(self.batch, self.group_size, self.sink)
-        while True:
-            s, m, new = self.schedule[self.replay.index]
-            step = self.replay.advance(s, m, new, device)
-            if self.replay.index > index:
-                return step
+        return self.rows.begin(
+            start,
+            n,
+            batch,
+            cfg.group_size,
+            key_states.device,
+            lambda before: self._new_tokens(batch, start, n, position_ids, before),
+        )
 
-    def _new_tokens(self, start: int, n: int, position_ids: torch.Tensor | None, before: list[int]) -> list[int]:
+    def _new_tokens(self, batch: int, start: int, n: int, position_ids, before: list[int]) -> list[int]:
         """Real tokens of each row in the chunk of positions ``start .. start + n`` (the rest is left padding)."""
-        if position_ids is None or position_ids.shape[0] != self.batch:
+        if position_ids is None or position_ids.shape[0] != batch:
             mask = self.prompt_mask
             seen = _MASKED.get()
             _MASKED.set(None)
-            fits = isinstance(seen, torch.Tensor) and seen.shape[0] == self.batch and seen.shape[1] >= start + n
+            fits = isinstance(seen, torch.Tensor) and seen.shape[0] == batch and seen.shape[1] >= start + n
             if mask is None and fits:
                 mask = _left_padding_mask(seen)
             if mask is None:
-                if self.batch > 1 and start == 0 and seen is not UNPADDED:
+                if batch > 1 and start == 0 and seen is not UNPADDED:
                     warnings.warn(
                         "KVarNCache cannot see this batch's padding; if it is padded, pass "
                         "KVarNCache(..., attention_mask=mask) or each row's records will depend on its padding",
-                        stacklevel=4,
+                        stacklevel=6,
                     )
-                return [n] * self.batch
+                return [n] * batch
             real = mask[:, start : start + n].sum(1).tolist()
             past_mask = max(0, start + n - max(mask.shape[1], start))  # positions past the mask are real
             return [int(r) + past_mask for r in real]
         pos = position_ids.detach().cpu()
         new = []
-        for b in range(self.batch):
+        for b in range(batch):
             r = int(pos[b, -1]) + 1 - before[b]
             real = pos[b, n - r :] if 0 <= r <= n else None
             if real is None or (before[b] and r != n) or not torch.equal(real, torch.arange(before[b], before[b] + r)):
@@ -232,24 +135,6 @@ class _Sequences:
                 )
             new.append(r)
         return new
-
-    def reorder(self, beam_idx: list[int]) -> list[tuple[int, int]]:
-        """Reorder the rows (beam search); returns the ``(to, from)`` pool rows each layer must copy."""
-        if self.lead is None:
-            return []
-        g, batch, real = self.group_size, self.batch, self.lead.real
-        slots, sinks = self.lead.planner.live_slots, self.lead.planner.live_sinks
-        moves = []
-        for dst, src in enumerate(beam_idx):
-            if real[dst] != real[src]:
-                raise ValueError("beam search over KVarNCache needs equal lengths in the beams it reorders")
-            if real[dst] % g:
-                tile = real[dst] // g
-                moves.append((slots[tile * batch + dst], slots[tile * batch + src]))
-            if self.sink and real[dst]:
-                moves.append((sinks[dst], sinks[src]))
-        self.replay = None
-        return moves
 
 
 class KVarNLayer(CacheLayerMixin):
@@ -523,7 +408,7 @@ class KVarNCache(Cache):
         self._sequences.reset()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        moves = self._sequences.reorder(beam_idx.tolist())
+        moves = self._sequences.rows.reorder(beam_idx.tolist())
         for layer in self.layers:
             layer.reorder_rows(beam_idx, moves)
 
@@ -538,7 +423,7 @@ class KVarNCache(Cache):
 
     def fp16_nbytes(self) -> int:
         """Bytes an fp16 ``DynamicCache`` holding the same real tokens would take (2 bytes per K and V element)."""
-        tokens = sum(self._sequences.real)
+        tokens = sum(self._sequences.rows.real)
         return sum(
             2 * 2 * layer.num_heads * tokens * layer.cfg.head_dim for layer in self.layers if layer.is_initialized
         )
@@ -554,7 +439,7 @@ class KVarNCache(Cache):
         out: dict[str, float] = dict(self.nbytes())
         out["fp16_bytes"] = self.fp16_nbytes()
         out["capacity_vs_fp16"] = out["fp16_bytes"] / out["total"] if out["total"] else float("nan")
-        real, committed, used, record = self._sequences.real, 0, 0, 0
+        real, committed, used, record = self._sequences.rows.real, 0, 0, 0
         for layer in self.layers:
             if layer.is_initialized:
                 g, per_token = layer.cfg.group_size, layer.num_heads * layer.cfg.head_dim
