@@ -340,8 +340,8 @@ class PagedKV:
         norm stays inside the dtype's range are stored without saturation. One reduction and one host
         sync; for callers that can afford it (the transformers cache), not for a captured step.
         """
-        if not self.cfg.rotate or not k.numel():
-            return False
+        if not self.cfg.rotate or not k.numel() or self.tail_k.dtype != torch.float16:
+            return False  # bf16 and fp32 hold any rotated finite input (prepare saturates at 2^24 first)
         limit = torch.finfo(self.tail_k.dtype).max
         return bool(torch.maximum(k.float().norm(dim=-1).amax(), v.float().norm(dim=-1).amax()) > limit)
 

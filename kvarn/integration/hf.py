@@ -236,7 +236,9 @@ class KVarNLayer(CacheLayerMixin):
         flat = (self.batch_size * step.n, self.num_heads, self.cfg.head_dim)
         k = key_states.transpose(1, 2).to(self.store_dtype).reshape(flat)[step.token_idx]
         v = value_states.transpose(1, 2).to(self.store_dtype).reshape(flat)[step.token_idx]
-        if not self.sequences.warned_range and kv.overflows(k, v):
+        # the check costs a host sync: every chunk of several tokens, and once a tile while decoding
+        check = step.n > 1 or past % self.cfg.group_size == 0
+        if check and not self.sequences.warned_range and kv.overflows(k, v):
             self.sequences.warned_range = True
             warnings.warn(
                 f"KVarNCache: K/V vectors longer than {self.store_dtype} can hold after the Hadamard rotation are "
