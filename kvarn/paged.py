@@ -34,8 +34,8 @@ evicted, and no block id is read on the host.
 
 Sink (optional, ``num_sink_slots > 0``): the tokens of a sequence's first tile also go to a
 *sink slot*, keyed by the block id of that first tile, and attention reads the first tile from
-the sink slot in full precision instead of from its record. Sink slots are not evicted; the
-owner releases them (:meth:`TilePlanner.release_sink`).
+the sink slot in full precision instead of from its record. Sink slots are held for the
+planner's life (the transformers cache's rows never change; vLLM keeps no sink yet).
 
 Only committed tokens may be planned: speculative drafts would be frozen into a record.
 """
@@ -47,6 +47,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvarn import ops
@@ -132,18 +133,12 @@ class TilePlanner:
         """A copy of the current ``first block id -> sink slot`` map."""
         return dict(self._sink_of)
 
-    def release_sink(self, block: int) -> None:
-        """Free the sink slot of the sequence whose first tile is ``block`` (no-op if it has none)."""
-        slot = self._sink_of.pop(block, None)
-        if slot is not None:
-            self._sink_free.append(slot)
-
     def _claim_sink(self, block: int) -> int:
         slot = self._sink_of.get(block)
         if slot is None:
             if not self._sink_free:
                 raise TailLostError(
-                    f"more than {self.num_sink_slots} sequences keep a full-precision sink; release finished ones"
+                    f"more than {self.num_sink_slots} sequences keep a full-precision sink; raise num_sink_slots"
                 )
             slot = self._sink_of[block] = self._sink_free.pop()
         return slot
@@ -481,8 +476,6 @@ def plan_request_slots(
 
     Returns the same :class:`TilePlan` as :meth:`TilePlanner.plan`, on ``block_table``'s device.
     """
-    import numpy as np
-
     g = group_size
     qsl = np.asarray(query_start_loc, dtype=np.int64)
     lens = np.asarray(seq_lens, dtype=np.int64)
