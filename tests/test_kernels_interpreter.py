@@ -42,7 +42,6 @@ KERNEL_MODULES = (
     "kvarn.kernels.dequant",
     "kvarn.kernels.attention_tiles",
     "kvarn.kernels.attention_decode",
-    "kvarn.kernels.attention_prologue",
     "kvarn.kernels.attention_epilogue",
     "kvarn.kernels.attention",
 )

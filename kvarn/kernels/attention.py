@@ -1,13 +1,13 @@
 """Triton attention over the paged KVarN cache: decode and multi-query (causal within the chunk).
 
 This module is the launcher: it checks the arguments, picks the launch shape and the split-K
-factor, and runs three kernels per call:
+factor, and runs two kernels per call:
 
-1. :mod:`~kvarn.kernels.attention_prologue`: rotate the queries and pre-scale them by
-   ``softmax_scale * log2(e)`` (tf32 dot with the +-1 Hadamard, exact products);
-2. :mod:`~kvarn.kernels.attention_decode`: one program per (query block, KV head, split) walks its
-   share of the tiles (the per-tile math is in :mod:`~kvarn.kernels.attention_tiles`);
-3. :mod:`~kvarn.kernels.attention_epilogue`: merge the splits (log-sum-exp), un-rotate (two tf32
+1. :mod:`~kvarn.kernels.attention_decode`: one program per (query block, KV head, split) rotates
+   its queries and pre-scales them by ``softmax_scale * log2(e)`` (tf32 dots with the +-1 Hadamard,
+   exact products), then walks its share of the tiles (the per-tile math is in
+   :mod:`~kvarn.kernels.attention_tiles`);
+2. :mod:`~kvarn.kernels.attention_epilogue`: merge the splits (log-sum-exp), un-rotate (two tf32
    dots on a hi/lo split) and cast to the query dtype.
 
 Every kernel gets the record layout as ``LAYOUT`` (:func:`kvarn.kernels._common.record_layout`).
@@ -28,7 +28,6 @@ from kvarn.config import KVarNConfig
 from kvarn.kernels._common import LOG2E, check_cache, check_dtype, interpreting, inv_sqrt, record_layout
 from kvarn.kernels.attention_decode import _attn_kernel
 from kvarn.kernels.attention_epilogue import _epilogue_kernel
-from kvarn.kernels.attention_prologue import _prologue_kernel
 
 MIN_DOT_ROWS = 16
 """``tl.dot`` needs at least 16 rows: blocks of (query, head) rows are padded up to it."""
@@ -36,7 +35,7 @@ ATTN_NUM_WARPS = 4
 ATTN_NUM_STAGES = 2
 """Default launch configuration of the attention kernel (the best of the sweep in ``benchmarks/RESULTS.md``)."""
 EDGE_NUM_WARPS = 4
-"""Warps of the prologue and epilogue kernels."""
+"""Warps of the epilogue kernel."""
 WAVES = 8
 """Split-K aims at this many waves of attention programs over the GPU ..."""
 PROGRAMS_PER_SM = 3
@@ -95,26 +94,6 @@ def _check_args(query, cache, block_table, seq_lens, tail_k, tail_v, cfg, query_
 
 def _as_int32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 else t.to(torch.int32)
-
-
-def _launch_prologue(query: torch.Tensor, cfg: KVarNConfig, scale: float, empty: Callable) -> torch.Tensor:
-    """``query: [Nq, Hq, D]`` -> rotated, scaled fp32 ``[Nq, Hq, D]``."""
-    nq, hq, d = query.shape
-    q = empty(nq, hq, d, dtype=torch.float32, device=query.device)
-    _prologue_kernel[(nq,)](
-        query,
-        q,
-        query.stride(0),
-        query.stride(1),
-        hq,
-        BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(hq)),
-        LAYOUT=record_layout(cfg),
-        ROTATE=cfg.rotate,
-        IN_BF16=query.dtype == torch.bfloat16,
-        FACTOR=scale * LOG2E * (inv_sqrt(d) if cfg.rotate else 1.0),
-        num_warps=EDGE_NUM_WARPS,
-    )
-    return q
 
 
 def _launch_epilogue(part, ws_m, ws_l, splits: int, hq: int, out_dtype, cfg: KVarNConfig, empty: Callable):
@@ -186,8 +165,6 @@ def paged_attention(
         return torch.empty_like(query)
     dev = query.device
 
-    q = _launch_prologue(query, cfg, scale, empty)
-
     gqa = hq // hkv  # query heads per KV head
     gqp = triton.next_power_of_2(gqa)
     block_q = max(1, MIN_DOT_ROWS // gqp) if multi_q else 1
@@ -203,7 +180,7 @@ def paged_attention(
     tail_slots = _as_int32(tail_slots)
     sinks = tail_slots if sink_slots is None else _as_int32(sink_slots)
     _attn_kernel[(n_blocks, hkv, splits)](
-        q,
+        query,
         cache,
         block_table,
         seq_lens,
@@ -216,8 +193,10 @@ def paged_attention(
         ws_m,
         ws_l,
         batch,
-        q.stride(0),
-        q.stride(1),
+        query.stride(0),
+        query.stride(1),
+        hq * d,
+        d,
         cache.stride(0),
         cache.stride(1),
         block_table.stride(0),
@@ -236,6 +215,9 @@ def paged_attention(
         POOL_BF16=tail_k.dtype == torch.bfloat16,
         SPLIT=splits > 1,
         USE_ASM=not interpreting(),
+        ROTATE=cfg.rotate,
+        IN_BF16=query.dtype == torch.bfloat16,
+        FACTOR=scale * LOG2E * (inv_sqrt(d) if cfg.rotate else 1.0),
         num_warps=num_warps,
         num_stages=num_stages,
     )

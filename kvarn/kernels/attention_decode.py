@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvarn.kernels._common import NEG_BIG, frexp_exponent, pow2
+from kvarn.kernels._common import NEG_BIG, frexp_exponent, hadamard_pm, load_f32, pow2
 from kvarn.kernels.attention_tiles import _causal, _fp_tile, _tile_scores, _tile_values
 
 
@@ -45,33 +45,68 @@ def _query_block(pid, query_start_loc, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _query_field(q_base, row_ok, q_norm, f: tl.constexpr, DK: tl.constexpr):
-    """Channels ``f * DK ..`` of the program's query rows, times ``q_norm``: ``[BLOCK_M, DK]`` fp32."""
-    dk = tl.arange(0, DK)
-    return tl.load(q_base + f * DK + dk[None, :], mask=row_ok[:, None], other=0.0) * q_norm[:, None]
+def _concat(a, b):
+    """``[R, C]`` and ``[R, C]`` -> ``[R, 2C]`` (``a`` first)."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))
 
 
 @triton.jit
-def _load_query(q_base, row_ok, LAYOUT: tl.constexpr):
-    """The rows' queries split into the K fields' channel blocks, scaled so ``|q| < 1``.
+def _query_channels(q_base, m2, b: tl.constexpr, h, ROTATE: tl.constexpr, IN_BF16: tl.constexpr):
+    """Channel block ``b`` (``RB`` channels) of the rows' fp16/bf16 queries, times ``h = H_RB``: fp32."""
+    RB: tl.constexpr = h.shape[0]
+    z = load_f32(q_base + b * RB + tl.arange(0, RB)[None, :], m2, IN_BF16)
+    if ROTATE:
+        z = tl.dot(z, h, input_precision="tf32")  # +-1 entries: exact products of fp16/bf16 inputs
+    return z
 
-    Returns ``(q0, q1, q2, q3, rf)``: ``q0 .. q3: [BLOCK_M, DK]`` (``q2, q3`` repeat ``q0`` with two
-    fields) and ``rf: [BLOCK_M]``, the power of two that undoes the scaling.
+
+@triton.jit
+def _load_query(q_base, row_ok, LAYOUT: tl.constexpr, ROTATE: tl.constexpr, IN_BF16: tl.constexpr, FACTOR):
+    """The rows' queries, rotated (if ``ROTATE``), times ``FACTOR``, split into the K fields' channel blocks.
+
+    Returns ``(q0, q1, q2, q3, rf)``: ``q0 .. q3: [BLOCK_M, DK]`` (``q2, q3`` repeat ``q0, q1``
+    with two fields), divided by ``rf: [BLOCK_M]``, a power of two, so ``|q| < 1``. ``H_D`` is
+    applied as ``H_RB`` on each block of ``RB`` channels, then butterflies across the 2 or 4 blocks
+    (``H_2n = [[H_n, H_n], [H_n, -H_n]]``); each field is one block (or two with ``DK = 128``).
     """
     D: tl.constexpr = LAYOUT.D
-    DK: tl.constexpr = D // LAYOUT.K_PER_BYTE
-    qmax = tl.max(tl.abs(tl.load(q_base + tl.arange(0, D)[None, :], mask=row_ok[:, None], other=0.0)), axis=1)
-    e = frexp_exponent(qmax)
-    q_norm = pow2(-e)  # |q| * 2^-e < 1
-    rf = pow2(e)
-    q0 = _query_field(q_base, row_ok, q_norm, 0, DK)
-    q1 = _query_field(q_base, row_ok, q_norm, 1, DK)
-    q2 = q0
-    q3 = q0
+    PK: tl.constexpr = LAYOUT.K_PER_BYTE
+    DK: tl.constexpr = D // PK
+    RB: tl.constexpr = DK if DK <= 64 else 64
+    h = hadamard_pm(RB)
+    m2 = row_ok[:, None] & (tl.arange(0, RB)[None, :] < RB)
+    z0 = _query_channels(q_base, m2, 0, h, ROTATE, IN_BF16)  # [BLOCK_M, RB]
+    z1 = _query_channels(q_base, m2, 1, h, ROTATE, IN_BF16)
+    if ROTATE:
+        z0, z1 = z0 + z1, z0 - z1
+    z2 = z0
+    z3 = z1
+    if D // RB == 4:
+        z2 = _query_channels(q_base, m2, 2, h, ROTATE, IN_BF16)
+        z3 = _query_channels(q_base, m2, 3, h, ROTATE, IN_BF16)
+        if ROTATE:
+            z2, z3 = z2 + z3, z2 - z3
+            z0, z1, z2, z3 = z0 + z2, z1 + z3, z0 - z2, z1 - z3
+    qmax = tl.maximum(tl.max(tl.abs(z0), axis=1), tl.max(tl.abs(z1), axis=1))
+    if D // RB == 4:
+        qmax = tl.maximum(qmax, tl.maximum(tl.max(tl.abs(z2), axis=1), tl.max(tl.abs(z3), axis=1)))
+    e = frexp_exponent(qmax * FACTOR)
+    qn = (pow2(-e) * FACTOR)[:, None]  # |q| * 2^-e < 1
+    if DK > RB:
+        return _concat(z0, z1) * qn, _concat(z2, z3) * qn, _concat(z0, z1) * qn, _concat(z2, z3) * qn, pow2(e)
+    else:
+        return z0 * qn, z1 * qn, z2 * qn, z3 * qn, pow2(e)
+
+
+@triton.jit
+def _query_rows(query, LAYOUT: tl.constexpr):
+    """The rows' rotated, scaled queries ``[BLOCK_M, D]`` back from :func:`_load_query`'s fields (exact)."""
+    q0, q1, q2, q3, rf = query
     if LAYOUT.K_PER_BYTE == 4:
-        q2 = _query_field(q_base, row_ok, q_norm, 2, DK)
-        q3 = _query_field(q_base, row_ok, q_norm, 3, DK)
-    return q0, q1, q2, q3, rf
+        q_full = _concat(_concat(q0, q1), _concat(q2, q3))
+    else:
+        q_full = _concat(q0, q1)
+    return q_full * rf[:, None]
 
 
 @triton.jit
@@ -126,6 +161,8 @@ def _attn_kernel(
     ws_m,
     ws_l,
     num_seqs,
+    s_iq,
+    s_iqh,
     s_q,
     s_qh,
     s_cb,
@@ -146,11 +183,16 @@ def _attn_kernel(
     POOL_BF16: tl.constexpr,
     SPLIT: tl.constexpr,
     USE_ASM: tl.constexpr,
+    ROTATE: tl.constexpr,
+    IN_BF16: tl.constexpr,
+    FACTOR: tl.constexpr,
 ):
     """Grid ``(query blocks, Hkv, num_splits)``; writes ``out`` (one split) or the split partials.
 
-    ``q: [Nq, Hq, D]`` fp32 from the prologue; ``GQ`` query heads per KV head, padded to ``GQP``
-    (a power of two); row ``r`` of a block is query ``r // GQP``, head ``r % GQP``.
+    ``q: [Nq, Hq, D]`` the queries (fp16/bf16, strides ``s_iq, s_iqh``), rotated and scaled by
+    ``FACTOR`` here; ``out: [splits, Nq, Hq, D]`` fp32 (strides ``s_q, s_qh`` within a split).
+    ``GQ`` query heads per KV head, padded to ``GQP`` (a power of two); row ``r`` of a block is
+    query ``r // GQP``, head ``r % GQP``.
     """
     G: tl.constexpr = LAYOUT.G
     D: tl.constexpr = LAYOUT.D
@@ -174,8 +216,8 @@ def _attn_kernel(
         q_row = (q_start + q_local).to(tl.int64)  # [BLOCK_M]
         head = kvh * GQ + hj
         pos_q = seq_len - n_q + q_local  # [BLOCK_M]
-        q_base = q + q_row[:, None] * s_q + head[:, None] * s_qh  # [BLOCK_M, 1]
-        query = _load_query(q_base, row_ok, LAYOUT)  # 4 x [BLOCK_M, DK], [BLOCK_M]
+        q_base = q + q_row[:, None] * s_iq + head[:, None] * s_iqh  # [BLOCK_M, 1]
+        query = _load_query(q_base, row_ok, LAYOUT, ROTATE, IN_BF16, FACTOR)  # 4 x [BLOCK_M, DK], [BLOCK_M]
 
         n_full = seq_len // G  # quantized tiles; the rem last tokens sit in the tail tile
         rem = seq_len % G
@@ -203,7 +245,7 @@ def _attn_kernel(
         tail_here = (rem > 0) & (u0 <= n_full) & (n_full < u1)
         dd = tl.arange(0, D)
         if sink_here | tail_here:
-            q_full = tl.load(q_base + dd[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+            q_full = _query_rows(query, LAYOUT)  # [BLOCK_M, D]
             pool = (tail_k, tail_v, p_slot, p_tok, p_head, kvh)
             if sink_here:
                 m_i, l_i, acc = _fp_tile(q_full, m_i, l_i, acc, pool, sink_slot, G, 0, pos_q, POOL_BF16)
