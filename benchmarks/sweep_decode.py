@@ -29,11 +29,7 @@ SHAPES = (
 )
 """``(preset, head_dim, batch, ctx)``, all 32 query / 8 KV heads, fp16."""
 VARIANTS = (
-    [
-        (p, 128, 16, 32768, dict(num_warps=w, num_stages=s))
-        for p in (K42, K22, K42G64)
-        for w, s in [(4, 3), (2, 2)]
-    ]
+    [(p, 128, 16, 32768, dict(num_warps=w, num_stages=s)) for p in (K42, K22, K42G64) for w, s in [(4, 3), (2, 2)]]
     + [(K42, 128, 16, 32768, dict(num_splits=n)) for n in (33, 50)]
     + [
         (K42, 128, 8, 1024, dict(num_splits=9)),

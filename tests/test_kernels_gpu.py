@@ -140,20 +140,24 @@ ATTN_CASES = [
 ]
 
 
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused_q", "prologue_q"])
 @pytest.mark.parametrize("preset,d,dtype,hq,hkv,sink,splits", ATTN_CASES)
-def test_paged_attention_gpu(preset, d, dtype, hq, hkv, sink, splits):
+def test_paged_attention_gpu(preset, d, dtype, hq, hkv, sink, splits, fuse):
     cfg = KVarNConfig.from_preset(preset, head_dim=d)
     lengths = ragged_lengths(cfg.group_size, cfg.group_size, seed=d + hq, max_tiles=12)
     state = build_cache(cfg, lengths, hkv, dtype, seed=5, device=DEV)
     query = (torch.randn(len(lengths), hq, d) * 2).to(dtype).to(DEV)
     args = attention_args(state, query, cfg, sink=sink)
-    err = check_attention(attention.paged_attention(*args, num_splits=splits, empty=poisoned_empty), args)
-    print(f"STATS attention {preset} d={d} {dtype} hq={hq} hkv={hkv} sink={sink} splits={splits} rel_err={err:.2e}")
+    out = attention.paged_attention(*args, num_splits=splits, fuse_query=fuse, empty=poisoned_empty)
+    err = check_attention(out, args)
+    tag = f"{preset} d={d} {dtype} hq={hq} hkv={hkv} sink={sink} splits={splits} fuse={fuse}"
+    print(f"STATS attention {tag} rel_err={err:.2e}")
 
 
+@pytest.mark.parametrize("fuse", [None, True, False])
 @pytest.mark.parametrize("splits", [None, 1, 4])
 @pytest.mark.parametrize("hq", [32, 64])
-def test_paged_attention_multi_query_gpu(splits, hq):
+def test_paged_attention_multi_query_gpu(splits, hq, fuse):
     cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
     lengths = [1000, 300, 128, 7, 2050, 640]
     n_q = [37, 0, 128, 7, 300, 1]
@@ -161,8 +165,9 @@ def test_paged_attention_multi_query_gpu(splits, hq):
     qsl = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
     query = torch.randn(int(qsl[-1]), hq, 128, device=DEV).half()
     args = attention_args(state, query, cfg, qsl=qsl, sink=True)
-    err = check_attention(attention.paged_attention(*args, num_splits=splits, empty=poisoned_empty), args)
-    print(f"STATS multi_query hq={hq} splits={splits} rel_err={err:.2e}")
+    out = attention.paged_attention(*args, num_splits=splits, fuse_query=fuse, empty=poisoned_empty)
+    err = check_attention(out, args)
+    print(f"STATS multi_query hq={hq} splits={splits} fuse={fuse} rel_err={err:.2e}")
 
 
 def test_ops_auto_picks_triton_on_cuda():

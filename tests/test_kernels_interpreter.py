@@ -42,6 +42,7 @@ KERNEL_MODULES = (
     "kvarn.kernels.dequant",
     "kvarn.kernels.attention_tiles",
     "kvarn.kernels.attention_decode",
+    "kvarn.kernels.attention_prologue",
     "kvarn.kernels.attention_epilogue",
     "kvarn.kernels.attention",
 )
@@ -170,14 +171,24 @@ ATTN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("preset,d,dtype,hq,hkv,sink,splits", ATTN_CASES)
-def test_paged_attention_decode(preset, d, dtype, hq, hkv, sink, splits):
+ATTN_PROLOGUE_CASES = [
+    ("kvarn_k4v2_g128", 64, torch.float16, 4, 2, True, 2),
+    ("kvarn_k4v4_g64", 256, torch.bfloat16, 2, 1, False, None),
+]
+"""Cases run with the queries rotated by the prologue kernel (``fuse_query=False``)."""
+
+
+@pytest.mark.parametrize(
+    "preset,d,dtype,hq,hkv,sink,splits,fuse",
+    [(*c, None) for c in ATTN_CASES] + [(*c, False) for c in ATTN_PROLOGUE_CASES],
+)
+def test_paged_attention_decode(preset, d, dtype, hq, hkv, sink, splits, fuse):
     cfg = KVarNConfig.from_preset(preset, head_dim=d)
     lengths = ragged_lengths(cfg.group_size, 12, seed=d + hq)
     state = build_cache(cfg, lengths, hkv, dtype, seed=1)
     query = torch.randn(len(lengths), hq, d).to(dtype)
     args = attention_args(state, query, cfg, sink=sink)
-    out = attention.paged_attention(*args, num_splits=splits, empty=poisoned_empty)
+    out = attention.paged_attention(*args, num_splits=splits, fuse_query=fuse, empty=poisoned_empty)
     check_attention(out, args)
 
 
@@ -191,8 +202,8 @@ def test_paged_attention_every_tail_length():
     check_attention(attention.paged_attention(*args), args)
 
 
-@pytest.mark.parametrize("splits", [1, 2])
-def test_paged_attention_multi_query(splits):
+@pytest.mark.parametrize("splits,fuse", [(1, None), (2, None), (2, False)])
+def test_paged_attention_multi_query(splits, fuse):
     cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
     lengths = [190, 70, 64, 5, 130]
     n_q = [20, 0, 64, 5, 3]
@@ -200,7 +211,7 @@ def test_paged_attention_multi_query(splits):
     qsl = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32)
     query = torch.randn(int(qsl[-1]), 4, 64).to(torch.float16)
     args = attention_args(state, query, cfg, qsl=qsl, sink=True)
-    check_attention(attention.paged_attention(*args, num_splits=splits, empty=poisoned_empty), args)
+    check_attention(attention.paged_attention(*args, num_splits=splits, fuse_query=fuse, empty=poisoned_empty), args)
 
 
 def test_kernels_reject_bad_input():

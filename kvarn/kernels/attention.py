@@ -1,13 +1,15 @@
 """Triton attention over the paged KVarN cache: decode and multi-query (causal within the chunk).
 
-This module is the launcher: it checks the arguments, picks the launch shape and the split-K
-factor, and runs two kernels per call:
+This module is the launcher: it checks the arguments, picks the launch shape, the split-K factor
+and where the queries are rotated, and runs two or three kernels per call:
 
-1. :mod:`~kvarn.kernels.attention_decode`: one program per (query block, KV head, split) rotates
-   its queries and pre-scales them by ``softmax_scale * log2(e)`` (tf32 dots with the +-1 Hadamard,
-   exact products), then walks its share of the tiles (the per-tile math is in
-   :mod:`~kvarn.kernels.attention_tiles`);
-2. :mod:`~kvarn.kernels.attention_epilogue`: merge the splits (log-sum-exp), un-rotate (two tf32
+1. (only without ``FUSED_Q``, see :func:`fuse_query_rotation`)
+   :mod:`~kvarn.kernels.attention_prologue`: rotate the queries and pre-scale them by
+   ``softmax_scale * log2(e)`` (tf32 dot with the +-1 Hadamard, exact products);
+2. :mod:`~kvarn.kernels.attention_decode`: one program per (query block, KV head, split) (with
+   ``FUSED_Q``: rotates and scales its own queries, the same products), then walks its share of the
+   tiles (the per-tile math is in :mod:`~kvarn.kernels.attention_tiles`);
+3. :mod:`~kvarn.kernels.attention_epilogue`: merge the splits (log-sum-exp), un-rotate (two tf32
    dots on a hi/lo split) and cast to the query dtype.
 
 Every kernel gets the record layout as ``LAYOUT`` (:func:`kvarn.kernels._common.record_layout`).
@@ -28,6 +30,7 @@ from kvarn.config import KVarNConfig
 from kvarn.kernels._common import LOG2E, check_cache, check_dtype, interpreting, inv_sqrt, record_layout
 from kvarn.kernels.attention_decode import _attn_kernel
 from kvarn.kernels.attention_epilogue import _epilogue_kernel
+from kvarn.kernels.attention_prologue import _prologue_kernel
 
 MIN_DOT_ROWS = 16
 """``tl.dot`` needs at least 16 rows: blocks of (query, head) rows are padded up to it."""
@@ -35,13 +38,18 @@ ATTN_NUM_WARPS = 4
 ATTN_NUM_STAGES = 2
 """Default launch configuration of the attention kernel (the best of the sweep in ``benchmarks/RESULTS.md``)."""
 EDGE_NUM_WARPS = 4
-"""Warps of the epilogue kernel."""
+"""Warps of the prologue and epilogue kernels."""
 WAVES = 8
 """Split-K aims at this many waves of attention programs over the GPU ..."""
 PROGRAMS_PER_SM = 3
 """... at this many resident programs per SM (the kernel's register use allows 3 at 4 warps)."""
 MIN_TILES_PER_SPLIT = 2
 MAX_SPLITS = 64
+FUSE_MAX_WAVES = 2
+FUSE_MAX_TILES = 8
+"""Queries are rotated inside the attention kernel (no prologue launch) when the launch is at most
+``FUSE_MAX_WAVES`` waves of ``PROGRAMS_PER_SM`` programs and a split walks at most ``FUSE_MAX_TILES``
+tiles: each program then pays the rotation (~0.7 tile of work) once, against one launch saved."""
 SMS_OFF_CUDA = 4
 """SM count the split choice assumes on a device without SMs (the CPU interpreter)."""
 
@@ -61,6 +69,20 @@ def choose_splits(programs: int, max_units: int, device: torch.device) -> int:
     sms = _num_sms(device.index or 0) if device.type == "cuda" else SMS_OFF_CUDA
     want = triton.cdiv(WAVES * PROGRAMS_PER_SM * sms, programs)
     return max(1, min(want, max_units // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+
+
+def fuse_query_rotation(cfg: KVarNConfig, programs: int, tiles_per_split: int, device: torch.device) -> bool:
+    """Whether the attention kernel rotates its own queries (``FUSED_Q``) instead of a prologue launch.
+
+    Always with four K bit fields (2-bit K) or 64-token tiles: reading pre-rotated queries from
+    memory there lets the compiler hoist the score operand's layout onto the loop-invariant
+    queries (~230 registers instead of 128, half the programs per SM). Otherwise only for short
+    launches (see ``FUSE_MAX_WAVES``), where the saved launch outweighs the per-program rotation.
+    """
+    if cfg.k_per_byte == 4 or cfg.group_size < 128:
+        return True
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else SMS_OFF_CUDA
+    return programs <= FUSE_MAX_WAVES * PROGRAMS_PER_SM * sms and tiles_per_split <= FUSE_MAX_TILES
 
 
 def _check_args(query, cache, block_table, seq_lens, tail_k, tail_v, cfg, query_start_loc) -> None:
@@ -94,6 +116,31 @@ def _check_args(query, cache, block_table, seq_lens, tail_k, tail_v, cfg, query_
 
 def _as_int32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 else t.to(torch.int32)
+
+
+def _launch_prologue(query: torch.Tensor, cfg: KVarNConfig, scale: float, empty: Callable) -> torch.Tensor:
+    """``query: [Nq, Hq, D]`` -> rotated, scaled fp32 ``[Nq, Hq, D]``."""
+    nq, hq, d = query.shape
+    q = empty(nq, hq, d, dtype=torch.float32, device=query.device)
+    _prologue_kernel[(nq,)](
+        query,
+        q,
+        query.stride(0),
+        query.stride(1),
+        hq,
+        BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(hq)),
+        LAYOUT=record_layout(cfg),
+        ROTATE=cfg.rotate,
+        IN_BF16=query.dtype == torch.bfloat16,
+        FACTOR=_query_factor(cfg, scale),
+        num_warps=EDGE_NUM_WARPS,
+    )
+    return q
+
+
+def _query_factor(cfg: KVarNConfig, scale: float) -> float:
+    """What rotated queries are multiplied by: ``scale * log2(e)``, and ``1 / sqrt(D)`` of the Hadamard."""
+    return scale * LOG2E * (inv_sqrt(cfg.head_dim) if cfg.rotate else 1.0)
 
 
 def _launch_epilogue(part, ws_m, ws_l, splits: int, hq: int, out_dtype, cfg: KVarNConfig, empty: Callable):
@@ -137,6 +184,7 @@ def paged_attention(
     num_splits: int | None = None,
     num_warps: int = ATTN_NUM_WARPS,
     num_stages: int = ATTN_NUM_STAGES,
+    fuse_query: bool | None = None,
     empty: Callable[..., torch.Tensor] = torch.empty,
 ) -> torch.Tensor:
     """Attention of ``query: [Nq, Hq, D]`` over the paged cache -> ``[Nq, Hq, D]`` in ``query.dtype``.
@@ -147,7 +195,8 @@ def paged_attention(
     ``sink_slots: [B]`` or ``None``, ``scale`` default ``1 / sqrt(D)``.
 
     Knobs (keyword only): ``num_splits`` forces the split-K factor (default :func:`choose_splits`);
-    ``num_warps``, ``num_stages`` launch the attention kernel; ``empty`` allocates the output and
+    ``num_warps``, ``num_stages`` launch the attention kernel; ``fuse_query`` forces where the
+    queries are rotated (default :func:`fuse_query_rotation`); ``empty`` allocates the output and
     the workspaces (``torch.empty``'s signature; tests pass one that fills with NaN).
     """
     _check_args(query, cache, block_table, seq_lens, tail_k, tail_v, cfg, query_start_loc)
@@ -179,8 +228,12 @@ def paged_attention(
         ws_m = ws_l = part
     tail_slots = _as_int32(tail_slots)
     sinks = tail_slots if sink_slots is None else _as_int32(sink_slots)
+    fused = fuse_query
+    if fused is None:
+        fused = fuse_query_rotation(cfg, n_blocks * hkv * splits, triton.cdiv(max_units, splits), dev)
+    q = query if fused else _launch_prologue(query, cfg, scale, empty)
     _attn_kernel[(n_blocks, hkv, splits)](
-        query,
+        q,
         cache,
         block_table,
         seq_lens,
@@ -193,8 +246,8 @@ def paged_attention(
         ws_m,
         ws_l,
         batch,
-        query.stride(0),
-        query.stride(1),
+        q.stride(0),
+        q.stride(1),
         hq * d,
         d,
         cache.stride(0),
@@ -217,7 +270,8 @@ def paged_attention(
         USE_ASM=not interpreting(),
         ROTATE=cfg.rotate,
         IN_BF16=query.dtype == torch.bfloat16,
-        FACTOR=scale * LOG2E * (inv_sqrt(d) if cfg.rotate else 1.0),
+        FACTOR=_query_factor(cfg, scale),
+        FUSED_Q=fused,
         num_warps=num_warps,
         num_stages=num_stages,
     )

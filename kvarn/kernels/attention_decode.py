@@ -61,8 +61,33 @@ def _query_channels(q_base, m2, b: tl.constexpr, h, ROTATE: tl.constexpr, IN_BF1
 
 
 @triton.jit
-def _load_query(q_base, row_ok, LAYOUT: tl.constexpr, ROTATE: tl.constexpr, IN_BF16: tl.constexpr, FACTOR):
-    """The rows' queries, rotated (if ``ROTATE``), times ``FACTOR``, split into the K fields' channel blocks.
+def _query_field(q_base, row_ok, q_norm, f: tl.constexpr, DK: tl.constexpr):
+    """Channels ``f * DK ..`` of the program's query rows, times ``q_norm``: ``[BLOCK_M, DK]`` fp32."""
+    dk = tl.arange(0, DK)
+    return tl.load(q_base + f * DK + dk[None, :], mask=row_ok[:, None], other=0.0) * q_norm[:, None]
+
+
+@triton.jit
+def _prerotated_query(q_base, row_ok, LAYOUT: tl.constexpr):
+    """:func:`_load_query` for queries the prologue kernel already rotated and scaled (fp32 at ``q_base``)."""
+    D: tl.constexpr = LAYOUT.D
+    DK: tl.constexpr = D // LAYOUT.K_PER_BYTE
+    qmax = tl.max(tl.abs(tl.load(q_base + tl.arange(0, D)[None, :], mask=row_ok[:, None], other=0.0)), axis=1)
+    e = frexp_exponent(qmax)
+    q_norm = pow2(-e)  # |q| * 2^-e < 1
+    q0 = _query_field(q_base, row_ok, q_norm, 0, DK)
+    q1 = _query_field(q_base, row_ok, q_norm, 1, DK)
+    q2 = q0
+    q3 = q1
+    if LAYOUT.K_PER_BYTE == 4:
+        q2 = _query_field(q_base, row_ok, q_norm, 2, DK)
+        q3 = _query_field(q_base, row_ok, q_norm, 3, DK)
+    return q0, q1, q2, q3, pow2(e)
+
+
+@triton.jit
+def _rotated_query(q_base, row_ok, LAYOUT: tl.constexpr, ROTATE: tl.constexpr, IN_BF16: tl.constexpr, FACTOR):
+    """:func:`_load_query` from the fp16/bf16 queries at ``q_base``: rotate (if ``ROTATE``) and scale here.
 
     Returns ``(q0, q1, q2, q3, rf)``: ``q0 .. q3: [BLOCK_M, DK]`` (``q2, q3`` repeat ``q0, q1``
     with two fields), divided by ``rf: [BLOCK_M]``, a power of two, so ``|q| < 1``. ``H_D`` is
@@ -96,6 +121,21 @@ def _load_query(q_base, row_ok, LAYOUT: tl.constexpr, ROTATE: tl.constexpr, IN_B
         return _concat(z0, z1) * qn, _concat(z2, z3) * qn, _concat(z0, z1) * qn, _concat(z2, z3) * qn, pow2(e)
     else:
         return z0 * qn, z1 * qn, z2 * qn, z3 * qn, pow2(e)
+
+
+@triton.jit
+def _load_query(q_base, row_ok, LAYOUT: tl.constexpr, ROTATE: tl.constexpr, IN_BF16: tl.constexpr, FACTOR, FUSED):
+    """The rows' queries in the rotated frame, times ``FACTOR``, split into the K fields' channel blocks.
+
+    ``FUSED``: rotate and scale here (:func:`_rotated_query`); else read the prologue's output
+    (:func:`_prerotated_query`). Returns ``(q0, q1, q2, q3, rf)``: ``q0 .. q3: [BLOCK_M, DK]``
+    and ``rf: [BLOCK_M]``, a power of two that undoes the scaling to ``|q| < 1``.
+    """
+    if FUSED:
+        query = _rotated_query(q_base, row_ok, LAYOUT, ROTATE, IN_BF16, FACTOR)
+    else:
+        query = _prerotated_query(q_base, row_ok, LAYOUT)
+    return query
 
 
 @triton.jit
@@ -186,13 +226,14 @@ def _attn_kernel(
     ROTATE: tl.constexpr,
     IN_BF16: tl.constexpr,
     FACTOR: tl.constexpr,
+    FUSED_Q: tl.constexpr,
 ):
     """Grid ``(query blocks, Hkv, num_splits)``; writes ``out`` (one split) or the split partials.
 
-    ``q: [Nq, Hq, D]`` the queries (fp16/bf16, strides ``s_iq, s_iqh``), rotated and scaled by
-    ``FACTOR`` here; ``out: [splits, Nq, Hq, D]`` fp32 (strides ``s_q, s_qh`` within a split).
-    ``GQ`` query heads per KV head, padded to ``GQP`` (a power of two); row ``r`` of a block is
-    query ``r // GQP``, head ``r % GQP``.
+    ``q: [Nq, Hq, D]`` (strides ``s_iq, s_iqh``): with ``FUSED_Q`` the fp16/bf16 queries, rotated
+    and scaled by ``FACTOR`` here, else the prologue's rotated fp32 queries. ``out: [splits, Nq,
+    Hq, D]`` fp32 (strides ``s_q, s_qh`` within a split). ``GQ`` query heads per KV head, padded to
+    ``GQP`` (a power of two); row ``r`` of a block is query ``r // GQP``, head ``r % GQP``.
     """
     G: tl.constexpr = LAYOUT.G
     D: tl.constexpr = LAYOUT.D
@@ -217,7 +258,7 @@ def _attn_kernel(
         head = kvh * GQ + hj
         pos_q = seq_len - n_q + q_local  # [BLOCK_M]
         q_base = q + q_row[:, None] * s_iq + head[:, None] * s_iqh  # [BLOCK_M, 1]
-        query = _load_query(q_base, row_ok, LAYOUT, ROTATE, IN_BF16, FACTOR)  # 4 x [BLOCK_M, DK], [BLOCK_M]
+        query = _load_query(q_base, row_ok, LAYOUT, ROTATE, IN_BF16, FACTOR, FUSED_Q)  # 4 x [BLOCK_M, DK], [BLOCK_M]
 
         n_full = seq_len // G  # quantized tiles; the rem last tokens sit in the tail tile
         rem = seq_len % G
