@@ -49,7 +49,7 @@ FUSE_MAX_WAVES = 2
 FUSE_MAX_TILES = 8
 """Queries are rotated inside the attention kernel (no prologue launch) when the launch is at most
 ``FUSE_MAX_WAVES`` waves of ``PROGRAMS_PER_SM`` programs and a split walks at most ``FUSE_MAX_TILES``
-tiles: each program then pays the rotation (~0.7 tile of work) once, against one launch saved."""
+tiles: each program then pays the rotation (~half a tile of work) once, against one launch saved."""
 SMS_OFF_CUDA = 4
 """SM count the split choice assumes on a device without SMs (the CPU interpreter)."""
 
