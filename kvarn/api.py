@@ -125,6 +125,8 @@ class QuantizedTensor(_ValueEquality):
             (tiles ``[G, D]``: per-token parameters, per-channel scale).
         packed: ``[..., N, H, R * bits // 8, C]`` uint8; ``scale, zero: [..., N, H, R]`` fp16;
             ``col: [..., N, H, C]`` bf16; ``rest: [..., T - N * G, H, D]``.
+        smooth: ``[..., N, H, D]`` fp8, the key smoothing vectors (keys of a ``smooth_keys``
+            config only, else ``None``).
     """
 
     config: KVarNConfig
@@ -136,6 +138,7 @@ class QuantizedTensor(_ValueEquality):
     rest: torch.Tensor
     shape: torch.Size
     dtype: torch.dtype
+    smooth: torch.Tensor | None = None
 
     @property
     def bits(self) -> int:
@@ -143,19 +146,20 @@ class QuantizedTensor(_ValueEquality):
 
     def dequantize(self, *, impl: str = "auto") -> torch.Tensor:
         """The tensor in its original shape and dtype."""
-        half = (ops.unpack_codes(self.packed, self.bits), self.scale, self.zero, self.col)
+        half = (ops.unpack_codes(self.packed, self.bits), self.scale, self.zero, self.col, self.smooth)
         tiles = ops.decode_half(half, self.role, impl=impl)  # [..., N, H, G, D] rotated fp32
         return _from_tiles(tiles, self.rest, self.dtype, self.config.rotate)
 
     def to(self, device: torch.device | str) -> QuantizedTensor:
         """A copy with every tensor on ``device``."""
-        moved = {name: getattr(self, name).to(device) for name in ("packed", "scale", "zero", "col", "rest")}
+        names = ("packed", "scale", "zero", "col", "rest", "smooth")
+        moved = {name: getattr(self, name).to(device) for name in names if getattr(self, name) is not None}
         return dataclasses.replace(self, **moved)
 
     @property
     def nbytes(self) -> int:
-        parts = (self.packed, self.scale, self.zero, self.col, self.rest)
-        return sum(t.numel() * t.element_size() for t in parts)
+        parts = (self.packed, self.scale, self.zero, self.col, self.rest, self.smooth)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     @property
     def bits_per_element(self) -> float:
@@ -324,7 +328,8 @@ def _quantize_one(x: torch.Tensor, role: str, cfg: KVarNConfig, impl: str) -> Qu
     lead = (*x.shape[:-3], x.shape[-3] // cfg.group_size, x.shape[-2])
     packed = ops.pack_codes(half.codes, bits)
     parts = [t.reshape(*lead, *t.shape[2:]) for t in (packed, half.scale, half.zero, half.col)]
-    return QuantizedTensor(cfg, role, *parts, rest, x.shape, x.dtype)
+    smooth = None if half.smooth is None else half.smooth.reshape(*lead, -1)
+    return QuantizedTensor(cfg, role, *parts, rest, x.shape, x.dtype, smooth)
 
 
 def dequantize(q: QuantizedKV | QuantizedTensor, *, impl: str = "auto"):

@@ -18,6 +18,8 @@ Record layout (byte offsets grow downwards; ``D`` = head_dim, ``G`` = group_size
                                 v_scale    [G]              fp16    per token:   r_t * step_t
                                 v_zero     [G]              fp16    per token:   r_t * lo_t
                                 v_chan     [D]              bf16    per channel: c_d
+                                k_smooth   [D]              fp8     per model-frame channel: s_d
+                                                                    (only with smooth_keys=True)
     record_bytes
 
 Planar packing: in a tile ``M`` of ``R`` rows (K: channels, V: tokens), byte ``[j, c]`` holds
@@ -29,6 +31,10 @@ Reconstruction in the rotated frame (see ``docs/algorithm.md``)::
 
     K~[t, d] = (k_codes[d, t] * k_scale[d] + k_zero[d]) * k_tok[t]
     V~[t, d] = (v_codes[t, d] * v_scale[t] + v_zero[t]) * v_chan[d]
+
+With ``smooth_keys=True`` (an option, off in every preset) the K tile is divided by ``s`` along
+its model-frame channels before the rotation and multiplied back after it (``docs/algorithm.md``,
+"Key smoothing"); ``k_smooth`` adds ``D`` bytes to the record.
 
 Column scales are stored in bf16 and row parameters in fp16. Each tile moves a power of two
 from its row parameters to its column scale so that the largest row parameter lies in
@@ -69,6 +75,8 @@ SUPPORTED_GROUP_SIZES = (64, 128)
 DEFAULT_SINKHORN_ITERS = 8
 
 SCALE_FIELDS = ("k_scale", "k_zero", "k_tok", "v_scale", "v_zero", "v_chan")
+SMOOTH_FIELD = "k_smooth"
+"""The optional per-channel key smoothing vector (one fp8 byte per channel), last in the record."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +86,9 @@ class KVarNConfig:
     Build it from a preset name with :meth:`from_preset`. ``rotate`` and ``normalize`` switch
     off the Hadamard and the variance-normalization stages; the presets keep both on, and the
     switches exist for ablations and baselines (with both off the format is KIVI-style RTN:
-    per-channel K, per-token V). The byte layout does not depend on them.
+    per-channel K, per-token V). The byte layout does not depend on them. ``smooth_keys`` divides
+    each K tile by a per-channel vector before the rotation (an option measured in
+    ``docs/fidelity.md``; it adds ``D`` bytes per record and runs on the reference path only).
 
     Example:
         >>> cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
@@ -93,6 +103,7 @@ class KVarNConfig:
     sinkhorn_iters: int = DEFAULT_SINKHORN_ITERS
     rotate: bool = True
     normalize: bool = True
+    smooth_keys: bool = False
 
     def __post_init__(self) -> None:
         for name in ("k_bits", "v_bits"):
@@ -102,6 +113,8 @@ class KVarNConfig:
         if self.group_size not in SUPPORTED_GROUP_SIZES:
             raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES} tokens, got {self.group_size!r}")
         check_head_dim(self.head_dim)
+        if self.smooth_keys and not self.rotate:
+            raise ValueError("smooth_keys=True needs rotate=True: without the rotation there is nothing to smooth")
         if not isinstance(self.sinkhorn_iters, int) or self.sinkhorn_iters < 0:
             raise ValueError(f"sinkhorn_iters must be a non-negative int, got {self.sinkhorn_iters!r}")
 
@@ -155,19 +168,26 @@ class KVarNConfig:
         return {"k_scale": d, "k_zero": d, "k_tok": g, "v_scale": g, "v_zero": g, "v_chan": d}
 
     @property
+    def smooth_bytes(self) -> int:
+        """Bytes of the key smoothing vector: ``D`` with ``smooth_keys``, else 0."""
+        return self.head_dim if self.smooth_keys else 0
+
+    @property
     def offsets(self) -> dict[str, int]:
-        """Byte offset of every field of the record."""
+        """Byte offset of every field of the record (``k_smooth`` only with ``smooth_keys``)."""
         out = {"k_codes": 0, "v_codes": self.k_codes_bytes}
         pos = self.scales_offset
         for field, n in self.field_lengths.items():
             out[field] = pos
             pos += 2 * n
+        if self.smooth_keys:
+            out[SMOOTH_FIELD] = pos
         return out
 
     @property
     def record_bytes(self) -> int:
         """Bytes of one record: one tile of one KV head, K and V."""
-        return self.scales_offset + 2 * sum(self.field_lengths.values())
+        return self.scales_offset + 2 * sum(self.field_lengths.values()) + self.smooth_bytes
 
     @property
     def bytes_per_token(self) -> float:

@@ -37,11 +37,24 @@ def triton_available() -> bool:
     return _triton_ops() is not None
 
 
-def _pick(name: str, impl: str, like: torch.Tensor) -> Callable:
-    """The implementation of op ``name`` for ``impl``, deciding ``auto`` by ``like``'s device and dtype."""
+def _kernel_format(cfg) -> bool:
+    """Whether the kernels store and read records of ``cfg`` (not: the ``smooth_keys`` option)."""
+    return not getattr(cfg, "smooth_keys", False)
+
+
+def _pick(name: str, impl: str, like: torch.Tensor, kernel_format: bool = True) -> Callable:
+    """The implementation of op ``name`` for ``impl``, deciding ``auto`` by ``like``'s device and dtype.
+
+    ``kernel_format=False`` (a record format no kernel implements) makes ``auto`` pick the reference
+    and ``triton`` raise.
+    """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if name in REFERENCE_ONLY:
+        return getattr(reference, name)
+    if not kernel_format:
+        if impl == "triton":
+            raise ValueError(f"impl='triton' asked for {name}, but the kernels do not implement smooth_keys")
         return getattr(reference, name)
     if impl == "triton":
         ops = _triton_ops()
@@ -73,22 +86,22 @@ def write_tail(k, v, tail_k, tail_v, tail_slot_mapping, cfg, *, impl: str = "aut
 
 def commit_tiles(tail_k, tail_v, tail_slots, block_ids, cache, cfg, *, impl: str = "auto") -> None:
     """Quantize full pool tiles into cache records. See :func:`kvarn.reference.commit_tiles`."""
-    _pick("commit_tiles", impl, tail_k)(tail_k, tail_v, tail_slots, block_ids, cache, cfg)
+    _pick("commit_tiles", impl, tail_k, _kernel_format(cfg))(tail_k, tail_v, tail_slots, block_ids, cache, cfg)
 
 
 def store_tiles(k, v, block_ids, cache, cfg, *, impl: str = "auto") -> None:
     """Quantize whole model-frame tiles into cache records. See :func:`kvarn.reference.store_tiles`."""
-    _pick("store_tiles", impl, k)(k, v, block_ids, cache, cfg)
+    _pick("store_tiles", impl, k, _kernel_format(cfg))(k, v, block_ids, cache, cfg)
 
 
 def encode_records(k, v, cfg, *, impl: str = "auto") -> torch.Tensor:
     """Prepared tiles to records. See :func:`kvarn.reference.encode_records`."""
-    return _pick("encode_records", impl, k)(k, v, cfg)
+    return _pick("encode_records", impl, k, _kernel_format(cfg))(k, v, cfg)
 
 
 def decode_records(records, cfg, *, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Records to rotated fp32 K/V tiles. See :func:`kvarn.reference.decode_records`."""
-    return _pick("decode_records", impl, records)(records, cfg)
+    return _pick("decode_records", impl, records, _kernel_format(cfg))(records, cfg)
 
 
 def paged_attention(
@@ -107,7 +120,7 @@ def paged_attention(
     impl: str = "auto",
 ) -> torch.Tensor:
     """Attention over the paged cache. See :func:`kvarn.reference.paged_attention`."""
-    fn = _pick("paged_attention", impl, query)
+    fn = _pick("paged_attention", impl, query, _kernel_format(cfg))
     return fn(
         query,
         cache,
@@ -125,12 +138,13 @@ def paged_attention(
 
 def encode_half(tiles, role, cfg, *, impl: str = "auto"):
     """Prepared tiles ``[..., G, D]`` to the K or V half of a record. See :func:`kvarn.reference.encode_half`."""
-    return _pick("encode_half", impl, tiles)(tiles, role, cfg)
+    return _pick("encode_half", impl, tiles, _kernel_format(cfg))(tiles, role, cfg)
 
 
 def decode_half(half, role, *, impl: str = "auto") -> torch.Tensor:
     """A tile half back to rotated fp32 tiles ``[..., G, D]``. See :func:`kvarn.reference.decode_half`."""
-    return _pick("decode_half", impl, half[0])(half, role)
+    smoothed = len(half) > 4 and half[4] is not None
+    return _pick("decode_half", impl, half[0], not smoothed)(half, role)
 
 
 def pack_codes(codes, bits, *, impl: str = "auto") -> torch.Tensor:
@@ -150,9 +164,10 @@ def input_exponent(x, dtype=None, rotate: bool = True, *, impl: str = "auto") ->
 
 def scale_half(half, exp, *, impl: str = "auto"):
     """A tile half reconstructing ``2^exp`` times larger. See :func:`kvarn.reference.scale_half`."""
-    return _pick("scale_half", impl, half[0])(half, exp)
+    smoothed = len(half) > 4 and half[4] is not None
+    return _pick("scale_half", impl, half[0], not smoothed)(half, exp)
 
 
 def scale_records(records, k_exp, v_exp, cfg, *, impl: str = "auto") -> torch.Tensor:
     """Records reconstructing ``2^k_exp``, ``2^v_exp`` times larger. See :func:`kvarn.reference.scale_records`."""
-    return _pick("scale_records", impl, records)(records, k_exp, v_exp, cfg)
+    return _pick("scale_records", impl, records, _kernel_format(cfg))(records, k_exp, v_exp, cfg)

@@ -63,14 +63,15 @@ def _reference_cache(exact, cfg: KVarNConfig, sink: bool = False):
     return dyn
 
 
-def test_records_are_the_reference_bytes(tiny):
+@pytest.mark.parametrize("smooth_keys", [False, True])
+def test_records_are_the_reference_bytes(tiny, smooth_keys):
     """A prompt of 2 full tiles + 22 tokens: uint8 records byte-equal to kvarn.quantize, tail exact."""
     ids = _ids(150)
-    cache = KVarNCache(PRESET)
+    cfg = KVarNConfig.from_preset(PRESET, head_dim=64, smooth_keys=smooth_keys)
+    cache = KVarNCache(cfg)
     with torch.no_grad():
         tiny(ids, past_key_values=cache, use_cache=True)
     exact = _exact_kv(tiny, ids)
-    cfg = KVarNConfig.from_preset(PRESET, head_dim=64)
     for layer, (k, v) in zip(cache.layers, exact, strict=True):
         assert layer.records.dtype == torch.uint8
         assert layer.records.shape == (1, 2, 2, cfg.record_bytes)
@@ -117,15 +118,17 @@ def test_decode_logits_match_the_reference(tiny, sink):
         assert not torch.allclose(got, fp, atol=1e-4)  # and the sink changed what was attended over
 
 
-def test_paged_attention_mode_matches_dequantize_mode(tiny):
+@pytest.mark.parametrize("smooth_keys", [False, True])
+def test_paged_attention_mode_matches_dequantize_mode(tiny, smooth_keys):
     """attn_implementation='kvarn' (kvarn.ops.paged_attention) generates what the dequantizing path does."""
     ids = _ids(100)
+    cfg = KVarNConfig.from_preset(PRESET, head_dim=64, smooth_keys=smooth_keys)
     with torch.no_grad():
-        plain = tiny.generate(ids, max_new_tokens=40, do_sample=False, past_key_values=KVarNCache(PRESET, sink=True))
+        plain = tiny.generate(ids, max_new_tokens=40, do_sample=False, past_key_values=KVarNCache(cfg, sink=True))
         register_kvarn_attention()
         tiny.set_attn_implementation("kvarn")
         try:
-            cache = KVarNCache(PRESET, sink=True, paged=True)
+            cache = KVarNCache(cfg, sink=True, paged=True)
             paged = tiny.generate(ids, max_new_tokens=40, do_sample=False, past_key_values=cache)
         finally:
             tiny.set_attn_implementation("sdpa")

@@ -73,6 +73,7 @@ class TileHalf(NamedTuple):
     scale: torch.Tensor  # [..., R] fp16
     zero: torch.Tensor  # [..., R] fp16
     col: torch.Tensor  # [..., C] bf16
+    smooth: torch.Tensor | None = None  # [..., D] fp8: the K half's smoothing vector (smooth_keys only)
 
 
 def prepare(x: torch.Tensor, dtype: torch.dtype | None = None, rotate_: bool = True) -> torch.Tensor:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from kvarn.config import SCALE_FIELDS, KVarNConfig
+from kvarn.config import SCALE_FIELDS, SMOOTH_FIELD, KVarNConfig
 from kvarn.reference.packing import pack_codes, unpack_codes
 from kvarn.reference.quantize import COL_DTYPE, ROW_DTYPE, TileHalf, dequantize_half, quantize_half, scale_half
+from kvarn.reference.smooth import SMOOTH_DTYPE, smooth, smoothing_vector, unsmooth
 
 ROLES = ("key", "value")
 
@@ -37,19 +38,28 @@ def encode_half(tiles: torch.Tensor, role: str, cfg: KVarNConfig) -> TileHalf:
     """Quantize prepared tiles ``[..., G, D]`` as the K (``role="key"``) or V half of a record.
 
     Returns the K half ``[..., D, G]`` (rows: channels) with ``cfg.k_bits`` codes, or the V half
-    ``[..., G, D]`` (rows: tokens) with ``cfg.v_bits`` codes.
+    ``[..., G, D]`` (rows: tokens) with ``cfg.v_bits`` codes. With ``cfg.smooth_keys`` the K half
+    is quantized from the smoothed tiles and carries its smoothing vector (``reference/smooth.py``).
     """
     _check_role(role)
     if role == "key":
-        return quantize_half(tiles.transpose(-1, -2), cfg.k_bits, cfg.sinkhorn_iters, cfg.normalize)
+        if not cfg.smooth_keys:
+            return quantize_half(tiles.transpose(-1, -2), cfg.k_bits, cfg.sinkhorn_iters, cfg.normalize)
+        s = smoothing_vector(tiles)
+        half = quantize_half(smooth(tiles, s).transpose(-1, -2), cfg.k_bits, cfg.sinkhorn_iters, cfg.normalize)
+        return half._replace(smooth=s.to(SMOOTH_DTYPE))
     return quantize_half(tiles, cfg.v_bits, cfg.sinkhorn_iters, cfg.normalize)
 
 
 def decode_half(half: TileHalf, role: str) -> torch.Tensor:
     """Inverse of :func:`encode_half`: tiles ``[..., G, D]`` fp32 in the rotated frame."""
     _check_role(role)
-    tiles = dequantize_half(TileHalf(*half))
-    return tiles.transpose(-1, -2) if role == "key" else tiles
+    half = TileHalf(*half)
+    tiles = dequantize_half(half)
+    if role == "value":
+        return tiles
+    tiles = tiles.transpose(-1, -2)
+    return tiles if half.smooth is None else unsmooth(tiles, half.smooth.float())
 
 
 def quantize_kv_tiles(k: torch.Tensor, v: torch.Tensor, cfg: KVarNConfig) -> tuple[TileHalf, TileHalf]:
@@ -64,10 +74,14 @@ def pack_record(k_half: TileHalf, v_half: TileHalf, cfg: KVarNConfig) -> torch.T
         pack_codes(k_half.codes, cfg.k_bits).flatten(-2),
         pack_codes(v_half.codes, cfg.v_bits).flatten(-2),
     ]
-    fields = dict(zip(SCALE_FIELDS, (*k_half[1:], *v_half[1:]), strict=True))
+    fields = dict(zip(SCALE_FIELDS, (*k_half[1:4], *v_half[1:4]), strict=True))
     for name in SCALE_FIELDS:
         t = fields[name].to(_FIELD_DTYPES[name]).contiguous()
         parts.append(t.view(torch.uint8).reshape(*lead, 2 * t.shape[-1]))
+    if (k_half.smooth is not None) != cfg.smooth_keys:
+        raise ValueError(f"the K half {'lacks' if cfg.smooth_keys else 'has'} a smoothing vector for this config")
+    if cfg.smooth_keys:
+        parts.append(k_half.smooth.to(SMOOTH_DTYPE).contiguous().view(torch.uint8))
     out = torch.cat(parts, dim=-1)
     assert out.shape[-1] == cfg.record_bytes
     return out
@@ -89,7 +103,12 @@ def unpack_record(records: torch.Tensor, cfg: KVarNConfig) -> tuple[TileHalf, Ti
     for name, n in cfg.field_lengths.items():
         raw = records[..., off[name] : off[name] + 2 * n].contiguous()
         fields[name] = raw.view(_FIELD_DTYPES[name])
-    k_half = TileHalf(unpack_codes(k_packed, cfg.k_bits), fields["k_scale"], fields["k_zero"], fields["k_tok"])
+    smooth_vec = None
+    if cfg.smooth_keys:
+        start = off[SMOOTH_FIELD]
+        smooth_vec = records[..., start : start + cfg.smooth_bytes].contiguous().view(SMOOTH_DTYPE)
+    k_codes = unpack_codes(k_packed, cfg.k_bits)
+    k_half = TileHalf(k_codes, fields["k_scale"], fields["k_zero"], fields["k_tok"], smooth_vec)
     v_half = TileHalf(unpack_codes(v_packed, cfg.v_bits), fields["v_scale"], fields["v_zero"], fields["v_chan"])
     return k_half, v_half
 
