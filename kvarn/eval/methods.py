@@ -17,11 +17,14 @@ name                       what a full tile becomes                             
                            per-channel K, per-token V asymmetric RTN (KIVI-style)
 ``hadrtn_k{K}v{V}_g{G}``   ``normalize=False``: Hadamard then RTN (QuaRot-style)        KVarN
 ``sinkhorn_k{K}v{V}_g{G}`` ``rotate=False``: variance normalization without Hadamard    KVarN
+``smooth_k{K}v{V}_g{G}``   ``smooth_keys=True``: KVarN with key smoothing (D bytes      KVarN
+                           more per record; ``kvarn/reference/smooth.py``)
 =========================  ===========================================================  =========
 
 "real" storage keeps fp8 / fp16 tensors in the cache (``SimpleTiledCache``); "KVarN" means
 :class:`kvarn.integration.hf.KVarNCache` storing packed records. The three RTN variants use the
-record layout of their preset, so they have exactly its bits per element.
+record layout of their preset, so they have exactly its bits per element; ``smooth_*`` stores one
+byte per channel more per record (its bits per element are reported as such).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ FAMILIES = {
     "kivi": ("KIVI-style RTN", {"rotate": False, "normalize": False}),
     "hadrtn": ("Hadamard + RTN", {"normalize": False}),
     "sinkhorn": ("Sinkhorn w/o Hadamard", {"rotate": False}),
+    "smooth": ("KVarN + key smoothing", {"smooth_keys": True}),
 }
 DEFAULT_METHODS = (
     "fp16",
