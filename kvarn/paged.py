@@ -277,8 +277,9 @@ class PagedKV:
         cfg: the format (its ``head_dim`` is the layer's).
         cache: ``[num_blocks, Hkv, record_bytes]`` uint8, one record per (full tile, KV head).
         tail_k, tail_v: ``[slots, G, Hkv, D]`` in the store dtype, the full-precision pool in the
-            rotated frame: ``num_sink_slots`` sink slots first, then the tail slots (the
-            planner's numbering).
+            rotated frame and the pool form (an fp16 pool holds the values times ``2^-POOL_EXP``,
+            :func:`kvarn.reference.pool_exponent`; read it with :func:`kvarn.ops.from_pool`):
+            ``num_sink_slots`` sink slots first, then the tail slots (the planner's numbering).
         num_sink_slots: how many slots at the start of the pool hold sinks.
         impl: ``"auto" | "reference" | "triton"``, passed to every :mod:`kvarn.ops` call.
     """
@@ -329,16 +330,26 @@ class PagedKV:
             self.cache = torch.cat([self.cache, self.cache.new_zeros(num_blocks - have, *self.cache.shape[1:])])
 
     def overflows(self, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Whether rotating ``k, v: [T, Hkv, D]`` could exceed the pool dtype's range (it is then saturated).
+        """Whether storing ``k, v: [T, Hkv, D]`` (before any cast to the pool dtype) saturates the pool.
 
-        The rotation is orthonormal, so no rotated element exceeds its token's L2 norm: tokens whose
-        norm stays inside the dtype's range are stored without saturation. One reduction and one host
-        sync; for callers that can afford it (the transformers cache), not for a captured step.
+        An fp16 pool holds rotated values up to ``2^POOL_EXP`` (``>= sqrt(D)``) times 65504
+        (:func:`kvarn.reference.pool_exponent`), and no rotated element exceeds its token's L2
+        norm (the rotation is orthonormal): fp16 K/V never saturate it. Wider K/V (an fp32 or
+        bf16 model storing in fp16) may, through a value past 65504 (the cast) or a token whose
+        norm is past the pool form's range. bf16 and fp32 pools hold any finite input (``prepare``
+        saturates at ``2^24`` first). One reduction and one host sync; for callers that can afford
+        it (the transformers cache), not for a captured step.
         """
-        if not self.cfg.rotate or not k.numel() or self.tail_k.dtype != torch.float16:
-            return False  # bf16 and fp32 hold any rotated finite input (prepare saturates at 2^24 first)
-        limit = torch.finfo(self.tail_k.dtype).max
-        return bool(torch.maximum(k.float().norm(dim=-1).amax(), v.float().norm(dim=-1).amax()) > limit)
+        pool = self.tail_k.dtype
+        if not k.numel() or pool != torch.float16 or (k.dtype == pool and v.dtype == pool):
+            return False
+        finite = torch.finfo(pool).max
+        amax = torch.maximum(k.abs().amax(), v.abs().amax()).float()
+        if not self.cfg.rotate:
+            return bool(amax > finite)
+        limit = finite * 2.0 ** ops.pool_exponent(pool, self.cfg.head_dim)
+        norm = torch.maximum(k.float().norm(dim=-1).amax(), v.float().norm(dim=-1).amax())
+        return bool((amax > finite) | (norm > limit))
 
     def store(self, plan: TilePlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one step's ``k, v: [T, Hkv, D]`` (model frame) as ``plan`` says, in place.
@@ -424,15 +435,15 @@ class PagedKV:
             rows = (sink_slots >= 0).nonzero().flatten()
             if rows.numel():
                 slots = sink_slots[rows].long()
-                k[rows, : cfg.group_size] = self.tail_k[slots].float()
-                v[rows, : cfg.group_size] = self.tail_v[slots].float()
+                k[rows, : cfg.group_size] = ops.from_pool(self.tail_k[slots])
+                v[rows, : cfg.group_size] = ops.from_pool(self.tail_v[slots])
         return self.to_model_frame(k), self.to_model_frame(v)
 
     def read_tail(self, slots: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``count`` tokens of pool slots ``slots: [B]`` in the model frame: ``[B, count, Hkv, D]`` fp32."""
         idx = slots.long()
-        k = self.tail_k[idx, :count].float()
-        v = self.tail_v[idx, :count].float()
+        k = ops.from_pool(self.tail_k[idx, :count])
+        v = ops.from_pool(self.tail_v[idx, :count])
         return self.to_model_frame(k), self.to_model_frame(v)
 
     def to_model_frame(self, x: torch.Tensor) -> torch.Tensor:
