@@ -24,7 +24,15 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvarn import reference
 from kvarn.config import PRESETS, KVarNConfig
-from kvarn.integration.vllm.backend import BACKENDS, KVarNAttentionImpl, _DecodeBuffers, set_step_rows
+from kvarn.integration.vllm import backend as backend_mod
+from kvarn.integration.vllm.backend import (
+    BACKENDS,
+    KVarNAttentionImpl,
+    _DecodeBuffers,
+    install_release_hook,
+    release_request_tails,
+    set_step_rows,
+)
 from kvarn.paged import TailLostError, TilePlanner
 
 pytestmark = pytest.mark.vllm
@@ -56,6 +64,8 @@ class Sim:
         if tail_slots is not None:
             self.builder.num_slots = tail_slots
             self.builder.planner = TilePlanner(tail_slots, self.g)
+            backend_mod._planners.add(self.builder.planner)
+        self.report_departures = True
         self.request_slots = request_slots
         self.pad = True
         if request_slots:
@@ -105,6 +115,8 @@ class Sim:
         req = self.reqs.pop(rid)
         if self.request_slots:
             self.free_index.append(self.index.pop(rid))
+        elif self.report_departures:  # what the release hook does for vLLM's finished/preempted ids
+            release_request_tails((req["blocks"],))
         if keep_prefix:
             self.prefix[rid] = req
             full = len(req["k"]) // self.g
@@ -309,6 +321,43 @@ def test_fp16_values_whose_rotation_leaves_fp16_range_attend_as_in_fp32():
     for _ in range(3):
         sim.step({a: 1, b: 1})
     sim.step({a: 60})
+
+
+class FakeRunner:
+    """The part of vLLM's V1 model runner the release hook wraps: live request states with their blocks."""
+
+    def __init__(self):
+        self.requests = {}
+
+    def _update_states(self, scheduler_output):
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+        return "updated"
+
+
+@pytest.mark.parametrize("slots", [2, 4])
+def test_a_starved_request_keeps_its_tail_while_others_come_and_go(slots):
+    """Issue 12.3: a running request that is not scheduled while other requests finish (or are
+    preempted) with incomplete tiles kept its tail only while the pool had room for the departed
+    tails too; one more departure evicted it and its next step raised TailLostError (the engine
+    then hung). The runner's departures now free their slots, so max_num_seqs slots suffice."""
+    assert not install_release_hook(object)
+    assert install_release_hook(FakeRunner) and install_release_hook(FakeRunner), "idempotent"
+    runner = FakeRunner()
+    sim = Sim("kvarn_k4v2_g64", torch.bfloat16, seed=13, max_num_seqs=2, tail_slots=slots)
+    sim.report_departures = False  # through the hook below, as vLLM's runner reports them
+    a = sim.add(100)
+    sim.step({a: 10})
+    for i in range(5):
+        rid = sim.add(100)
+        sim.step({rid: 10 + i})
+        runner.requests[str(rid)] = SimpleNamespace(block_ids=(list(sim.reqs[rid]["blocks"]),))
+        leave = SimpleNamespace(finished_req_ids={str(rid)} if i % 2 else set(), preempted_req_ids={str(rid)})
+        sim.free_req(rid)
+        assert runner._update_states(leave) == "updated"
+    sim.step({a: 1})
+    stats = sim.builder.planner.stats
+    assert stats["evicted_tails"] == 0 and stats["released_tails"] == 5
 
 
 def test_a_recycled_tail_is_refused_not_read():
