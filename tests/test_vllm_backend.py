@@ -415,3 +415,38 @@ def test_a_chunk_that_completes_a_tile_and_starts_another_reuses_its_slot_after_
     sim.step({a: 100})  # 40 -> 140: completes tile 0 from the slot, stores tile 1, starts tile 2 in the slot
     assert sim.last_meta.plan.late_tail_slot_mapping is not None
     sim.step({a: 1})
+
+
+@pytest.mark.parametrize("explicit_bytes", [None, 64 * 2**20])
+def test_the_capacity_log_reports_records_and_pool_separately(explicit_bytes):
+    """Issue 12: records and the full-precision pool, each with its size, and where the pool's memory comes from."""
+    import logging
+
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=D)
+    blocks = 97 if explicit_bytes is None else 98  # the line is logged once per configuration and process
+    backend = BACKENDS[cfg.name]
+    spec = backend.customize_spec(FullAttentionSpec(block_size=64, num_kv_heads=HKV, head_size=D, dtype=torch.uint8))
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(cache_dtype=cfg.name, num_gpu_blocks=blocks, kv_cache_memory_bytes=explicit_bytes),
+        scheduler_config=SimpleNamespace(max_num_seqs=5),
+        model_config=SimpleNamespace(dtype=torch.float16),
+    )
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    log = logging.getLogger("vllm.kvarn")
+    log.addHandler(handler)
+    old_level, log.level = log.level, logging.INFO
+    try:
+        builder = backend.get_builder_cls()(spec, ["layer.0", "layer.1", "layer.2"], vllm_config, torch.device("cpu"))
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old_level)
+    (line,) = [r for r in records if f"{blocks} blocks" in r]
+    record_mib = blocks * 3 * HKV * cfg.record_bytes / 2**20
+    pool_mib = builder.num_slots * 64 * HKV * D * 2 * 2 * 3 / 2**20
+    assert builder.num_slots >= 5
+    assert f"{blocks * 64} tokens in {record_mib:.1f} MiB of records" in line
+    assert f"tail pool: {builder.num_slots} slots (keyed by block id), {pool_mib:.1f} MiB" in line
+    where = "on top of --kv-cache-memory-bytes" if explicit_bytes else "inside vLLM's KV budget"
+    assert where in line

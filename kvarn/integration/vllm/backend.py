@@ -316,11 +316,18 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         tail_bytes = pool * cfg.group_size * spec.num_kv_heads * cfg.head_dim * 2 * dtype_bytes * num_layers
         fp16_tokens = cache_bytes // (num_layers * spec.num_kv_heads * 4 * cfg.head_dim)
         fp16_all = (cache_bytes + tail_bytes) // (num_layers * spec.num_kv_heads * 4 * cfg.head_dim)
+        # vLLM measures the memory its profiling (GPU) or warm-up run (CPU) leaves and sizes the KV
+        # cache from it, pool included; an explicit --kv-cache-memory-bytes is taken as given
+        where = (
+            "inside vLLM's KV budget (allocated in its profiling run)"
+            if getattr(vllm_config.cache_config, "kv_cache_memory_bytes", None) is None
+            else "on top of --kv-cache-memory-bytes"
+        )
         logger.info(
-            "KVarN %s KV cache: %d blocks of %d tokens = %d tokens in %.1f MiB (%d layers, %d KV heads, %d B "
-            "per record); an fp16 cache of the same size holds %d tokens: %.2fx the capacity. Full-precision "
-            "tail pool (inside vLLM's KV budget, allocated in its profiling run): %d slots (%s), %.1f MiB; "
-            "counting it, %.2fx an fp16 cache of records + pool.",
+            "KVarN %s KV cache: %d blocks of %d tokens = %d tokens in %.1f MiB of records (%d layers, %d KV "
+            "heads, %d B per record); an fp16 cache of the same size holds %d tokens: %.2fx the capacity. "
+            "Full-precision tail pool: %d slots (%s), %.1f MiB, %s; records and pool together hold %.2fx the "
+            "tokens of an fp16 cache of their size.",
             cfg.name,
             num_blocks,
             cfg.group_size,
@@ -334,6 +341,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             pool,
             "one per request index + 1 scratch" if self.per_request else "keyed by block id",
             tail_bytes / 2**20,
+            where,
             tokens / max(fp16_all, 1),
         )
 
