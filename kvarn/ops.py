@@ -18,7 +18,7 @@ from kvarn import reference
 IMPLS = ("auto", "reference", "triton")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.uint8)
 """Dtypes of the deciding tensor for which ``auto`` uses Triton (uint8: the records themselves)."""
-REFERENCE_ONLY = frozenset({"prepare", "rotate"})
+REFERENCE_ONLY = frozenset({"prepare", "rotate", "from_pool"})
 """Ops with no kernel of their own (cheap elementwise or small-matrix work): every ``impl`` runs the reference."""
 
 
@@ -72,6 +72,16 @@ def _pick(name: str, impl: str, like: torch.Tensor, kernel_format: bool = True) 
 def prepare(x, dtype=None, rotate: bool = True, *, impl: str = "auto") -> torch.Tensor:
     """Sanitize, rotate and round ``x: [..., D]``: the quantizer's input. See :func:`kvarn.reference.prepare`."""
     return _pick("prepare", impl, x)(x, dtype, rotate)
+
+
+def from_pool(x, *, impl: str = "auto") -> torch.Tensor:
+    """``prepare``d (pool-form) ``x: [..., D]`` as fp32 rotated values. See :func:`kvarn.reference.from_pool`."""
+    return _pick("from_pool", impl, x)(x)
+
+
+def pool_exponent(dtype: torch.dtype, head_dim: int) -> int:
+    """A pool of ``dtype`` holds rotated values times ``2^-this``. See :func:`kvarn.reference.pool_exponent`."""
+    return reference.pool_exponent(dtype, head_dim)
 
 
 def rotate(x, *, impl: str = "auto") -> torch.Tensor:

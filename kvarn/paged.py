@@ -22,11 +22,17 @@ survives steps in which the request is not scheduled, and is dropped with the bl
 that finishes or is preempted frees the block, and the next owner of that block id starts its
 tile at offset 0 (prefix hits land on tile boundaries), overwriting the slot before reading it.
 
-A slot is released when its tile commits, when its block id shows up as a full tile of any
-scheduled request (the block was recycled), and, when the pool runs dry, least recently used
-first among the slots this step does not touch. A request that continues a tile whose slot is
-gone raises :class:`TailLostError` instead of attending over garbage; the pool is sized so that
-this needs more partial tiles than ``num_slots`` to be outstanding at once.
+A request holds at most one slot: a chunk that completes the request's tile and starts the next
+one hands the slot to the new tile, whose tokens are written after the commit
+(``late_tail_slot_mapping``). A slot is released when its tile commits, when the integration
+reports that its request left (:meth:`TilePlanner.release_blocks`: vLLM's finished and
+preempted requests), when its block id shows up as a full tile of any scheduled request (the
+block was recycled), and, when the pool runs dry, least recently used first among the slots
+this step does not touch. With the departures reported, the live slots never outnumber the
+requests that can run, so a pool of ``max_num_seqs`` slots never runs dry. A request that
+continues a tile whose slot is gone raises :class:`TailLostError` instead of attending over
+garbage; that needs more partial tiles than ``num_slots`` outstanding at once, which only
+unreported departures allow.
 
 A caller that gives every live request a stable index (vLLM's GPU model runner) plans with
 :func:`plan_request_slots` instead: the request's slot is its index, nothing is claimed or
@@ -120,8 +126,9 @@ class TilePlanner:
         self.stats: Counter[str] = Counter()
         """Counts since creation: ``steps``, ``stored_tiles``, ``committed_tiles``, ``tail_tokens``,
         ``chunks_starting_inside_a_tile`` (a chunk of more than one token that continues a tile),
-        ``recycled_tails`` (slots freed because their block came back as a full tile) and
-        ``evicted_tails`` (slots taken from an idle tail when the pool ran dry)."""
+        ``recycled_tails`` (slots freed because their block came back as a full tile),
+        ``released_tails`` (slots freed by :meth:`release_blocks`) and ``evicted_tails`` (slots
+        taken from an idle tail when the pool ran dry)."""
 
     @property
     def live_slots(self) -> dict[int, int]:
@@ -191,6 +198,8 @@ class TilePlanner:
         lens = seq_lens.tolist()
         batch = len(lens)
         mapping = torch.full((num_tokens,), -1, dtype=torch.int64)
+        late_mapping = torch.full((num_tokens,), -1, dtype=torch.int64)
+        reused: set[int] = set()
         sink = self.num_sink_slots > 0
         sink_mapping = torch.full((num_tokens,), -1, dtype=torch.int64) if sink else None
         sink_slots = [-1] * batch
@@ -216,6 +225,7 @@ class TilePlanner:
                 if start < g:
                     hi = min(length, g)
                     sink_mapping[qsl[r] : qsl[r] + hi - start] = torch.arange(sink_slot * g + start, sink_slot * g + hi)
+            committing = None  # the slot of this request's tile that commits in this step
             for tile in range(start // g, (length - 1) // g + 1):
                 lo, hi = max(start, tile * g), min(length, (tile + 1) * g)
                 block = int(row[tile])
@@ -228,12 +238,23 @@ class TilePlanner:
                         f"the full-precision tail of block {block} (tokens {tile * g}..{lo - 1} of a "
                         f"running request) was recycled; raise KVARN_TAIL_SLOTS (now {self.num_slots})"
                     )
-                slot = self._claim(block, touched)
+                target = mapping
+                if committing is not None and block not in self._slot_of:
+                    # the chunk completed the request's previous tile and starts this one: the slot
+                    # passes to this tile, written after the commit (one slot per request at most)
+                    slot, target = committing, late_mapping
+                    del self._slot_of[self._block_of[slot]]
+                    self._slot_of[block] = slot
+                    self._block_of[slot] = block
+                    reused.add(slot)
+                else:
+                    slot = self._claim(block, touched)
                 touched.add(slot)
                 self._last_used[slot] = self._step
-                mapping[first : first + hi - lo] = torch.arange(slot * g + lo - tile * g, slot * g + hi - tile * g)
+                target[first : first + hi - lo] = torch.arange(slot * g + lo - tile * g, slot * g + hi - tile * g)
                 if hi == (tile + 1) * g:
                     commits.append((slot, block))
+                    committing = slot
                 else:
                     tail_slots[r] = slot
         committed = {slot for slot, _ in commits}
@@ -243,12 +264,12 @@ class TilePlanner:
                 if self._slot_of[block] not in touched:
                     self._release(self._slot_of[block])
                     self.stats["recycled_tails"] += 1
-        for slot in committed:
+        for slot in committed - reused:
             self._release(slot)
         self.stats["steps"] += 1
         self.stats["stored_tiles"] += len(stores)
         self.stats["committed_tiles"] += len(commits)
-        self.stats["tail_tokens"] += int((mapping >= 0).sum())
+        self.stats["tail_tokens"] += int((mapping >= 0).sum()) + int((late_mapping >= 0).sum())
         used = [s for s, _ in commits] + [s for r, s in enumerate(tail_slots) if lens[r] % g] + sink_slots
 
         def tensor(values, shape=(-1,)):
@@ -266,7 +287,24 @@ class TilePlanner:
             sink_slot_mapping=sink_mapping.to(device) if sink else None,
             sink_slots=tensor(sink_slots) if sink else None,
             slots_needed=max(used, default=-1) + 1,
+            late_tail_slot_mapping=late_mapping.to(device) if reused else None,
         )
+
+    def release_blocks(self, blocks) -> int:
+        """Free the tail slots keyed by any of ``blocks`` (the blocks of a finished or preempted request).
+
+        The integration calls it when a request leaves (vLLM: the runner's finished and preempted
+        request ids, before the step that may hand their blocks to others is planned), so a pool of
+        one slot per request that can run is never exhausted. Returns how many slots were freed.
+        """
+        freed = 0
+        for block in blocks:
+            slot = self._slot_of.get(int(block))
+            if slot is not None:
+                self._release(slot)
+                freed += 1
+        self.stats["released_tails"] += freed
+        return freed
 
 
 @dataclass
@@ -277,8 +315,9 @@ class PagedKV:
         cfg: the format (its ``head_dim`` is the layer's).
         cache: ``[num_blocks, Hkv, record_bytes]`` uint8, one record per (full tile, KV head).
         tail_k, tail_v: ``[slots, G, Hkv, D]`` in the store dtype, the full-precision pool in the
-            rotated frame: ``num_sink_slots`` sink slots first, then the tail slots (the
-            planner's numbering).
+            rotated frame and the pool form (an fp16 pool holds the values times ``2^-POOL_EXP``,
+            :func:`kvarn.reference.pool_exponent`; read it with :func:`kvarn.ops.from_pool`):
+            ``num_sink_slots`` sink slots first, then the tail slots (the planner's numbering).
         num_sink_slots: how many slots at the start of the pool hold sinks.
         impl: ``"auto" | "reference" | "triton"``, passed to every :mod:`kvarn.ops` call.
     """
@@ -329,16 +368,26 @@ class PagedKV:
             self.cache = torch.cat([self.cache, self.cache.new_zeros(num_blocks - have, *self.cache.shape[1:])])
 
     def overflows(self, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Whether rotating ``k, v: [T, Hkv, D]`` could exceed the pool dtype's range (it is then saturated).
+        """Whether storing ``k, v: [T, Hkv, D]`` (before any cast to the pool dtype) saturates the pool.
 
-        The rotation is orthonormal, so no rotated element exceeds its token's L2 norm: tokens whose
-        norm stays inside the dtype's range are stored without saturation. One reduction and one host
-        sync; for callers that can afford it (the transformers cache), not for a captured step.
+        An fp16 pool holds rotated values up to ``2^POOL_EXP`` (``>= sqrt(D)``) times 65504
+        (:func:`kvarn.reference.pool_exponent`), and no rotated element exceeds its token's L2
+        norm (the rotation is orthonormal): fp16 K/V never saturate it. Wider K/V (an fp32 or
+        bf16 model storing in fp16) may, through a value past 65504 (the cast) or a token whose
+        norm is past the pool form's range. bf16 and fp32 pools hold any finite input (``prepare``
+        saturates at ``2^24`` first). One reduction and one host sync; for callers that can afford
+        it (the transformers cache), not for a captured step.
         """
-        if not self.cfg.rotate or not k.numel() or self.tail_k.dtype != torch.float16:
-            return False  # bf16 and fp32 hold any rotated finite input (prepare saturates at 2^24 first)
-        limit = torch.finfo(self.tail_k.dtype).max
-        return bool(torch.maximum(k.float().norm(dim=-1).amax(), v.float().norm(dim=-1).amax()) > limit)
+        pool = self.tail_k.dtype
+        if not k.numel() or pool != torch.float16 or (k.dtype == pool and v.dtype == pool):
+            return False
+        finite = torch.finfo(pool).max
+        amax = torch.maximum(k.abs().amax(), v.abs().amax()).float()
+        if not self.cfg.rotate:
+            return bool(amax > finite)
+        limit = finite * 2.0 ** ops.pool_exponent(pool, self.cfg.head_dim)
+        norm = torch.maximum(k.float().norm(dim=-1).amax(), v.float().norm(dim=-1).amax())
+        return bool((amax > finite) | (norm > limit))
 
     def store(self, plan: TilePlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one step's ``k, v: [T, Hkv, D]`` (model frame) as ``plan`` says, in place.
@@ -424,15 +473,15 @@ class PagedKV:
             rows = (sink_slots >= 0).nonzero().flatten()
             if rows.numel():
                 slots = sink_slots[rows].long()
-                k[rows, : cfg.group_size] = self.tail_k[slots].float()
-                v[rows, : cfg.group_size] = self.tail_v[slots].float()
+                k[rows, : cfg.group_size] = ops.from_pool(self.tail_k[slots])
+                v[rows, : cfg.group_size] = ops.from_pool(self.tail_v[slots])
         return self.to_model_frame(k), self.to_model_frame(v)
 
     def read_tail(self, slots: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``count`` tokens of pool slots ``slots: [B]`` in the model frame: ``[B, count, Hkv, D]`` fp32."""
         idx = slots.long()
-        k = self.tail_k[idx, :count].float()
-        v = self.tail_v[idx, :count].float()
+        k = ops.from_pool(self.tail_k[idx, :count])
+        v = ops.from_pool(self.tail_v[idx, :count])
         return self.to_model_frame(k), self.to_model_frame(v)
 
     def to_model_frame(self, x: torch.Tensor) -> torch.Tensor:

@@ -74,15 +74,16 @@ def reference_q(m: torch.Tensor, bits: int, iters: int) -> torch.Tensor:
 def check_records(got: torch.Tensor, want: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: KVarNConfig) -> dict:
     """Assert kernel records ``got`` match reference records ``want`` of prepared tiles ``k, v: [..., G, D]``.
 
-    Returns the measured statistics (fractions of differing codes, equal bytes).
+    ``k, v`` are in the pool form (as ``prepare`` gives them). Returns the measured statistics (fractions of
+    differing codes, equal bytes).
     """
     assert got.shape == want.shape and got.dtype == torch.uint8
     got = got.to(want.device)
     gk, gv = R.unpack_record(got, cfg)
     wk, wv = R.unpack_record(want, cfg)
     stats = {"bytes_equal": float((got == want).float().mean())}
-    k, v = k.to(want.device), v.to(want.device)
-    halves = (("k", gk, wk, k.float().transpose(-1, -2), cfg.k_bits), ("v", gv, wv, v.float(), cfg.v_bits))
+    k, v = R.from_pool(k.to(want.device)), R.from_pool(v.to(want.device))  # the values the pool form stands for
+    halves = (("k", gk, wk, k.transpose(-1, -2), cfg.k_bits), ("v", gv, wv, v, cfg.v_bits))
     for name, g, w, m, bits in halves:
         dcode = (g.codes.int() - w.codes.int()).abs()
         assert int(dcode.max()) <= 1, f"{name} codes differ by {int(dcode.max())} steps"

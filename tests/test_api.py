@@ -142,13 +142,19 @@ def test_records_are_the_cache_bytes():
 
 def test_fp16_rotation_past_fp16_range_is_not_clipped():
     # issue 12 item 4: fp16 values whose rotation leaves fp16's range were saturated (error 0.707).
-    # Only the tiles that would clip are rescaled; every other tile keeps the cache's bytes.
+    # The caches' fp16 pool form holds them (rotated values times 2^-POOL_EXP): kvarn.quantize
+    # stores them as a cache does, and no tile of them needs rescaling.
     g = torch.Generator().manual_seed(0)
     k = (20000 + 2000 * torch.randn(256, 2, 128, generator=g)).half()
     ek, ev = _errors(k, k)
     fk, fv = _errors(k.float(), k.float())  # the same values in fp32, where nothing clips
     assert ek < 1.1 * fk and ev < 1.1 * fv
     assert ek < 0.02  # was 0.707
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
+    cache = torch.zeros(2, 2, cfg.record_bytes, dtype=torch.uint8)
+    tiles = k.view(2, 128, 2, 128)
+    kvarn.ops.store_tiles(tiles, tiles, torch.arange(2, dtype=torch.int32), cache, cfg, impl="reference")
+    assert torch.equal(kvarn.quantize((k, k)).records, cache)
     mixed = UNIT.half().clone()
     mixed[:128, 1] = k[:128, 1]  # one (tile, head) out of range
     q, q_unit = kvarn.quantize((mixed, mixed)), kvarn.quantize((UNIT.half(), UNIT.half()))

@@ -349,13 +349,46 @@ def test_beam_search_reorders_records_and_pools(tiny):
     assert torch.equal(plain, paged)
 
 
-def test_fp16_values_that_the_rotation_would_overflow_warn():
-    """Issue 12.4 for the cache: 20000 + noise in fp16 rotates past fp16's range; the pool saturates, so say so."""
+@pytest.mark.parametrize("paged", [False, True])
+def test_fp16_values_whose_rotation_leaves_fp16_range_are_stored_whole(paged):
+    """Issue 12.4: 20000 + noise in fp16 rotates to ~1.6e5, past fp16's range; the fp16 pool holds it.
+
+    No warning, nothing non-finite stored, and the history and attention match a cache that stores
+    the same values in fp32 (only fp16 rounding of the rotated values differs).
+    """
     gen = torch.Generator().manual_seed(0)
-    k = (20000 + 2000 * torch.randn(1, 2, 70, 64, generator=gen)).half()
+    k = (20000 + 2000 * torch.randn(1, 2, 101, 64, generator=gen)).half()
+    v = (-20000 + 2000 * torch.randn(1, 2, 101, 64, generator=gen)).half()
+    q = (torch.randn(1, 4, 1, 64, generator=gen) * 1e-3).half()
+    got = {}
+    for dtype in (torch.float16, torch.float32):
+        cache = KVarNCache(PRESET, dtype=dtype, paged=paged)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            cache.update(k[:, :, :100], v[:, :, :100], 0)  # one tile and 36 tail tokens
+            layer = cache.layers[0]
+            layer.saw_kvarn_attention = True  # what the kvarn attention function sets
+            hist_k, hist_v = cache.update(k[:, :, 100:], v[:, :, 100:], 0)
+        assert torch.isfinite(kvarn.ops.from_pool(layer.tail_k)).all()
+        assert float(kvarn.ops.from_pool(layer.tail_k).abs().max()) > 65504
+        if paged:
+            got[dtype] = layer.attend(q, 0.125).float()
+        else:
+            assert torch.isfinite(hist_k).all() and torch.isfinite(hist_v).all()
+            tail = slice(64, 101)  # read back from the pool: the input up to fp16 rounding
+            assert float(((hist_k[:, :, tail].float() - k[:, :, tail].float()).abs() / 20000).max()) < 2e-3
+            got[dtype] = torch.nn.functional.scaled_dot_product_attention(q, hist_k, hist_v, enable_gqa=True).float()
+    want = got[torch.float32]
+    assert float((got[torch.float16] - want).norm() / want.norm()) < 5e-3
+
+
+def test_values_past_an_fp16_store_dtype_warn():
+    """fp32 K/V stored through an fp16 pool (KVarNCache(dtype=torch.float16)) can saturate it: say so."""
+    gen = torch.Generator().manual_seed(0)
+    big = 70000 + 100 * torch.randn(1, 2, 70, 64, generator=gen)
     with pytest.warns(UserWarning, match="saturated"):
-        KVarNCache(PRESET).update(k, k, 0)
-    ok = torch.randn(1, 2, 70, 64, generator=gen).half() * 100
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        KVarNCache(PRESET).update(ok, ok, 0)
+        KVarNCache(PRESET, dtype=torch.float16).update(big, big, 0)
+    for ok in (torch.randn(1, 2, 70, 64, generator=gen) * 100, (20000 + 2000 * torch.randn(1, 2, 70, 64)).half()):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            KVarNCache(PRESET, dtype=torch.float16).update(ok, ok, 0)

@@ -161,6 +161,35 @@ def test_write_tail_then_commit(dtype):
     check_records(cache_got[2], cache_want[2], want_k[1].transpose(0, 1), want_v[1].transpose(0, 1), cfg)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_fp16_pool_form_holds_rotations_past_65504(d):
+    """Issue 12.4 in the kernels: write_tail, commit and attention agree with the reference's fp16 pool form."""
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=d)
+    gen = torch.Generator().manual_seed(d)
+    n, hkv = 80, 1
+    k = (20000 + 2000 * torch.randn(n, hkv, d, generator=gen)).half()
+    v = (-20000 + 2000 * torch.randn(n, hkv, d, generator=gen)).half()
+    got_k = torch.full((2, 64, hkv, d), float("nan"), dtype=torch.float16)
+    got_v, want_k, want_v = got_k.clone(), got_k.clone(), got_k.clone()
+    store.write_tail(k, v, got_k, got_v, torch.arange(n), cfg)
+    R.write_tail(k, v, want_k, want_v, torch.arange(n), cfg)
+    written = ~want_k.isnan()
+    check_prepared(got_k[written], want_k[written])
+    check_prepared(got_v[written], want_v[written])
+    assert float(R.from_pool(got_k[written][None]).abs().max()) > 65504
+    cache_got = torch.zeros(2, hkv, cfg.record_bytes, dtype=torch.uint8)
+    cache_want = cache_got.clone()
+    one, block = torch.tensor([0], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
+    store.commit_tiles(want_k, want_v, one, block, cache_got, cfg)
+    R.commit_tiles(want_k, want_v, one, block, cache_want, cfg)
+    check_records(cache_got[1], cache_want[1], want_k[0].transpose(0, 1), want_v[0].transpose(0, 1), cfg)
+    pool_k, pool_v = want_k.nan_to_num(0.0), want_v.nan_to_num(0.0)
+    query = (torch.randn(1, 2, d, generator=gen) * 1e-3).half()
+    table, lens, slots = torch.tensor([[1, 0]], dtype=torch.int32), torch.tensor([n], dtype=torch.int32), one + 1
+    args = (query, cache_want, table, lens, pool_k, pool_v, slots, cfg, None, None, None)
+    check_attention(attention.paged_attention(*args, empty=poisoned_empty), args)
+
+
 ATTN_CASES = [
     ("kvarn_k4v2_g64", 64, torch.float16, 4, 2, False, None),
     ("kvarn_k4v2_g64", 64, torch.bfloat16, 8, 1, True, 2),

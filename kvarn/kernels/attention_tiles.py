@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvarn.kernels._common import bf16_to_f32, load_f32
+from kvarn.kernels._common import bf16_to_f32, load_f32, pool_factor
 
 FP16_1024 = tl.constexpr(0x6400)
 """fp16 bits of 1024.0. OR-ing an integer ``c < 1024`` into them gives the fp16 value ``1024 + c``."""
@@ -244,8 +244,9 @@ def _fp_tile(q_full, m_i, l_i, acc, pool, slot, n_valid, key0, pos_q, POOL_BF16:
         tt = c + ft
         ptr = base + tt[:, None] * p_tok + dd[None, :]
         tok_ok = tt < n_valid
-        kt = load_f32(tail_k + ptr, tok_ok[:, None], POOL_BF16)  # [FP_TILE_TOKENS, D]
-        vt = load_f32(tail_v + ptr, tok_ok[:, None], POOL_BF16)
+        unpool = pool_factor(q_full.shape[1], POOL_BF16)  # the pool form back to the rotated values
+        kt = load_f32(tail_k + ptr, tok_ok[:, None], POOL_BF16) * unpool  # [FP_TILE_TOKENS, D]
+        vt = load_f32(tail_v + ptr, tok_ok[:, None], POOL_BF16) * unpool
         s = tl.dot(q_full, tl.trans(kt), input_precision="tf32")  # [BLOCK_M, FP_TILE_TOKENS]
         ok = tok_ok[None, :] & ((key0 + tt)[None, :] <= pos_q[:, None])
         s = tl.where(ok, s, float("-inf"))

@@ -46,6 +46,7 @@ from kvarn.kernels._common import (
     frexp_exponent,
     inv_sqrt,
     load_f32,
+    pool_factor,
     pow2,
     record_layout,
     rotate_rows,
@@ -165,10 +166,10 @@ def _encode_half(
 
 @triton.jit
 def _load_tile(base, s_tok, LAYOUT: tl.constexpr, IS_BF16: tl.constexpr):
-    """Load one prepared tile ``[G, D]`` (tokens, channels) as fp32."""
+    """Load one prepared tile ``[G, D]`` (tokens, channels, pool form) as the fp32 values it stands for."""
     tok = tl.arange(0, LAYOUT.G)
     ch = tl.arange(0, LAYOUT.D)
-    return load_f32(base + tok[:, None] * s_tok + ch[None, :], None, IS_BF16)
+    return load_f32(base + tok[:, None] * s_tok + ch[None, :], None, IS_BF16) * pool_factor(LAYOUT.D, IS_BF16)
 
 
 @triton.jit
@@ -265,7 +266,7 @@ def encode_records(
     num_warps: int | None = None,
     empty: Callable[..., torch.Tensor] = torch.empty,
 ) -> torch.Tensor:
-    """Prepared tiles ``k, v: [..., G, D]`` (rotated, fp16/bf16) -> records ``[..., record_bytes]`` uint8.
+    """Prepared tiles ``k, v: [..., G, D]`` (rotated, fp16/bf16, pool form) -> records ``[..., record_bytes]`` uint8.
 
     Knobs (keyword only, as for every store op): ``num_warps`` of the encode kernel (default
     :func:`default_encode_warps`); ``empty`` allocates outputs and workspaces (``torch.empty``'s
@@ -419,7 +420,7 @@ def _prepare_kernel(
         x = sanitize(load_f32(src[:, None] + ch[None, :], ok[:, None] & (ch[None, :] < D), IN_BF16))
         if ROTATE:
             x = rotate_rows(x, D, INV_SQRT_D)
-    x = round_to_dtype(x, POOL_BF16)
+    x = round_to_dtype(x * (1.0 / pool_factor(D, POOL_BF16)), POOL_BF16)  # the pool form (exact scaling)
     ch_all = tl.arange(0, D)
     store_model(dst[:, None] + ch_all[None, :], x, ok[:, None] & (ch_all[None, :] < D), POOL_BF16)
 
@@ -434,7 +435,8 @@ def write_tail(
 ) -> None:
     """``prepare`` new tokens ``k, v: [T, Hkv, D]`` into the pool at ``tail_slot_mapping: [T]`` (``slot * G + offset``).
 
-    A negative mapping entry skips its token.
+    A negative mapping entry skips its token. The pool holds the pool form
+    (:func:`kvarn.reference.prepare`: an fp16 pool the rotated values times ``1 / pool_factor``).
     """
     check_dtype("k", k)
     check_dtype("tail_k", tail_k)

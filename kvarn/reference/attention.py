@@ -99,7 +99,7 @@ def paged_attention(
         cache: ``[num_blocks, Hkv, record_bytes]`` uint8 records.
         block_table: ``[B, max_blocks]`` int, the block of each full tile of each sequence.
         seq_lens: ``[B]`` int, tokens in the cache per sequence, the queries' own included.
-        tail_k, tail_v: ``[num_slots, G, Hkv, D]`` the full-precision tile pool (rotated).
+        tail_k, tail_v: ``[num_slots, G, Hkv, D]`` the full-precision tile pool (rotated, pool form).
         tail_slots: ``[B]`` int, each sequence's tail slot (read only if ``seq_len % G``).
         query_start_loc: ``[B + 1]`` int offsets of each sequence's queries; ``None`` = one each.
         sink_slots: ``[B]`` int or ``None``; a slot ``>= 0`` replaces the first tile's record by

@@ -5,9 +5,12 @@ Storage a KVarN attention layer owns:
 - ``cache: [num_blocks, Hkv, record_bytes]`` uint8: one record per (full tile, KV head), the
   block id being vLLM's (a block is one tile of ``G`` tokens).
 - ``tail_k, tail_v: [num_slots, G, Hkv, D]`` in the model dtype: a pool of full-precision tiles in
-  the rotated frame. A sequence's last, not yet full tile lives in one slot (its *tail slot*);
-  where the fp16 sink is used, the sequence's first tile also keeps a full-precision copy in a
-  slot (its *sink slot*). How slots are handed out is the integration's business.
+  the rotated frame, in the pool form of :func:`~kvarn.reference.quantize.prepare` (an fp16 pool
+  holds the rotated values times ``2^-POOL_EXP`` so the rotation never saturates it; readers go
+  through :func:`~kvarn.reference.quantize.from_pool`). A sequence's last, not yet full tile
+  lives in one slot (its *tail slot*); where the fp16 sink is used, the sequence's first tile
+  also keeps a full-precision copy in a slot (its *sink slot*). How slots are handed out is the
+  integration's business.
 
 Tokens reach a record on one of two paths, which give identical bytes because both quantize
 :func:`~kvarn.reference.quantize.prepare`'d values: :func:`write_tail` then :func:`commit_tiles`
@@ -19,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from kvarn.config import KVarNConfig
-from kvarn.reference.quantize import prepare
+from kvarn.reference.quantize import from_pool, prepare
 from kvarn.reference.record import decode_records, encode_records
 
 
@@ -100,9 +103,9 @@ def gather_sequence(
     k = k.transpose(1, 2).reshape(n_full * g, *k.shape[1:2], cfg.head_dim)
     v = v.transpose(1, 2).reshape(n_full * g, *v.shape[1:2], cfg.head_dim)
     if sink_slot >= 0 and n_full > 0:
-        k[:g] = tail_k[sink_slot].float()
-        v[:g] = tail_v[sink_slot].float()
+        k[:g] = from_pool(tail_k[sink_slot])
+        v[:g] = from_pool(tail_v[sink_slot])
     if rem:
-        k = torch.cat([k, tail_k[tail_slot, :rem].float()])
-        v = torch.cat([v, tail_v[tail_slot, :rem].float()])
+        k = torch.cat([k, from_pool(tail_k[tail_slot, :rem])])
+        v = torch.cat([v, from_pool(tail_v[tail_slot, :rem])])
     return k, v

@@ -34,7 +34,18 @@ fp32's exponent range, stay normal down to inputs of about ``2^-120``.
 
 Input policy (:func:`prepare`): NaN becomes 0 and values are saturated to ``+-MAX_ABS`` (2^24,
 far past any KV value of a working model, and small enough that every fp32 statistic of a
-rotated tile stays finite). ``kvarn.quantize`` refuses NaN and inf instead and scales tiles that
+rotated tile stays finite).
+
+Pool form. Prepared values are what the full-precision tail pool holds, in the pool's dtype. The
+rotation can grow a value by up to ``sqrt(D)`` (``|x H|_inf <= |x|_2 <= sqrt(D) |x|_inf``), so an
+fp16 pool holds the rotated values times ``2^-POOL_EXP`` with ``POOL_EXP = ceil(log2 sqrt(D))``
+(:func:`pool_exponent`: 3 at D = 64, 4 at D = 128 and 256): every finite fp16 input then rotates
+to a storable value, never to a saturated one. Scaling by a power of two is exact, so a rotated
+value ``y`` with ``|y| >= 2^(POOL_EXP - 14)`` is stored exactly as rounding ``y`` to fp16 would
+store it; only smaller ones, which land in fp16's subnormals, keep an absolute error of at most
+``2^(POOL_EXP - 25)`` (``2^-21`` at D = 128) instead of ``2^-25``. bf16 and fp32 pools have
+fp32's range and store the values as they are (``POOL_EXP = 0``). Every reader undoes the factor
+(:func:`from_pool`). ``kvarn.quantize`` refuses NaN and inf instead and scales tiles that
 would saturate (:func:`input_exponent`); the store path, which cannot raise in the middle of a
 model step, applies this policy so nothing non-finite is stored.
 """
@@ -76,18 +87,37 @@ class TileHalf(NamedTuple):
     smooth: torch.Tensor | None = None  # [..., D] fp8: the K half's smoothing vector (smooth_keys only)
 
 
+def pool_exponent(dtype: torch.dtype, head_dim: int) -> int:
+    """``POOL_EXP``: a pool of ``dtype`` holds rotated values times ``2^-POOL_EXP`` (see "Pool form").
+
+    ``ceil(log2 sqrt(head_dim))`` for fp16 (3 at 64, 4 at 128 and 256), 0 for every other dtype.
+    """
+    return int(head_dim).bit_length() // 2 if dtype == torch.float16 else 0
+
+
+def from_pool(x: torch.Tensor) -> torch.Tensor:
+    """Prepared (pool-form) values ``x: [..., D]`` -> the rotated values they stand for, fp32 (exact)."""
+    exp = pool_exponent(x.dtype, x.shape[-1])
+    x = x.to(torch.float32)
+    return x * 2.0**exp if exp else x
+
+
 def prepare(x: torch.Tensor, dtype: torch.dtype | None = None, rotate_: bool = True) -> torch.Tensor:
     """Sanitize, rotate and round ``x: [..., D]`` to ``dtype`` (default ``x.dtype``): the quantizer's input.
 
-    NaN -> 0, saturate to ``+-MAX_ABS``, ``@ H`` in fp32 (skipped if ``rotate_`` is false), then
-    saturate to the finite range of ``dtype`` and round to it. Every path that stores K/V (the
-    fp16 tail, a full tile, ``kvarn.quantize``) goes through this, so a tile quantizes to the
-    same bytes whichever path completed it.
+    NaN -> 0, saturate to ``+-MAX_ABS``, ``@ H`` in fp32 (skipped if ``rotate_`` is false), times
+    ``2^-POOL_EXP`` (the pool form, :func:`pool_exponent`; fp16 only), then saturate to the finite
+    range of ``dtype`` and round to it. Every path that stores K/V (the fp16 tail, a full tile,
+    ``kvarn.quantize``) goes through this, so a tile quantizes to the same bytes whichever path
+    completed it; the encoders read it back through :func:`from_pool`.
     """
     dtype = dtype or x.dtype
     y = torch.nan_to_num(x.to(torch.float32), nan=0.0).clamp(-MAX_ABS, MAX_ABS)
     if rotate_:
         y = rotate(y)
+    exp = pool_exponent(dtype, x.shape[-1])
+    if exp:
+        y = y * 2.0**-exp
     finite = torch.finfo(dtype).max
     return y.clamp(-finite, finite).to(dtype)
 
@@ -164,25 +194,29 @@ def input_exponent(x: torch.Tensor, dtype: torch.dtype | None = None, rotate_: b
 
     - ``max |x| > MAX_ABS`` (fp32 or bf16 values past 2^24 would saturate): ``s`` brings the
       largest value under ``2^24``;
-    - ``max |x H|`` past the finite range of ``dtype`` (fp16 values whose rotation exceeds 65504):
-      ``s`` brings the rotated tile under ``2^15``;
-    - ``0 < max |x|`` below the smallest normal number of ``dtype`` (fp16 values under ``2^-14``,
-      whose rotation would round to fp16 subnormals): ``s`` (negative) brings it to ``[1, 2)``.
+    - ``0 < max |x|`` below ``2^POOL_EXP`` times the smallest normal number of ``dtype`` (fp16
+      values under ``2^(POOL_EXP - 14)``, ``2^-10`` at D = 128, whose rotation would be stored in
+      fp16 subnormals): ``s`` (negative) brings it to ``[1, 2)``;
+    - ``max |x H|`` past what the pool form of ``dtype`` holds (``2^POOL_EXP`` times its finite
+      maximum): ``s`` brings the rotated tile under it. No input of ``dtype`` itself gets there
+      (``|x H|_inf <= sqrt(D) |x|_inf``); only values wider than ``dtype`` do.
 
     The caller stores ``x / 2^s`` and folds ``2^s`` into the column scales (:func:`scale_half`).
     """
     dtype = dtype or x.dtype
     x = x.to(torch.float32)
     info = torch.finfo(dtype)
+    pool_exp = pool_exponent(dtype, x.shape[-1])
+    limit = info.max * 2.0**pool_exp  # the largest rotated value the pool form stores unsaturated
     amax = x.abs().amax((-2, -1))
     _, exp = torch.frexp(amax)
     s = torch.where(amax > MAX_ABS, exp - MAX_ABS_EXP, torch.zeros_like(exp))
-    tiny = (amax > 0) & (amax < info.tiny)
+    tiny = (amax > 0) & (amax < info.tiny * 2.0**pool_exp)
     s = torch.where(tiny, (exp - TINY_TARGET_EXP).clamp_min(MIN_EXP), s)
     scaled_max = torch.ldexp(amax, -s.float())
-    if rotate_ and bool((scaled_max * x.shape[-1] ** 0.5 > info.max).any()):  # |x H| <= sqrt(D) max |x|
+    if rotate_ and bool((scaled_max * x.shape[-1] ** 0.5 > limit).any()):  # |x H| <= sqrt(D) max |x|
         rot = rotate(torch.ldexp(x, -s[..., None, None].float())).abs().amax((-2, -1))
         _, rot_exp = torch.frexp(rot)
-        top = math.frexp(info.max)[1] - 1  # 2^top <= the finite max
-        s = torch.where(rot > info.max, s + rot_exp - top, s)
+        top = math.frexp(info.max)[1] - 1 + pool_exp  # 2^top <= limit
+        s = torch.where(rot > limit, s + rot_exp - top, s)
     return s

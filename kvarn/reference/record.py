@@ -1,7 +1,8 @@
 """K and V tiles to and from the bytes of a cache record (layout: :mod:`kvarn.config`).
 
 ``encode_records`` takes tiles that :func:`kvarn.reference.quantize.prepare` already rotated and
-rounded: ``k, v: [..., G, D]`` (tokens, channels) for one (tile, head) each. K is transposed to
+rounded, in the pool form (read back with :func:`~kvarn.reference.quantize.from_pool`):
+``k, v: [..., G, D]`` (tokens, channels) for one (tile, head) each. K is transposed to
 ``[D, G]`` so its rows are channels (per-channel parameters, per-token scale); V stays ``[G, D]``
 (per-token parameters, per-channel scale). Both halves are quantized by the same routine.
 :func:`encode_half` and :func:`decode_half` hold this orientation for one role; everything that
@@ -14,7 +15,15 @@ import torch
 
 from kvarn.config import SCALE_FIELDS, SMOOTH_FIELD, KVarNConfig
 from kvarn.reference.packing import pack_codes, unpack_codes
-from kvarn.reference.quantize import COL_DTYPE, ROW_DTYPE, TileHalf, dequantize_half, quantize_half, scale_half
+from kvarn.reference.quantize import (
+    COL_DTYPE,
+    ROW_DTYPE,
+    TileHalf,
+    dequantize_half,
+    from_pool,
+    quantize_half,
+    scale_half,
+)
 from kvarn.reference.smooth import SMOOTH_DTYPE, smooth, smoothing_vector, unsmooth
 
 ROLES = ("key", "value")
@@ -42,6 +51,7 @@ def encode_half(tiles: torch.Tensor, role: str, cfg: KVarNConfig) -> TileHalf:
     is quantized from the smoothed tiles and carries its smoothing vector (``reference/smooth.py``).
     """
     _check_role(role)
+    tiles = from_pool(tiles)
     if role == "key":
         if not cfg.smooth_keys:
             return quantize_half(tiles.transpose(-1, -2), cfg.k_bits, cfg.sinkhorn_iters, cfg.normalize)
@@ -114,7 +124,7 @@ def unpack_record(records: torch.Tensor, cfg: KVarNConfig) -> tuple[TileHalf, Ti
 
 
 def encode_records(k: torch.Tensor, v: torch.Tensor, cfg: KVarNConfig) -> torch.Tensor:
-    """Prepared tiles ``k, v: [..., G, D]`` (rotated, model dtype) -> records ``[..., record_bytes]`` uint8."""
+    """Prepared tiles ``k, v: [..., G, D]`` (rotated, pool form) -> records ``[..., record_bytes]`` uint8."""
     return pack_record(*quantize_kv_tiles(k, v, cfg), cfg)
 
 

@@ -16,7 +16,10 @@ Tail slots. On vLLM's GPU model runner (V2) every live request has a stable inde
 request's incomplete tile lives in the pool slot of that index (:func:`kvarn.paged.plan_request_slots`):
 no block id is read on the host, a slot can never be lost, and the pool is exactly ``max_num_seqs``
 slots (plus one scratch slot for CUDA-graph padding). Elsewhere (the CPU runner) slots are keyed by
-block id (:class:`kvarn.paged.TilePlanner`) and the block table is on the host anyway.
+block id (:class:`kvarn.paged.TilePlanner`) and the block table is on the host anyway; there
+:func:`install_release_hook` wraps the runner's ``_update_states`` so the tails of finished and
+preempted requests are freed before the step that may hand their blocks to others is planned. A
+request then holds at most one slot at any time, and ``max_num_seqs`` slots can never run dry.
 
 CUDA graphs (GPU runner): the builder declares ``UNIFORM_SINGLE_TOKEN_DECODE``. For a decode
 batch it writes the plan into persistent device tensors of fixed size: the tail mapping, each
@@ -35,6 +38,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import sys
+import weakref
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -82,6 +87,54 @@ def mark_step_rows_hooked() -> None:
     _step["hooked"] = True
 
 
+_planners: weakref.WeakSet[TilePlanner] = weakref.WeakSet()
+"""Every block-keyed planner of this process (one per KV-cache group), for :func:`release_request_tails`."""
+_HOOK_MARK = "_kvarn_releases_tails"
+
+
+def release_request_tails(block_ids) -> int:
+    """Free the tail slots of a request that left: ``block_ids`` is its blocks per KV-cache group.
+
+    Block ids are unique across groups (one block pool), so every planner gets all of them.
+    Returns how many slots were freed.
+    """
+    blocks = [int(b) for group in block_ids for b in group]
+    return sum(planner.release_blocks(blocks) for planner in list(_planners))
+
+
+def install_release_hook(runner_cls=None) -> bool:
+    """Report finished and preempted requests to the planners; returns whether a hook is in place.
+
+    Wraps ``runner_cls._update_states(scheduler_output)`` (default: vLLM's V1 ``GPUModelRunner``,
+    which the CPU runner extends, if it is imported): before vLLM drops a request that
+    ``scheduler_output.finished_req_ids`` or ``preempted_req_ids`` names, its blocks go to
+    :func:`release_request_tails`. vLLM hands a freed block to another request at the earliest in
+    the same scheduler output, so the slot is free before that step is planned.
+    """
+    if runner_cls is None:
+        runner_cls = getattr(sys.modules.get("vllm.v1.worker.gpu_model_runner"), "GPUModelRunner", None)
+    original = getattr(runner_cls, "_update_states", None)
+    if original is None:
+        return False
+    if getattr(original, _HOOK_MARK, False):
+        return True
+
+    def _update_states(self, scheduler_output, *args, **kwargs):
+        leaving = set(getattr(scheduler_output, "finished_req_ids", None) or ())
+        leaving |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        requests = getattr(self, "requests", None) or {}
+        for req_id in leaving:
+            state = requests.get(req_id)
+            if state is not None and _planners:
+                release_request_tails(state.block_ids)
+        return original(self, scheduler_output, *args, **kwargs)
+
+    setattr(_update_states, _HOOK_MARK, True)
+    _update_states.__wrapped__ = original
+    runner_cls._update_states = _update_states
+    return True
+
+
 def per_request_slots(vllm_config) -> bool:
     """Whether tail slots follow vLLM's request indices: the GPU model runner (V2) with the step hook."""
     if not _step["hooked"] or not getattr(vllm_config, "use_v2_model_runner", False):
@@ -93,7 +146,8 @@ def per_request_slots(vllm_config) -> bool:
 def pool_slots(vllm_config) -> int:
     """Slots of each layer's full-precision pool: the tail slots, plus one scratch slot per request index mode."""
     per_request = per_request_slots(vllm_config)
-    return tail_slot_count(vllm_config, per_request=per_request) + int(per_request)
+    released = not per_request and install_release_hook()
+    return tail_slot_count(vllm_config, per_request=per_request, departures_reported=released) + int(per_request)
 
 
 class KVarNBackend(AttentionBackend):
@@ -235,9 +289,12 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
                 f"{preset} needs kernel blocks of {self.cfg.group_size} tokens, vLLM gave {kv_cache_spec.block_size}"
             )
         self.per_request = per_request_slots(vllm_config) and torch.device(device).type == "cuda"
-        self.num_slots = tail_slot_count(vllm_config, per_request=self.per_request)
+        released = not self.per_request and install_release_hook()
+        self.num_slots = tail_slot_count(vllm_config, per_request=self.per_request, departures_reported=released)
         self.scratch_slot = self.num_slots
         self.planner = None if self.per_request else TilePlanner(self.num_slots, self.cfg.group_size)
+        if self.planner is not None:
+            _planners.add(self.planner)
         self.buffers = None
         if self.per_request:
             sched = vllm_config.scheduler_config
@@ -259,11 +316,18 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         tail_bytes = pool * cfg.group_size * spec.num_kv_heads * cfg.head_dim * 2 * dtype_bytes * num_layers
         fp16_tokens = cache_bytes // (num_layers * spec.num_kv_heads * 4 * cfg.head_dim)
         fp16_all = (cache_bytes + tail_bytes) // (num_layers * spec.num_kv_heads * 4 * cfg.head_dim)
+        # vLLM measures the memory its profiling (GPU) or warm-up run (CPU) leaves and sizes the KV
+        # cache from it, pool included; an explicit --kv-cache-memory-bytes is taken as given
+        where = (
+            "inside vLLM's KV budget (allocated in its profiling run)"
+            if getattr(vllm_config.cache_config, "kv_cache_memory_bytes", None) is None
+            else "on top of --kv-cache-memory-bytes"
+        )
         logger.info(
-            "KVarN %s KV cache: %d blocks of %d tokens = %d tokens in %.1f MiB (%d layers, %d KV heads, %d B "
-            "per record); an fp16 cache of the same size holds %d tokens: %.2fx the capacity. Full-precision "
-            "tail pool (inside vLLM's KV budget, allocated in its profiling run): %d slots (%s), %.1f MiB; "
-            "counting it, %.2fx an fp16 cache of records + pool.",
+            "KVarN %s KV cache: %d blocks of %d tokens = %d tokens in %.1f MiB of records (%d layers, %d KV "
+            "heads, %d B per record); an fp16 cache of the same size holds %d tokens: %.2fx the capacity. "
+            "Full-precision tail pool: %d slots (%s), %.1f MiB, %s; records and pool together hold %.2fx the "
+            "tokens of an fp16 cache of their size.",
             cfg.name,
             num_blocks,
             cfg.group_size,
@@ -277,6 +341,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             pool,
             "one per request index + 1 scratch" if self.per_request else "keyed by block id",
             tail_bytes / 2**20,
+            where,
             tokens / max(fp16_all, 1),
         )
 

@@ -31,21 +31,25 @@ def group_size(preset: str) -> int:
     return preset_config(preset).group_size
 
 
-def tail_slot_count(vllm_config, per_request: bool = False) -> int:
+def tail_slot_count(vllm_config, per_request: bool = False, departures_reported: bool = False) -> int:
     """Full-precision tail slots per layer for this run.
 
     With ``per_request`` (the GPU model runner hands each live request a stable index) the pool
     has exactly one slot per request the scheduler may run, ``max_num_seqs``: a tail can then
     never be lost, and ``$KVARN_TAIL_SLOTS`` is ignored. Otherwise slots are keyed by block id
-    (:class:`kvarn.paged.TilePlanner`): ``$KVARN_TAIL_SLOTS`` or twice ``max_num_seqs``, and a
-    value below ``max_num_seqs`` is refused (each running request can hold one incomplete tile).
+    (:class:`kvarn.paged.TilePlanner`), a request holds at most one, and a value of
+    ``$KVARN_TAIL_SLOTS`` below ``max_num_seqs`` is refused. The default is ``max_num_seqs`` when
+    the runner reports finished and preempted requests (``departures_reported``: the CPU runner,
+    through the backend's release hook; the live slots then never outnumber the running
+    requests) and twice ``max_num_seqs`` otherwise (room for the tails of departed requests
+    until their blocks are reused).
     """
     max_seqs = int(vllm_config.scheduler_config.max_num_seqs)
     if per_request:
         return max_seqs
     env = os.environ.get(TAIL_SLOTS_ENV)
     if not env:
-        return 2 * max_seqs
+        return max_seqs if departures_reported else 2 * max_seqs
     try:
         value = int(env)
     except ValueError:
