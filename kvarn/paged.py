@@ -44,6 +44,13 @@ the sink slot in full precision instead of from its record. Sink slots are held 
 planner's life (the transformers cache's rows never change; vLLM keeps no sink yet).
 
 Only committed tokens may be planned: speculative drafts would be frozen into a record.
+
+Prefill. A request with many queries in one step (a prompt chunk) can attend by reading its tiles
+back whole (:meth:`PagedKV.attend_prefill`: the dequantize kernel, then one dense attention call)
+instead of through the paged decode kernel, whose programs serve one query block at a time;
+:func:`split_prefill` picks those requests and :meth:`PagedKV.attend_split` runs both paths in one
+step. The semantics are the same as :meth:`PagedKV.attend`'s (every full tile from its record, the
+rest from the tail slot, causal within the chunk); only the order of the arithmetic differs.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.nn.attention.bias import causal_lower_right
 
 from kvarn import ops
 from kvarn.config import KVarNConfig
@@ -457,6 +465,72 @@ class PagedKV:
             impl=self.impl,
         )
 
+    def attend_prefill(
+        self, plan: TilePlan, query: torch.Tensor, blocks: torch.Tensor, seq_len: int, row: int, scale: float | None
+    ) -> torch.Tensor:
+        """Attention of one request's ``query: [n, Hq, D]`` (its last ``n`` positions) by reading its K/V back whole.
+
+        ``blocks: [max_blocks]`` is its block-table row, ``seq_len`` its length after the step and
+        ``row`` its index in ``plan``. Full tiles are dequantized (the sink tile read from its slot),
+        the last ``seq_len % G`` tokens come from the tail slot, and one causal attention call
+        (queries aligned to the end) runs over them in ``query``'s dtype. Returns ``[n, Hq, D]``.
+        """
+        g = self.cfg.group_size
+        n, hq, _ = query.shape
+        full, rem = divmod(seq_len, g)
+        keys, values = [], []
+        if full:
+            sinks = None if plan.sink_slots is None else plan.sink_slots[row : row + 1]
+            k, v = self.read_tiles(blocks[None, :full], sinks)
+            keys.append(k[0])
+            values.append(v[0])
+        if rem:
+            k, v = self.read_tail(plan.tail_slots[row : row + 1], rem)
+            keys.append(k[0])
+            values.append(v[0])
+        group = hq // self.cache.shape[1]
+        k = torch.cat(keys).to(query.dtype).transpose(0, 1).repeat_interleave(group, 0)  # [Hq, L, D]
+        v = torch.cat(values).to(query.dtype).transpose(0, 1).repeat_interleave(group, 0)
+        # causal with the queries aligned to the end: flash / memory-efficient kernels take it as is
+        visible = causal_lower_right(n, seq_len)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query.transpose(0, 1)[None], k[None], v[None], attn_mask=visible, scale=scale
+        )
+        return out[0].transpose(0, 1)
+
+    def attend_split(
+        self,
+        plan: TilePlan,
+        query: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        split: PrefillSplit,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """:meth:`attend` for a step that :func:`split_prefill` split: its prefill requests through
+        :meth:`attend_prefill`, the others through the paged kernel. ``query: [T, Hq, D]`` -> ``[T, Hq, D]``."""
+        out = torch.empty_like(query)
+        if split.rest_rows is not None:
+            rows, tokens = split.rest_rows, split.rest_tokens
+            sinks = None if plan.sink_slots is None else plan.sink_slots[rows]
+            out[tokens] = ops.paged_attention(
+                query[tokens],
+                self.cache,
+                block_table[rows],
+                seq_lens[rows],
+                self.tail_k,
+                self.tail_v,
+                plan.tail_slots[rows],
+                self.cfg,
+                split.rest_query_start_loc,
+                sinks,
+                scale,
+                impl=self.impl,
+            ).to(out.dtype)
+        for row, first, end, seq_len in split.rows:
+            out[first:end] = self.attend_prefill(plan, query[first:end], block_table[row], seq_len, row, scale)
+        return out
+
     def read_tiles(self, blocks: torch.Tensor, sink_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """Full tiles read back in the model frame: ``blocks: [B, n]`` -> ``k, v: [B, n * G, Hkv, D]`` fp32.
 
@@ -496,6 +570,55 @@ class PagedKV:
             "tail": per_slot * self.num_slots,
             "sink": per_slot * self.num_sink_slots,
         }
+
+
+PREFILL_MIN_QUERIES = 64
+"""A request with at least this many queries in a step attends through :meth:`PagedKV.attend_prefill`."""
+
+
+@dataclass
+class PrefillSplit:
+    """A step's requests split by :func:`split_prefill`.
+
+    Attributes:
+        rows: ``(row, first, end, seq_len)`` per prefill request: its index in the batch, its
+            query tokens ``first .. end`` and its length after the step (host ints).
+        rest_rows: ``[Br]`` int64, the other requests (``None`` if there are none);
+            ``rest_tokens: [Tr]`` int64 their query tokens; ``rest_query_start_loc: [Br + 1]``
+            their queries' offsets within ``rest_tokens``.
+    """
+
+    rows: list[tuple[int, int, int, int]]
+    rest_rows: torch.Tensor | None = None
+    rest_tokens: torch.Tensor | None = None
+    rest_query_start_loc: torch.Tensor | None = None
+
+
+def split_prefill(
+    query_start_loc, seq_lens, device: torch.device | str, min_queries: int = PREFILL_MIN_QUERIES
+) -> PrefillSplit | None:
+    """Requests with at least ``min_queries`` queries in this step, or ``None`` if there are none.
+
+    ``query_start_loc: [B + 1]`` and ``seq_lens: [B]`` are host arrays (exact lengths).
+    """
+    qsl = np.asarray(query_start_loc, dtype=np.int64)
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    counts = np.diff(qsl)
+    dense = counts >= min_queries
+    if not dense.any():
+        return None
+    rows = [(int(b), int(qsl[b]), int(qsl[b + 1]), int(lens[b])) for b in np.flatnonzero(dense)]
+    rest = np.flatnonzero(~dense)
+    if not rest.size:
+        return PrefillSplit(rows)
+    tokens = np.concatenate([np.arange(qsl[b], qsl[b + 1]) for b in rest])
+    offsets = np.concatenate([[0], np.cumsum(counts[rest])])
+    return PrefillSplit(
+        rows,
+        torch.from_numpy(rest).to(device),
+        torch.from_numpy(tokens).to(device),
+        torch.from_numpy(offsets.astype(np.int32)).to(device),
+    )
 
 
 def plan_request_slots(

@@ -151,3 +151,33 @@ def test_dense_batch_reorder_moves_tails_and_sinks():
     slots, sinks = rows.lead.planner.live_slots, rows.lead.planner.live_sinks
     moves = rows.reorder([1, 1])
     assert moves == [(slots[2], slots[3]), (sinks[0], sinks[1]), (slots[3], slots[3]), (sinks[1], sinks[1])]
+
+
+@pytest.mark.parametrize("sink", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_split_attends_as_the_paged_path(sink, dtype):
+    """A prompt chunk read back whole (attend_prefill) gives what the paged attention gives, beside a decode row."""
+    from kvarn.config import KVarNConfig
+    from kvarn.paged import PagedKV, split_prefill
+
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
+    g, hkv, hq = cfg.group_size, 2, 4
+    planner = TilePlanner(4, g, num_sink_slots=2 if sink else 0)
+    kv = PagedKV.allocate(cfg, 8, hkv, 4, dtype, "cpu", num_sink_slots=2 if sink else 0, impl="reference")
+    table = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
+    gen = torch.Generator().manual_seed(0)
+    steps = [([150, 70], [150, 70]), ([80, 1], [230, 71])]  # (new tokens, lengths after) per request
+    for news, lens in steps:
+        qsl = torch.tensor([0, news[0], news[0] + news[1]])
+        step_plan = planner.plan(qsl, torch.tensor(lens), table, int(qsl[-1]))
+        k, v = (torch.randn(int(qsl[-1]), hkv, 64, generator=gen).to(dtype) for _ in range(2))
+        kv.store(step_plan, k, v)
+    q = torch.randn(81, hq, 64, generator=gen).to(dtype)
+    lens = torch.tensor([230, 71])
+    want = kv.attend(step_plan, q, table, lens, qsl)
+    split = split_prefill(qsl.numpy(), lens.numpy(), "cpu")
+    assert [r[:3] for r in split.rows] == [(0, 0, 80)] and split.rest_rows.tolist() == [1]
+    got = kv.attend_split(step_plan, q, table, lens, split)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert split_prefill(qsl.numpy(), lens.numpy(), "cpu", min_queries=81) is None

@@ -62,7 +62,15 @@ except ImportError:  # vLLM 0.26: pages are laid out by get_kv_cache_shape
 
 from kvarn.config import PRESETS, SUPPORTED_HEAD_DIMS, KVarNConfig
 from kvarn.integration.vllm.checks import SUPPORTED_MODEL_DTYPES, check_run, preset_config, tail_slot_count
-from kvarn.paged import PagedKV, TilePlan, TilePlanner, plan_request_slots
+from kvarn.paged import (
+    PREFILL_MIN_QUERIES,
+    PagedKV,
+    PrefillSplit,
+    TilePlan,
+    TilePlanner,
+    plan_request_slots,
+    split_prefill,
+)
 
 logger = logging.getLogger("vllm.kvarn")
 
@@ -243,7 +251,8 @@ class KVarNMetadata(AttentionMetadata):
     gives them; ``plan`` from the planner; ``num_slots`` slots in each layer's pool. For a
     decode batch on the GPU runner also ``graph_plan`` (the same tensors with the commit lists
     padded to ``B``), ``commit_flag`` (a device bool: some row commits) and ``decode`` (one query
-    per row).
+    per row). ``prefill``: on CUDA, the requests of a step with prompt chunks that attend by
+    reading their tiles back whole (:func:`kvarn.paged.split_prefill`).
     """
 
     num_actual_tokens: int
@@ -255,6 +264,7 @@ class KVarNMetadata(AttentionMetadata):
     graph_plan: TilePlan | None = None
     commit_flag: torch.Tensor | None = None
     decode: bool = False
+    prefill: PrefillSplit | None = None
 
 
 class _DecodeBuffers:
@@ -376,6 +386,11 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             plan=None,
             num_slots=self.num_slots + int(self.per_request),
         )
+        if torch.device(self.device).type == "cuda" and cam.max_query_len >= PREFILL_MIN_QUERIES:
+            # eager prompt chunks: exact lengths (one host sync per such step)
+            exact = cam.seq_lens[:batch].cpu().numpy()
+            if exact.size and int(exact.max()) <= block_table.shape[1] * self.cfg.group_size:  # not a dummy run's
+                meta.prefill = split_prefill(qsl_cpu.numpy(), exact, self.device)
         if not self.per_request:
             meta.plan = self.planner.plan(qsl_cpu, lens_cpu, block_table.cpu(), cam.num_actual_tokens, self.device)
             return meta
@@ -546,14 +561,12 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
                 paged.commit(plan)
             paged.write_late_tail(plan, k, v)
             paged.store_whole(plan, k, v)
-        out = paged.attend(
-            plan,
-            query[:n].view(n, self.num_heads, self.head_size),
-            meta.block_table,
-            meta.seq_lens,
-            None if meta.decode else meta.query_start_loc,
-            self.scale,
-        )
+        q = query[:n].view(n, self.num_heads, self.head_size)
+        if meta.prefill is not None and not capturing:
+            out = paged.attend_split(plan, q, meta.block_table, meta.seq_lens, meta.prefill, self.scale)
+        else:
+            qsl = None if meta.decode else meta.query_start_loc
+            out = paged.attend(plan, q, meta.block_table, meta.seq_lens, qsl, self.scale)
         output[:n] = out.view(output[:n].shape)
         return output
 
