@@ -59,6 +59,9 @@ DECODE_MAX_REGS = {64: 96, 128: 128}
 ptxas takes 150-170 registers for some presets once the split merge is in the kernel, for the same main
 loop (local sm_90 compiles: same instruction count, no spills in the loop; a few values kept across
 the loop go to the stack). D = 256 (220+ either way) and multi-query launches are left alone."""
+ONE_TILE_MAX_WAVES = 2
+EPILOGUE_MAX_SPLITS = 8
+"""See :func:`min_tiles_per_split` and :func:`merge_in_kernel`."""
 MERGE_CHUNK = 4096
 """The in-kernel split merge reads this many fp32 partial values a step (32 registers a thread at 4 warps)."""
 MIN_COUNTERS = 4096
@@ -95,16 +98,40 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def choose_splits(programs: int, max_units: int, device: torch.device) -> int:
-    """Default split-K factor: ``WAVES`` waves of programs, at least ``MIN_TILES_PER_SPLIT`` tiles per split.
+def choose_splits(programs: int, max_units: int, device: torch.device, min_tiles: int = MIN_TILES_PER_SPLIT) -> int:
+    """Default split-K factor: ``WAVES`` waves of programs, at least ``min_tiles`` tiles per split.
 
     ``programs`` is the launch's program count without splits, ``max_units`` the most tiles one
     sequence can have. Each program walks its tiles one after another, so short splits also cut
-    the latency of small batches; the epilogue merges the partials.
+    the latency of small batches; the splits are merged in the kernel or the epilogue.
     """
     sms = _num_sms(device.index or 0) if device.type == "cuda" else SMS_OFF_CUDA
     want = triton.cdiv(WAVES * PROGRAMS_PER_SM * sms, programs)
-    return max(1, min(want, max_units // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+    return max(1, min(want, max_units // min_tiles, MAX_SPLITS))
+
+
+def min_tiles_per_split(cfg: KVarNConfig, programs: int, max_units: int, device: torch.device) -> int:
+    """1 for 128-token tiles when even one-tile splits give at most ``ONE_TILE_MAX_WAVES`` programs per SM, else 2.
+
+    Measured (``benchmarks/RESULTS.md``, issue 9 round 2): batch 1 at 1K, 9 one-tile splits 16.4 us
+    against 21.5 us with 4; at batch 8 / 1K one-tile splits were slower (29.2 against 25.1 us).
+    64-token tiles keep 2 (a split then is one loop step of two tiles, ``pair_tiles``).
+    """
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else SMS_OFF_CUDA
+    if cfg.group_size >= 128 and programs * max_units <= ONE_TILE_MAX_WAVES * sms:
+        return 1
+    return MIN_TILES_PER_SPLIT
+
+
+def merge_in_kernel(programs: int, splits: int, device: torch.device) -> bool:
+    """Default of ``fuse_merge``: in the attention kernel, except for few splits in a launch of many waves.
+
+    The in-kernel merge costs every program an atomic (with its fences) and the last one the merge;
+    it saves the epilogue launch. Measured at batch 64 / 4K (7 splits, ~9 waves) the epilogue was
+    2% faster (171.6 against 175.5 us); everywhere else the merge in the kernel was as fast or faster.
+    """
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else SMS_OFF_CUDA
+    return splits > EPILOGUE_MAX_SPLITS or programs * splits <= FUSE_MAX_WAVES * PROGRAMS_PER_SM * sms
 
 
 def fuse_query_rotation(cfg: KVarNConfig, programs: int, tiles_per_split: int, device: torch.device) -> bool:
@@ -230,7 +257,7 @@ def paged_attention(
     num_warps: int = ATTN_NUM_WARPS,
     num_stages: int = ATTN_NUM_STAGES,
     fuse_query: bool | None = None,
-    fuse_merge: bool = True,
+    fuse_merge: bool | None = None,
     pair_tiles: bool | None = None,
     counters: torch.Tensor | None = None,
     empty: Callable[..., torch.Tensor] = torch.empty,
@@ -244,12 +271,12 @@ def paged_attention(
 
     Knobs (keyword only): ``num_splits`` forces the split-K factor (default :func:`choose_splits`);
     ``num_warps``, ``num_stages`` launch the attention kernel; ``fuse_query`` forces where the
-    queries are rotated (default :func:`fuse_query_rotation`); ``fuse_merge=False`` merges the
-    splits in the epilogue launch instead of the attention launch; ``counters`` (int32 zeros, at
-    least query blocks x Hkv entries; left zero) replaces the device's :func:`merge_counters`;
-    ``pair_tiles`` walks two tiles per loop step (default :func:`pair_tiles_default`);
-    ``empty`` allocates the output and the workspaces (``torch.empty``'s signature; tests pass one
-    that fills with NaN).
+    queries are rotated (default :func:`fuse_query_rotation`); ``fuse_merge`` whether the attention
+    launch merges the splits (else the epilogue launch; default :func:`merge_in_kernel`);
+    ``counters`` (int32 zeros, at least query blocks x Hkv entries; left zero) replaces the
+    device's :func:`merge_counters`; ``pair_tiles`` walks two tiles per loop step (default
+    :func:`pair_tiles_default`); ``empty`` allocates the output and the workspaces
+    (``torch.empty``'s signature; tests pass one that fills with NaN).
     """
     _check_args(query, cache, block_table, seq_lens, tail_k, tail_v, cfg, query_start_loc)
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
@@ -268,7 +295,12 @@ def paged_attention(
     block_q = max(1, MIN_DOT_ROWS // gqp) if multi_q else 1
     n_blocks = triton.cdiv(nq, block_q) + batch if multi_q else batch  # one spare block per sequence
     max_units = block_table.shape[1] + 1
-    splits = num_splits if num_splits is not None else choose_splits(n_blocks * hkv, max_units, dev)
+    if num_splits is None:
+        min_tiles = min_tiles_per_split(cfg, n_blocks * hkv, max_units, dev)
+        num_splits = choose_splits(n_blocks * hkv, max_units, dev, min_tiles)
+    splits = num_splits
+    if fuse_merge is None:
+        fuse_merge = merge_in_kernel(n_blocks * hkv, splits, dev)
     if fuse_merge and splits > 1 and counters is None:
         counters = merge_counters(dev, n_blocks * hkv)
     merge = fuse_merge and (splits == 1 or counters is not None)
