@@ -140,24 +140,53 @@ ATTN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("fuse", [True, False], ids=["fused_q", "prologue_q"])
+@pytest.mark.parametrize(
+    "fuse,merge", [(True, True), (False, True), (False, False)], ids=["fused_q", "prologue_q", "prologue_q_epilogue"]
+)
 @pytest.mark.parametrize("preset,d,dtype,hq,hkv,sink,splits", ATTN_CASES)
-def test_paged_attention_gpu(preset, d, dtype, hq, hkv, sink, splits, fuse):
+def test_paged_attention_gpu(preset, d, dtype, hq, hkv, sink, splits, fuse, merge):
     cfg = KVarNConfig.from_preset(preset, head_dim=d)
     lengths = ragged_lengths(cfg.group_size, cfg.group_size, seed=d + hq, max_tiles=12)
     state = build_cache(cfg, lengths, hkv, dtype, seed=5, device=DEV)
     query = (torch.randn(len(lengths), hq, d) * 2).to(dtype).to(DEV)
     args = attention_args(state, query, cfg, sink=sink)
-    out = attention.paged_attention(*args, num_splits=splits, fuse_query=fuse, empty=poisoned_empty)
+    out = attention.paged_attention(*args, num_splits=splits, fuse_query=fuse, fuse_merge=merge, empty=poisoned_empty)
     err = check_attention(out, args)
-    tag = f"{preset} d={d} {dtype} hq={hq} hkv={hkv} sink={sink} splits={splits} fuse={fuse}"
+    tag = f"{preset} d={d} {dtype} hq={hq} hkv={hkv} sink={sink} splits={splits} fuse={fuse} merge={merge}"
     print(f"STATS attention {tag} rel_err={err:.2e}")
 
 
-@pytest.mark.parametrize("fuse", [None, True, False])
+@pytest.mark.parametrize("preset,splits", [("kvarn_k4v2_g128", None), ("kvarn_k4v2_g64", 64), ("kvarn_k2v2_g128", 37)])
+def test_paged_attention_merge_in_graph(preset, splits):
+    """Batch 1, many splits, replayed from a CUDA graph: every replay merges right, counters end at zero."""
+    cfg = KVarNConfig.from_preset(preset, head_dim=128)
+    lengths = [150 * cfg.group_size + 17, 3 * cfg.group_size + 1]
+    state = build_cache(cfg, lengths, 8, torch.float16, seed=9, device=DEV)
+    query = torch.randn(len(lengths), 32, 128, device=DEV).half()
+    args = attention_args(state, query, cfg, sink=True)
+    attention.paged_attention(*args, num_splits=splits)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        attention.paged_attention(*args, num_splits=splits)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attention.paged_attention(*args, num_splits=splits)
+    for i in range(3):
+        query.copy_(torch.randn_like(query) * (i + 1))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        err = check_attention(out, args)
+        assert not attention.merge_counters(query.device, 1).any()
+    print(f"STATS merge_in_graph {preset} splits={splits} rel_err={err:.2e}")
+
+
+@pytest.mark.parametrize("fuse,merge", [(None, True), (True, True), (False, True), (None, False)])
 @pytest.mark.parametrize("splits", [None, 1, 4])
 @pytest.mark.parametrize("hq", [32, 64])
-def test_paged_attention_multi_query_gpu(splits, hq, fuse):
+def test_paged_attention_multi_query_gpu(splits, hq, fuse, merge):
     cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
     lengths = [1000, 300, 128, 7, 2050, 640]
     n_q = [37, 0, 128, 7, 300, 1]
@@ -165,9 +194,9 @@ def test_paged_attention_multi_query_gpu(splits, hq, fuse):
     qsl = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
     query = torch.randn(int(qsl[-1]), hq, 128, device=DEV).half()
     args = attention_args(state, query, cfg, qsl=qsl, sink=True)
-    out = attention.paged_attention(*args, num_splits=splits, fuse_query=fuse, empty=poisoned_empty)
+    out = attention.paged_attention(*args, num_splits=splits, fuse_query=fuse, fuse_merge=merge, empty=poisoned_empty)
     err = check_attention(out, args)
-    print(f"STATS multi_query hq={hq} splits={splits} fuse={fuse} rel_err={err:.2e}")
+    print(f"STATS multi_query hq={hq} splits={splits} fuse={fuse} merge={merge} rel_err={err:.2e}")
 
 
 def test_ops_auto_picks_triton_on_cuda():

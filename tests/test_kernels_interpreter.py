@@ -41,9 +41,10 @@ KERNEL_MODULES = (
     "kvarn.kernels.store",
     "kvarn.kernels.dequant",
     "kvarn.kernels.attention_tiles",
+    "kvarn.kernels.attention_epilogue",
+    "kvarn.kernels.attention_merge",
     "kvarn.kernels.attention_decode",
     "kvarn.kernels.attention_prologue",
-    "kvarn.kernels.attention_epilogue",
     "kvarn.kernels.attention",
 )
 """Every module of ``kvarn/kernels`` with kernels, each after the ones it imports from."""
@@ -204,21 +205,42 @@ ATTN_PROLOGUE_CASES = [
     ("kvarn_k4v2_g128", 64, torch.float16, 4, 2, True, 2),
     ("kvarn_k4v4_g64", 256, torch.bfloat16, 2, 1, False, None),
 ]
-"""Cases run with the queries rotated by the prologue kernel (``fuse_query=False``)."""
+"""Cases run with the queries rotated by the prologue kernel (``fuse_query=False``), with the splits
+merged in the attention kernel and, again, in the epilogue kernel (``fuse_merge=False``)."""
 
 
 @pytest.mark.parametrize(
-    "preset,d,dtype,hq,hkv,sink,splits,fuse",
-    [(*c, None) for c in ATTN_CASES] + [(*c, False) for c in ATTN_PROLOGUE_CASES],
+    "preset,d,dtype,hq,hkv,sink,splits,fuse,merge",
+    [(*c, None, True) for c in ATTN_CASES]
+    + [(*c, False, m) for c in ATTN_PROLOGUE_CASES for m in (True, False)]
+    + [("kvarn_k4v2_g64", 128, torch.float16, 4, 2, True, 3, None, False)],
 )
-def test_paged_attention_decode(preset, d, dtype, hq, hkv, sink, splits, fuse):
+def test_paged_attention_decode(preset, d, dtype, hq, hkv, sink, splits, fuse, merge):
     cfg = KVarNConfig.from_preset(preset, head_dim=d)
     lengths = ragged_lengths(cfg.group_size, 12, seed=d + hq)
     state = build_cache(cfg, lengths, hkv, dtype, seed=1)
     query = torch.randn(len(lengths), hq, d).to(dtype)
     args = attention_args(state, query, cfg, sink=sink)
-    out = attention.paged_attention(*args, num_splits=splits, fuse_query=fuse, empty=poisoned_empty)
+    out = attention.paged_attention(*args, num_splits=splits, fuse_query=fuse, fuse_merge=merge, empty=poisoned_empty)
     check_attention(out, args)
+
+
+def test_paged_attention_merge_counters():
+    """The in-kernel merge leaves its counters at zero (the next launch, or graph replay, reuses them)."""
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
+    lengths = [5 * 64 + 3, 64, 2 * 64 + 63]
+    state = build_cache(cfg, lengths, 2, torch.float16, seed=3)
+    query = torch.randn(len(lengths), 4, 64).to(torch.float16)
+    args = attention_args(state, query, cfg, sink=True)
+    counters = torch.zeros(len(lengths) * 2, dtype=torch.int32)
+    for _ in range(2):
+        check_attention(attention.paged_attention(*args, num_splits=4, counters=counters), args)
+        assert not counters.any()
+    shared = attention.merge_counters(query.device, 6)
+    check_attention(attention.paged_attention(*args, num_splits=5), args)
+    assert shared.numel() >= 6 and not shared.any()
+    with pytest.raises(ValueError, match="counters must be int32"):
+        attention.paged_attention(*args, num_splits=4, counters=counters[:5])
 
 
 def test_paged_attention_every_tail_length():
@@ -231,8 +253,11 @@ def test_paged_attention_every_tail_length():
     check_attention(attention.paged_attention(*args), args)
 
 
-@pytest.mark.parametrize("splits,fuse", [(1, None), (2, None), (2, False)])
-def test_paged_attention_multi_query(splits, fuse):
+@pytest.mark.parametrize(
+    "splits,fuse,merge,pair",
+    [(1, None, True, None), (2, None, True, True), (2, False, False, None), (1, None, False, True)],
+)
+def test_paged_attention_multi_query(splits, fuse, merge, pair):
     cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
     lengths = [190, 70, 64, 5, 130]
     n_q = [20, 0, 64, 5, 3]
@@ -240,7 +265,10 @@ def test_paged_attention_multi_query(splits, fuse):
     qsl = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32)
     query = torch.randn(int(qsl[-1]), 4, 64).to(torch.float16)
     args = attention_args(state, query, cfg, qsl=qsl, sink=True)
-    check_attention(attention.paged_attention(*args, num_splits=splits, fuse_query=fuse, empty=poisoned_empty), args)
+    out = attention.paged_attention(
+        *args, num_splits=splits, fuse_query=fuse, fuse_merge=merge, pair_tiles=pair, empty=poisoned_empty
+    )
+    check_attention(out, args)
 
 
 def test_kernels_reject_bad_input():

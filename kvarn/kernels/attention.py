@@ -1,16 +1,18 @@
 """Triton attention over the paged KVarN cache: decode and multi-query (causal within the chunk).
 
-This module is the launcher: it checks the arguments, picks the launch shape, the split-K factor
-and where the queries are rotated, and runs two or three kernels per call:
+This module is the launcher: it checks the arguments, picks the launch shape, the split-K factor,
+where the queries are rotated and where the splits are merged, and runs one to three kernels:
 
 1. (only without ``FUSED_Q``, see :func:`fuse_query_rotation`)
    :mod:`~kvarn.kernels.attention_prologue`: rotate the queries and pre-scale them by
    ``softmax_scale * log2(e)`` (tf32 dot with the +-1 Hadamard, exact products);
 2. :mod:`~kvarn.kernels.attention_decode`: one program per (query block, KV head, split) (with
    ``FUSED_Q``: rotates and scales its own queries, the same products), then walks its share of the
-   tiles (the per-tile math is in :mod:`~kvarn.kernels.attention_tiles`);
-3. :mod:`~kvarn.kernels.attention_epilogue`: merge the splits (log-sum-exp), un-rotate (two tf32
-   dots on a hi/lo split) and cast to the query dtype.
+   tiles (the per-tile math is in :mod:`~kvarn.kernels.attention_tiles`). With ``MERGE`` (the
+   default, :func:`merge_counters`) it also finishes the call (:mod:`~kvarn.kernels.attention_merge`):
+   the last split of each (query block, KV head) to finish merges the splits, un-rotates and casts;
+3. (only without ``MERGE``) :mod:`~kvarn.kernels.attention_epilogue`: merge the splits (log-sum-exp),
+   un-rotate (two tf32 dots on a hi/lo split) and cast to the query dtype.
 
 Every kernel gets the record layout as ``LAYOUT`` (:func:`kvarn.kernels._common.record_layout`).
 The tuning knobs are keyword arguments of :func:`paged_attention`, defaults as measured in
@@ -52,6 +54,43 @@ FUSE_MAX_TILES = 8
 tiles: each program then pays the rotation (~half a tile of work) once, against one launch saved."""
 SMS_OFF_CUDA = 4
 """SM count the split choice assumes on a device without SMs (the CPU interpreter)."""
+DECODE_MAX_REGS = {64: 96, 128: 128}
+"""Register cap of the decode attention kernel at 4 warps, by head dim: 5 / 4 programs per SM. Without it,
+ptxas takes 150-170 registers for some presets once the split merge is in the kernel, for the same main
+loop (local sm_90 compiles: same instruction count, no spills in the loop; a few values kept across
+the loop go to the stack). D = 256 (220+ either way) and multi-query launches are left alone."""
+ONE_TILE_MAX_WAVES = 2
+EPILOGUE_MAX_SPLITS = 8
+"""See :func:`min_tiles_per_split` and :func:`merge_in_kernel`."""
+MERGE_CHUNK = 4096
+"""The in-kernel split merge reads this many fp32 partial values a step (32 registers a thread at 4 warps)."""
+MIN_COUNTERS = 4096
+"""Entries of a device's merge-counter buffer when first allocated (16 KiB)."""
+
+_counters: dict[tuple[str, int], torch.Tensor] = {}
+_retired: list[torch.Tensor] = []
+
+
+def merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """The device's int32 counter buffer of the in-kernel split merge, at least ``n`` entries, all zero.
+
+    Each launch leaves the counters it used at zero, so the one buffer serves every launch on the
+    device, eager or replayed from a CUDA graph. It is grown (zero-filled) outside graph capture
+    only: while a graph is being captured a buffer that is too small gives ``None`` and the
+    launcher falls back to the epilogue launch. Outgrown buffers are kept alive, since a captured
+    graph may still point at one. Launches that run concurrently on several streams must not
+    share counters: pass each its own zeroed ``counters=`` to :func:`paged_attention`.
+    """
+    key = (device.type, device.index or 0)
+    buf = _counters.get(key)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        if buf is not None:
+            _retired.append(buf)
+        size = max(n, MIN_COUNTERS, 0 if buf is None else 2 * buf.numel())
+        buf = _counters[key] = torch.zeros(size, dtype=torch.int32, device=device)
+    return buf
 
 
 @functools.cache
@@ -59,16 +98,40 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def choose_splits(programs: int, max_units: int, device: torch.device) -> int:
-    """Default split-K factor: ``WAVES`` waves of programs, at least ``MIN_TILES_PER_SPLIT`` tiles per split.
+def choose_splits(programs: int, max_units: int, device: torch.device, min_tiles: int = MIN_TILES_PER_SPLIT) -> int:
+    """Default split-K factor: ``WAVES`` waves of programs, at least ``min_tiles`` tiles per split.
 
     ``programs`` is the launch's program count without splits, ``max_units`` the most tiles one
     sequence can have. Each program walks its tiles one after another, so short splits also cut
-    the latency of small batches; the epilogue merges the partials.
+    the latency of small batches; the splits are merged in the kernel or the epilogue.
     """
     sms = _num_sms(device.index or 0) if device.type == "cuda" else SMS_OFF_CUDA
     want = triton.cdiv(WAVES * PROGRAMS_PER_SM * sms, programs)
-    return max(1, min(want, max_units // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+    return max(1, min(want, max_units // min_tiles, MAX_SPLITS))
+
+
+def min_tiles_per_split(cfg: KVarNConfig, programs: int, max_units: int, device: torch.device) -> int:
+    """1 for 128-token tiles when even one-tile splits give at most ``ONE_TILE_MAX_WAVES`` programs per SM, else 2.
+
+    Measured (``benchmarks/RESULTS.md``, issue 9 round 2): batch 1 at 1K, 9 one-tile splits 16.4 us
+    against 21.5 us with 4; at batch 8 / 1K one-tile splits were slower (29.2 against 25.1 us).
+    64-token tiles keep 2 (a split then is one loop step of two tiles, ``pair_tiles``).
+    """
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else SMS_OFF_CUDA
+    if cfg.group_size >= 128 and programs * max_units <= ONE_TILE_MAX_WAVES * sms:
+        return 1
+    return MIN_TILES_PER_SPLIT
+
+
+def merge_in_kernel(programs: int, splits: int, device: torch.device) -> bool:
+    """Default of ``fuse_merge``: in the attention kernel, except for few splits in a launch of many waves.
+
+    The in-kernel merge costs every program an atomic (with its fences) and the last one the merge;
+    it saves the epilogue launch. Measured at batch 64 / 4K (7 splits, ~9 waves) the epilogue was
+    2% faster (171.6 against 175.5 us); everywhere else the merge in the kernel was as fast or faster.
+    """
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else SMS_OFF_CUDA
+    return splits > EPILOGUE_MAX_SPLITS or programs * splits <= FUSE_MAX_WAVES * PROGRAMS_PER_SM * sms
 
 
 def fuse_query_rotation(cfg: KVarNConfig, programs: int, tiles_per_split: int, device: torch.device) -> bool:
@@ -83,6 +146,15 @@ def fuse_query_rotation(cfg: KVarNConfig, programs: int, tiles_per_split: int, d
         return True
     sms = _num_sms(device.index or 0) if device.type == "cuda" else SMS_OFF_CUDA
     return programs <= FUSE_MAX_WAVES * PROGRAMS_PER_SM * sms and tiles_per_split <= FUSE_MAX_TILES
+
+
+def pair_tiles_default(cfg: KVarNConfig) -> bool:
+    """Whether the attention kernel walks two tiles per loop step by default: 64-token tiles at ``D = 128``.
+
+    One softmax step per 128 tokens and two independent score chains; at ``D = 64`` the pair
+    does not fit the register cap (``DECODE_MAX_REGS``: spills in the loop), at ``D = 256`` not tried.
+    """
+    return cfg.group_size < 128 and cfg.head_dim == 128
 
 
 def _check_args(query, cache, block_table, seq_lens, tail_k, tail_v, cfg, query_start_loc) -> None:
@@ -185,6 +257,9 @@ def paged_attention(
     num_warps: int = ATTN_NUM_WARPS,
     num_stages: int = ATTN_NUM_STAGES,
     fuse_query: bool | None = None,
+    fuse_merge: bool | None = None,
+    pair_tiles: bool | None = None,
+    counters: torch.Tensor | None = None,
     empty: Callable[..., torch.Tensor] = torch.empty,
 ) -> torch.Tensor:
     """Attention of ``query: [Nq, Hq, D]`` over the paged cache -> ``[Nq, Hq, D]`` in ``query.dtype``.
@@ -196,8 +271,12 @@ def paged_attention(
 
     Knobs (keyword only): ``num_splits`` forces the split-K factor (default :func:`choose_splits`);
     ``num_warps``, ``num_stages`` launch the attention kernel; ``fuse_query`` forces where the
-    queries are rotated (default :func:`fuse_query_rotation`); ``empty`` allocates the output and
-    the workspaces (``torch.empty``'s signature; tests pass one that fills with NaN).
+    queries are rotated (default :func:`fuse_query_rotation`); ``fuse_merge`` whether the attention
+    launch merges the splits (else the epilogue launch; default :func:`merge_in_kernel`);
+    ``counters`` (int32 zeros, at least query blocks x Hkv entries; left zero) replaces the
+    device's :func:`merge_counters`; ``pair_tiles`` walks two tiles per loop step (default
+    :func:`pair_tiles_default`); ``empty`` allocates the output and the workspaces
+    (``torch.empty``'s signature; tests pass one that fills with NaN).
     """
     _check_args(query, cache, block_table, seq_lens, tail_k, tail_v, cfg, query_start_loc)
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
@@ -207,32 +286,60 @@ def paged_attention(
     batch = seq_lens.shape[0]
     multi_q = query_start_loc is not None
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    out_dtype = query.dtype
     if query.stride(-1) != 1:
         query = query.contiguous()
     if nq == 0:
         return torch.empty_like(query)
     dev = query.device
-
-    gqa = hq // hkv  # query heads per KV head
-    gqp = triton.next_power_of_2(gqa)
+    gqp = triton.next_power_of_2(hq // hkv)
     block_q = max(1, MIN_DOT_ROWS // gqp) if multi_q else 1
     n_blocks = triton.cdiv(nq, block_q) + batch if multi_q else batch  # one spare block per sequence
     max_units = block_table.shape[1] + 1
-    splits = num_splits if num_splits is not None else choose_splits(n_blocks * hkv, max_units, dev)
-    part = empty(splits, nq, hq, d, dtype=torch.float32, device=dev)
+    if num_splits is None:
+        min_tiles = min_tiles_per_split(cfg, n_blocks * hkv, max_units, dev)
+        num_splits = choose_splits(n_blocks * hkv, max_units, dev, min_tiles)
+    splits = num_splits
+    if fuse_merge is None:
+        fuse_merge = merge_in_kernel(n_blocks * hkv, splits, dev)
+    if fuse_merge and splits > 1 and counters is None:
+        counters = merge_counters(dev, n_blocks * hkv)
+    merge = fuse_merge and (splits == 1 or counters is not None)
+    if merge and splits > 1 and (counters.dtype != torch.int32 or counters.numel() < n_blocks * hkv):
+        raise ValueError(f"counters must be int32 with at least {n_blocks * hkv} entries")
+    part = empty(0 if merge and splits == 1 else splits, nq, hq, d, dtype=torch.float32, device=dev)
+    ws_m = ws_l = part
     if splits > 1:
         ws_m = empty(splits, nq, hq, dtype=torch.float32, device=dev)
         ws_l = empty(splits, nq, hq, dtype=torch.float32, device=dev)
-    else:
-        ws_m = ws_l = part
-    tail_slots = _as_int32(tail_slots)
-    sinks = tail_slots if sink_slots is None else _as_int32(sink_slots)
-    fused = fuse_query
-    if fused is None:
-        fused = fuse_query_rotation(cfg, n_blocks * hkv * splits, triton.cdiv(max_units, splits), dev)
-    q = query if fused else _launch_prologue(query, cfg, scale, empty)
-    _attn_kernel[(n_blocks, hkv, splits)](
+    fused_q = fuse_query
+    if fused_q is None:
+        fused_q = fuse_query_rotation(cfg, n_blocks * hkv * splits, triton.cdiv(max_units, splits), dev)
+    q = query if fused_q else _launch_prologue(query, cfg, scale, empty)
+    final = empty(nq, hq, d, dtype=query.dtype, device=dev) if merge else part
+    grid = (n_blocks, hkv, splits)
+    pool = (tail_k, tail_v, _as_int32(tail_slots), _as_int32(tail_slots if sink_slots is None else sink_slots))
+    ws = (part, ws_m, ws_l, final, part if counters is None else counters)
+    flags = (splits > 1, merge, cfg.rotate, query.dtype == torch.bfloat16, inv_sqrt(d))
+    launch = {"num_warps": num_warps, "num_stages": num_stages, "FUSED_Q": fused_q, "FACTOR": _query_factor(cfg, scale)}
+    launch["HAS_SINK"] = sink_slots is not None
+    launch["PAIR"] = pair_tiles_default(cfg) if pair_tiles is None else pair_tiles
+    _launch_attention(grid, q, query, cache, block_table, seq_lens, query_start_loc, pool, ws, cfg, flags, launch)
+    if merge:
+        return final
+    return _launch_epilogue(part, ws_m, ws_l, splits, hq, query.dtype, cfg, empty)
+
+
+def _launch_attention(grid, q, query, cache, block_table, seq_lens, qsl, pool, ws, cfg, flags, launch) -> None:
+    """Launch the attention kernel; ``q`` is ``query`` or the prologue's output (``launch["FUSED_Q"]``)."""
+    hkv = grid[1]
+    nq, hq, d = query.shape
+    gqa = hq // hkv
+    gqp = triton.next_power_of_2(gqa)
+    multi_q = qsl is not None
+    block_q = max(1, MIN_DOT_ROWS // gqp) if multi_q else 1
+    tail_k, tail_v, tail_slots, sinks = pool
+    part, ws_m, ws_l, final, counters = ws
+    _attn_kernel[grid](
         q,
         cache,
         block_table,
@@ -241,15 +348,18 @@ def paged_attention(
         tail_v,
         tail_slots,
         sinks,
-        query_start_loc if multi_q else seq_lens,
+        qsl if multi_q else seq_lens,
         part,
         ws_m,
         ws_l,
-        batch,
+        final,
+        counters,
+        seq_lens.shape[0],
+        hq,
         q.stride(0),
         q.stride(1),
-        hq * d,
-        d,
+        final.stride(0) if flags[1] else hq * d,
+        final.stride(1) if flags[1] else d,
         cache.stride(0),
         cache.stride(1),
         block_table.stride(0),
@@ -257,23 +367,18 @@ def paged_attention(
         tail_k.stride(1),
         tail_k.stride(2),
         nq * hq,
-        splits,
+        grid[2],
         GQ=gqa,
         GQP=gqp,
         BLOCK_Q=block_q,
         BLOCK_M=max(MIN_DOT_ROWS, block_q * gqp),
         LAYOUT=record_layout(cfg),
         MULTI_Q=multi_q,
-        HAS_SINK=sink_slots is not None,
         POOL_BF16=tail_k.dtype == torch.bfloat16,
-        SPLIT=splits > 1,
         USE_ASM=not interpreting(),
-        ROTATE=cfg.rotate,
         IN_BF16=query.dtype == torch.bfloat16,
-        FACTOR=_query_factor(cfg, scale),
-        FUSED_Q=fused,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        MERGE_CH=max(1, MERGE_CHUNK // (block_q * gqp * d)),
+        FLAGS=flags,
+        maxnreg=None if multi_q or launch["num_warps"] != ATTN_NUM_WARPS else DECODE_MAX_REGS.get(d),
+        **launch,
     )
-
-    return _launch_epilogue(part, ws_m, ws_l, splits, hq, out_dtype, cfg, empty)

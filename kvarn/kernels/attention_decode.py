@@ -3,8 +3,9 @@
 A program serves ``BLOCK_Q`` queries x all ``Hq / Hkv`` query heads of one KV head (the rows of
 its ``[BLOCK_M, ...]`` blocks), so each tile is read from memory once per KV head. It walks its
 split's share of the sequence's tiles: quantized tiles first (:mod:`kvarn.kernels.attention_tiles`),
-then the full-precision sink and tail tiles, and writes the unnormalized result of its split (or,
-with one split, the normalized one). The launcher is :mod:`kvarn.kernels.attention`.
+then the full-precision sink and tail tiles, and ends in :mod:`kvarn.kernels.attention_merge`:
+the output itself (one split, or the last split of its rows to finish merges them all), or its
+split's partial for the epilogue kernel. The launcher is :mod:`kvarn.kernels.attention`.
 
 Each query row is divided by a power of two so ``|q| < 1``; the range guard keeps every row
 parameter under ``2^15``, so ``q * k_scale`` and ``p * v_scale`` fit fp16 without a per-tile scale.
@@ -17,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kvarn.kernels._common import NEG_BIG, frexp_exponent, hadamard_pm, load_f32, pow2
+from kvarn.kernels.attention_merge import _finish
 from kvarn.kernels.attention_tiles import _causal, _fp_tile, _tile_scores, _tile_values
 
 
@@ -151,14 +153,15 @@ def _query_rows(query, LAYOUT: tl.constexpr):
 
 @triton.jit
 def _quantized_tiles(
-    query, records, bt_row, u0, u1, pos_q, LAYOUT: tl.constexpr, MULTI_Q: tl.constexpr, USE_ASM: tl.constexpr
+    query, records, bt_row, u0, u1, pos_q, LAYOUT: tl.constexpr, MULTI_Q: tl.constexpr, USE_ASM: tl.constexpr, PAIR
 ):
     """Online softmax over the quantized tiles ``u0 .. u1 - 1`` of one sequence.
 
     ``query`` as returned by :func:`_load_query`; ``records = (cache, block_stride, head_stride,
     kv_head)``; ``bt_row`` points at the sequence's block table row. Returns the running max
     ``m_i``, the sum ``l_i`` (``[BLOCK_M]``) and the unnormalized output ``acc: [BLOCK_M, D]``
-    (rotated frame).
+    (rotated frame). With ``PAIR`` (constexpr) each step takes two tiles (one softmax step for
+    both, two independent score chains); an odd last tile is read twice, the copy masked out.
     """
     BLOCK_M: tl.constexpr = query[4].shape[0]
     G: tl.constexpr = LAYOUT.G
@@ -168,22 +171,48 @@ def _quantized_tiles(
     l_e = tl.zeros([BLOCK_M, G // 2], tl.float32)  # per token pair, summed at the end
     acc_e = tl.zeros([BLOCK_M, D // 2], tl.float32)  # even output channels
     acc_o = tl.zeros([BLOCK_M, D // 2], tl.float32)  # odd output channels
-    for u in range(u0, u1):
-        blk = tl.load(bt_row + u).to(tl.int64)
-        rec = cache + blk * s_cb + kvh.to(tl.int64) * s_ch
+    for u in range(u0, u1, 2 if PAIR else 1):
+        rec = cache + tl.load(bt_row + u).to(tl.int64) * s_cb + kvh.to(tl.int64) * s_ch
         s_e, s_o = _tile_scores(rec, query, LAYOUT, USE_ASM)  # [BLOCK_M, G // 2] each
         if MULTI_Q:
             s_e, s_o = _causal(s_e, s_o, pos_q, u * G, G // 2)
         m_new = tl.maximum(m_i, tl.max(tl.maximum(s_e, s_o), axis=1))
+        if PAIR:
+            rec2 = cache + tl.load(bt_row + tl.minimum(u + 1, u1 - 1)).to(tl.int64) * s_cb + kvh.to(tl.int64) * s_ch
+            s2_e, s2_o = _tile_scores(rec2, query, LAYOUT, USE_ASM)
+            if MULTI_Q:
+                s2_e, s2_o = _causal(s2_e, s2_o, pos_q, (u + 1) * G, G // 2)
+            s2_e = tl.where(u + 1 < u1, s2_e, float("-inf"))
+            s2_o = tl.where(u + 1 < u1, s2_o, float("-inf"))
+            m_new = tl.maximum(m_new, tl.max(tl.maximum(s2_e, s2_o), axis=1))
         alpha = tl.exp2(m_i - m_new)
         p_e = tl.exp2(s_e - m_new[:, None])
         p_o = tl.exp2(s_o - m_new[:, None])
         l_e = l_e * alpha[:, None] + (p_e + p_o)
         acc_e, acc_o = _tile_values(rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT, USE_ASM)
+        if PAIR:
+            p2_e = tl.exp2(s2_e - m_new[:, None])
+            p2_o = tl.exp2(s2_o - m_new[:, None])
+            l_e += p2_e + p2_o
+            acc_e, acc_o = _tile_values(rec2, p2_e, p2_o, None, acc_e, acc_o, LAYOUT, USE_ASM)
         m_i = m_new
     l_i = tl.sum(l_e, axis=1)
     acc = tl.reshape(tl.join(acc_e, acc_o), (BLOCK_M, D))
     return m_i, l_i, acc
+
+
+@triton.jit
+def _program_rows(N: tl.constexpr, q_start, q_first, n_q, kvh, GQ: tl.constexpr, GQP: tl.constexpr):
+    """The first ``N`` rows of a program: ``(q_row, head, row_ok, q_local)``, each ``[N]``.
+
+    Row ``r`` is query ``q_first + r // GQP`` of the sequence (global row ``q_row``) and query
+    head ``kvh * GQ + r % GQP``; ``row_ok`` says it is a real one.
+    """
+    rows = tl.arange(0, N)
+    hj = rows % GQP
+    q_local = q_first + rows // GQP
+    row_ok = (hj < GQ) & (q_local < n_q)
+    return (q_start + q_local).to(tl.int64), kvh * GQ + hj, row_ok, q_local
 
 
 @triton.jit
@@ -197,14 +226,17 @@ def _attn_kernel(
     tail_slots,
     sink_slots,
     query_start_loc,
-    out,
+    part,
     ws_m,
     ws_l,
+    final,
+    counters,
     num_seqs,
+    hq,
     s_iq,
     s_iqh,
-    s_q,
-    s_qh,
+    s_o,
+    s_oh,
     s_cb,
     s_ch,
     s_bt,
@@ -221,22 +253,25 @@ def _attn_kernel(
     MULTI_Q: tl.constexpr,
     HAS_SINK: tl.constexpr,
     POOL_BF16: tl.constexpr,
-    SPLIT: tl.constexpr,
     USE_ASM: tl.constexpr,
-    ROTATE: tl.constexpr,
     IN_BF16: tl.constexpr,
     FACTOR: tl.constexpr,
     FUSED_Q: tl.constexpr,
+    PAIR: tl.constexpr,
+    MERGE_CH: tl.constexpr,
+    FLAGS: tl.constexpr,
 ):
-    """Grid ``(query blocks, Hkv, num_splits)``; writes ``out`` (one split) or the split partials.
+    """Grid ``(query blocks, Hkv, num_splits)``; see :func:`kvarn.kernels.attention_merge._finish` for what it writes.
 
     ``q: [Nq, Hq, D]`` (strides ``s_iq, s_iqh``): with ``FUSED_Q`` the fp16/bf16 queries, rotated
-    and scaled by ``FACTOR`` here, else the prologue's rotated fp32 queries. ``out: [splits, Nq,
-    Hq, D]`` fp32 (strides ``s_q, s_qh`` within a split). ``GQ`` query heads per KV head, padded to
-    ``GQP`` (a power of two); row ``r`` of a block is query ``r // GQP``, head ``r % GQP``.
+    and scaled by ``FACTOR`` here, else the prologue's rotated fp32 queries. ``part: [splits, Nq,
+    Hq, D]`` fp32 partials (``s_ws = Nq * Hq``, ``hq = Hq``), ``final: [Nq, Hq, D]`` the output (strides
+    ``s_o, s_oh``), ``counters: [query blocks * Hkv]`` int32 zeros (with ``MERGE``).
+    ``GQ`` query heads per KV head, padded to ``GQP`` (a power of two); row ``r`` of a block is
+    query ``r // GQP``, head ``r % GQP``. ``FLAGS = (SPLIT, MERGE, ROTATE, OUT_BF16, INV_SQRT_D)``.
     """
     G: tl.constexpr = LAYOUT.G
-    D: tl.constexpr = LAYOUT.D
+    ROTATE: tl.constexpr = FLAGS[2]
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -250,12 +285,7 @@ def _attn_kernel(
 
     if q_first < n_q:
         seq_len = tl.load(seq_lens + seq)
-        rows = tl.arange(0, BLOCK_M)
-        hj = rows % GQP
-        q_local = q_first + rows // GQP
-        row_ok = (hj < GQ) & (q_local < n_q)
-        q_row = (q_start + q_local).to(tl.int64)  # [BLOCK_M]
-        head = kvh * GQ + hj
+        q_row, head, row_ok, q_local = _program_rows(BLOCK_M, q_start, q_first, n_q, kvh, GQ, GQP)
         pos_q = seq_len - n_q + q_local  # [BLOCK_M]
         q_base = q + q_row[:, None] * s_iq + head[:, None] * s_iqh  # [BLOCK_M, 1]
         query = _load_query(q_base, row_ok, LAYOUT, ROTATE, IN_BF16, FACTOR, FUSED_Q)  # 4 x [BLOCK_M, DK], [BLOCK_M]
@@ -281,10 +311,9 @@ def _attn_kernel(
         bt_row = block_table + seq.to(tl.int64) * s_bt
         records = (cache, s_cb, s_ch, kvh)
         qt1 = tl.minimum(u1, n_full)
-        m_i, l_i, acc = _quantized_tiles(query, records, bt_row, qt0, qt1, pos_q, LAYOUT, MULTI_Q, USE_ASM)
+        m_i, l_i, acc = _quantized_tiles(query, records, bt_row, qt0, qt1, pos_q, LAYOUT, MULTI_Q, USE_ASM, PAIR)
         sink_here = has_sink & (u0 == 0)
         tail_here = (rem > 0) & (u0 <= n_full) & (n_full < u1)
-        dd = tl.arange(0, D)
         if sink_here | tail_here:
             q_full = _query_rows(query, LAYOUT)  # [BLOCK_M, D]
             pool = (tail_k, tail_v, p_slot, p_tok, p_head, kvh)
@@ -294,12 +323,10 @@ def _attn_kernel(
                 slot = tl.load(tail_slots + seq)
                 m_i, l_i, acc = _fp_tile(q_full, m_i, l_i, acc, pool, slot, rem, n_full * G, pos_q, POOL_BF16)
 
-        out_rows = q_row[:, None] * s_q + head[:, None] * s_qh + dd[None, :]  # [BLOCK_M, D]
-        if not SPLIT:
-            res = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-            tl.store(out + out_rows, res, mask=row_ok[:, None])
-        else:
-            ws_rows = split.to(tl.int64) * s_ws + q_row * (s_q // D) + head
-            tl.store(ws_m + ws_rows, m_i, mask=row_ok)
-            tl.store(ws_l + ws_rows, l_i, mask=row_ok)
-            tl.store(out + split.to(tl.int64) * s_ws * D + out_rows, acc, mask=row_ok[:, None])
+        R: tl.constexpr = BLOCK_Q * GQP  # the program's distinct rows
+        q_row_c, head_c, row_ok_c, _ = _program_rows(R, q_start, q_first, n_q, kvh, GQ, GQP)
+        compact = (q_row_c * hq + head_c, row_ok_c)
+        rows = (q_row, head, row_ok, hq, split)
+        outs = (part, ws_m, ws_l, s_ws, final, s_o, s_oh)
+        counter = counters + pid * tl.num_programs(1) + kvh
+        _finish((m_i, l_i, acc), rows, compact, outs, counter, num_splits, MERGE_CH, FLAGS)

@@ -188,7 +188,7 @@ def _tile_values(rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT: tl.constexpr, USE_A
 
     ``p_e, p_o: [BLOCK_M, G // 2]`` are the probabilities of the even and odd tokens, ``alpha:
     [BLOCK_M]`` the rescale of the running accumulators ``acc_e, acc_o: [BLOCK_M, D // 2]`` (even
-    and odd output channels). The V code bytes are read as 16-bit words ``[G // PV, D // 2]`` (two
+    and odd output channels; ``None``: no rescale). The V code bytes are read as 16-bit words ``[G // PV, D // 2]`` (two
     neighbouring channels).
     """
     BLOCK_M: tl.constexpr = p_e.shape[0]
@@ -214,8 +214,11 @@ def _tile_values(rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT: tl.constexpr, USE_A
     o_e, o_o = _packed_dot(pv0, pv1, pv2, pv3, vw, PV, LAYOUT.V_BITS, USE_ASM)  # [BLOCK_M, DH] each
     vc_e = _load_bf16(rec + LAYOUT.V_CHAN + 4 * dh)  # [DH] v_chan of even channels
     vc_o = _load_bf16(rec + LAYOUT.V_CHAN + 4 * dh + 2)
-    acc_e = acc_e * alpha[:, None] + (o_e + z[:, None]) * vc_e[None, :]
-    acc_o = acc_o * alpha[:, None] + (o_o + z[:, None]) * vc_o[None, :]
+    if alpha is not None:
+        acc_e = acc_e * alpha[:, None]
+        acc_o = acc_o * alpha[:, None]
+    acc_e += (o_e + z[:, None]) * vc_e[None, :]
+    acc_o += (o_o + z[:, None]) * vc_o[None, :]
     return acc_e, acc_o
 
 

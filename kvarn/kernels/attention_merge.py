@@ -1,0 +1,148 @@
+"""The end of an attention program: its split's partial, the split merge, the output.
+
+``@triton.jit`` helpers of :mod:`kvarn.kernels.attention_decode`. With ``MERGE`` the attention
+launch finishes the call itself (no epilogue launch): a program with one split normalizes its
+rows, leaves the rotated frame and stores the output in the query dtype; with several splits each
+program writes its partial (running max, sum, unnormalized output) and counts itself in on its
+(query block, KV head)'s counter; the program that arrives last merges every split's partial of
+those rows (log-sum-exp), leaves the rotated frame, stores the output and sets the counter back
+to 0, so the counter buffer is all zeros again after every launch (and every CUDA-graph replay).
+Without ``MERGE`` the program stores its partial (or its normalized rows) for
+:mod:`kvarn.kernels.attention_epilogue`, the same math in a second launch.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvarn.kernels._common import NEG_BIG, hadamard_pm, store_model
+from kvarn.kernels.attention_epilogue import _split_tf32
+
+
+@triton.jit
+def _arrived_last(counter, num_splits):
+    """Count this program in at ``counter``: whether it is the last of the ``num_splits`` to arrive.
+
+    The barrier orders every thread's partial stores before the (release) increment; the last
+    arrival's acquire orders its reads of the other programs' partials after their increments.
+    """
+    tl.debug_barrier()
+    old = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    return old == num_splits - 1
+
+
+@triton.jit
+def _merge_rows(part, ws_m, ws_l, row_off, row_ok, num_splits, s_ws, D: tl.constexpr, CH: tl.constexpr):
+    """Log-sum-exp merge of the split partials of ``R`` rows -> normalized ``[R, D]`` fp32 (rotated frame).
+
+    ``row_off: [R]`` is each row's index in one split's ``ws_m`` / ``ws_l`` (its partial output row
+    starts at ``row_off * D``), ``s_ws`` the stride of a split there. Reads ``CH`` splits at a
+    time, through L2 (``.cg``): the other programs wrote them in this launch.
+    """
+    R: tl.constexpr = row_off.shape[0]
+    sp = tl.arange(0, CH)
+    dd = tl.arange(0, D)
+    m_run = tl.full([R], NEG_BIG, tl.float32)
+    den = tl.zeros([R], tl.float32)
+    o = tl.zeros([R, D], tl.float32)
+    for c in tl.range(0, num_splits, CH, num_stages=1):
+        ok = ((c + sp) < num_splits)[:, None] & row_ok[None, :]  # [CH, R]
+        off = (c + sp).to(tl.int64)[:, None] * s_ws + row_off[None, :]  # [CH, R]
+        m = tl.load(ws_m + off, mask=ok, other=NEG_BIG, cache_modifier=".cg")
+        lsum = tl.load(ws_l + off, mask=ok, other=0.0, cache_modifier=".cg")
+        a_ptr = part + off[:, :, None] * D + dd[None, None, :]  # [CH, R, D]
+        a = tl.load(a_ptr, mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_run, tl.max(m, axis=0))
+        alpha = tl.exp2(m_run - m_new)
+        w = tl.exp2(m - m_new[None, :])  # [CH, R]
+        den = den * alpha + tl.sum(w * lsum, axis=0)
+        o = o * alpha[:, None] + tl.sum(a * w[:, :, None], axis=0)
+        m_run = m_new
+    return o / tl.where(den > 0.0, den, 1.0)[:, None]
+
+
+@triton.jit
+def _hdot(x, h):
+    """``x @ h`` for fp32 ``x`` and a +-1 matrix ``h``: two tf32 dots on ``hi + lo`` (~22 bits kept)."""
+    hi, lo = _split_tf32(x)
+    return tl.dot(lo, h, tl.dot(hi, h, input_precision="tf32"), input_precision="tf32")
+
+
+@triton.jit
+def _h_pairs(x, h):
+    """``x @ H_2n`` for ``x: [M, 2n]`` given ``h = H_n``, through index bit 0 of the channels.
+
+    ``H_2n[i, j] = (-1)^(i0 j0) H_n[i >> 1, j >> 1]``, so the even output channels are
+    ``(x_even + x_odd) @ H_n`` and the odd ones ``(x_even - x_odd) @ H_n``.
+    """
+    M: tl.constexpr = x.shape[0]
+    N2: tl.constexpr = x.shape[1]
+    e, o = tl.split(tl.reshape(x, (M, N2 // 2, 2)))
+    return tl.reshape(tl.join(_hdot(e + o, h), _hdot(e - o, h)), (M, N2))
+
+
+@triton.jit
+def _unrotate(x, INV_SQRT_D: tl.constexpr):
+    """``x @ H_D / sqrt(D)`` for ``x: [M, D]`` fp32 (``M >= 16``, ``D <= 256``), with ``H`` blocks of at most 64."""
+    M: tl.constexpr = x.shape[0]
+    D: tl.constexpr = x.shape[1]
+    if D <= 64:
+        y = _hdot(x, hadamard_pm(D))
+    elif D == 128:
+        y = _h_pairs(x, hadamard_pm(64))
+    else:
+        h = hadamard_pm(D // 4)
+        e, o = tl.split(tl.reshape(x, (M, D // 2, 2)))
+        y = tl.reshape(tl.join(_h_pairs(e + o, h), _h_pairs(e - o, h)), (M, D))
+    return y * INV_SQRT_D
+
+
+@triton.jit
+def _store_output(o, dst, row_ok, ROTATE: tl.constexpr, OUT_BF16: tl.constexpr, INV_SQRT_D: tl.constexpr):
+    """Normalized rotated rows ``o: [M, D]`` -> the model frame, cast, stored at ``dst: [M, D]`` where ``row_ok``."""
+    if ROTATE:
+        o = _unrotate(o, INV_SQRT_D)
+    store_model(dst, o, row_ok[:, None], OUT_BF16)
+
+
+@triton.jit
+def _finish(result, rows, compact, outs, counter, num_splits, CH: tl.constexpr, flags: tl.constexpr):
+    """Write what a program computed: its partial or rows, and with ``MERGE`` the output (see module doc).
+
+    ``result = (m_i, l_i, acc)``; ``rows = (q_row, head, row_ok, hq, split)`` of the program's
+    ``[BLOCK_M]`` rows, of which the first ``R`` are its distinct (query, head) rows (rows past
+    them are masked off); ``compact = (row_off, row_ok)``: the index in one split's ``ws_m`` and
+    whether it is real, of those ``R`` rows. ``outs = (part, ws_m, ws_l, s_ws, final, s_o, s_oh)``:
+    the fp32 partials ``[splits, Nq, Hq, D]`` (``s_ws = Nq * Hq``), ``ws_m, ws_l: [splits, Nq, Hq]``
+    and the output ``[Nq, Hq, D]`` (strides ``s_o, s_oh``). ``flags = (SPLIT, MERGE, ROTATE,
+    OUT_BF16, INV_SQRT_D)``.
+    """
+    m_i, l_i, acc = result
+    q_row, head, row_ok, hq, split = rows
+    part, ws_m, ws_l, s_ws, final, s_o, s_oh = outs
+    SPLIT: tl.constexpr = flags[0]
+    MERGE: tl.constexpr = flags[1]
+    BLOCK_M: tl.constexpr = acc.shape[0]
+    D: tl.constexpr = acc.shape[1]
+    dd = tl.arange(0, D)
+    dst = final + q_row[:, None] * s_o + head[:, None] * s_oh + dd[None, :]  # [BLOCK_M, D]
+    row_off = q_row * hq + head  # [BLOCK_M]
+    if not SPLIT:
+        res = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        if MERGE:
+            _store_output(res, dst, row_ok, flags[2], flags[3], flags[4])
+        else:
+            tl.store(part + row_off[:, None] * D + dd[None, :], res, mask=row_ok[:, None])
+    else:
+        ws_rows = split.to(tl.int64) * s_ws + row_off
+        tl.store(ws_m + ws_rows, m_i, mask=row_ok)
+        tl.store(ws_l + ws_rows, l_i, mask=row_ok)
+        tl.store(part + ws_rows[:, None] * D + dd[None, :], acc, mask=row_ok[:, None])
+        if MERGE:
+            if _arrived_last(counter, num_splits):
+                R: tl.constexpr = compact[0].shape[0]
+                o = _merge_rows(part, ws_m, ws_l, compact[0], compact[1], num_splits, s_ws, D, CH)  # [R, D]
+                tl.store(counter, 0)
+                o = tl.reshape(tl.broadcast_to(o[None, :, :], (BLOCK_M // R, R, D)), (BLOCK_M, D))
+                _store_output(o, dst, row_ok, flags[2], flags[3], flags[4])
