@@ -62,7 +62,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.nn.attention.bias import causal_lower_right
 
 from kvarn import ops
 from kvarn.config import KVarNConfig
@@ -491,8 +490,7 @@ class PagedKV:
         group = hq // self.cache.shape[1]
         k = torch.cat(keys).to(query.dtype).transpose(0, 1).repeat_interleave(group, 0)  # [Hq, L, D]
         v = torch.cat(values).to(query.dtype).transpose(0, 1).repeat_interleave(group, 0)
-        # causal with the queries aligned to the end: flash / memory-efficient kernels take it as is
-        visible = causal_lower_right(n, seq_len)
+        visible = torch.ones(n, seq_len, dtype=torch.bool, device=query.device).tril(seq_len - n)
         out = torch.nn.functional.scaled_dot_product_attention(
             query.transpose(0, 1)[None], k[None], v[None], attn_mask=visible, scale=scale
         )

@@ -373,13 +373,19 @@ def test_scale_records_is_exact():
     assert torch.equal(v2, torch.ldexp(v1, ve[:, None, None].float()))
 
 
-def test_encode_half_is_the_record_orientation():
-    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
+def _same(a, b):
+    """Equal tensors, or both ``None`` (the smoothing vector of a V half or of an unsmoothed K half)."""
+    return a is None and b is None if a is None or b is None else torch.equal(a, b)
+
+
+@pytest.mark.parametrize("smooth_keys", [False, True])
+def test_encode_half_is_the_record_orientation(smooth_keys):
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64, smooth_keys=smooth_keys)
     k, v = (prepare(torch.randn(2, 64, 64)) for _ in range(2))
     k_half, v_half = unpack_record(encode_records(k, v, cfg), cfg)
     for role, want, x in (("key", k_half, k), ("value", v_half, v)):
         got = encode_half(x, role, cfg)
-        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        assert all(_same(a, b) for a, b in zip(got, want, strict=True))
     wk, wv = decode_records(encode_records(k, v, cfg), cfg)
     assert torch.equal(decode_half(k_half, "key"), wk) and torch.equal(decode_half(v_half, "value"), wv)
     assert encode_half(k, "key", cfg).codes.shape == (2, 64, 64)
