@@ -42,6 +42,11 @@ def _kernel_format(cfg) -> bool:
     return not getattr(cfg, "smooth_keys", False)
 
 
+def _kernel_half(half) -> bool:
+    """Whether a kernel reads tile half ``half`` (not: a K half carrying a smoothing vector)."""
+    return len(half) <= 4 or half[4] is None
+
+
 def _pick(name: str, impl: str, like: torch.Tensor, kernel_format: bool = True) -> Callable:
     """The implementation of op ``name`` for ``impl``, deciding ``auto`` by ``like``'s device and dtype.
 
@@ -153,8 +158,7 @@ def encode_half(tiles, role, cfg, *, impl: str = "auto"):
 
 def decode_half(half, role, *, impl: str = "auto") -> torch.Tensor:
     """A tile half back to rotated fp32 tiles ``[..., G, D]``. See :func:`kvarn.reference.decode_half`."""
-    smoothed = len(half) > 4 and half[4] is not None
-    return _pick("decode_half", impl, half[0], not smoothed)(half, role)
+    return _pick("decode_half", impl, half[0], _kernel_half(half))(half, role)
 
 
 def pack_codes(codes, bits, *, impl: str = "auto") -> torch.Tensor:
@@ -174,8 +178,7 @@ def input_exponent(x, dtype=None, rotate: bool = True, *, impl: str = "auto") ->
 
 def scale_half(half, exp, *, impl: str = "auto"):
     """A tile half reconstructing ``2^exp`` times larger. See :func:`kvarn.reference.scale_half`."""
-    smoothed = len(half) > 4 and half[4] is not None
-    return _pick("scale_half", impl, half[0], not smoothed)(half, exp)
+    return _pick("scale_half", impl, half[0], _kernel_half(half))(half, exp)
 
 
 def scale_records(records, k_exp, v_exp, cfg, *, impl: str = "auto") -> torch.Tensor:
