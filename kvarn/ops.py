@@ -89,6 +89,11 @@ def pool_exponent(dtype: torch.dtype, head_dim: int) -> int:
     return reference.pool_exponent(dtype, head_dim)
 
 
+def hadamard_matrix(d: int, device="cpu") -> torch.Tensor:
+    """The normalized Hadamard matrix ``H: [d, d]`` fp32. See :func:`kvarn.reference.hadamard_matrix`."""
+    return reference.hadamard_matrix(d, device)
+
+
 def rotate(x, *, impl: str = "auto") -> torch.Tensor:
     """``x @ H`` along the last axis (the Hadamard is its own inverse). See :func:`kvarn.reference.rotate`."""
     return _pick("rotate", impl, x)(x)

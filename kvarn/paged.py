@@ -46,15 +46,18 @@ planner's life (the transformers cache's rows never change; vLLM keeps no sink y
 Only committed tokens may be planned: speculative drafts would be frozen into a record.
 
 Prefill. A request with many queries in one step (a prompt chunk) can attend by reading its tiles
-back whole (:meth:`PagedKV.attend_prefill`: the dequantize kernel, then one dense attention call)
-instead of through the paged decode kernel, whose programs serve one query block at a time;
-:func:`split_prefill` picks those requests and :meth:`PagedKV.attend_split` runs both paths in one
-step. The semantics are the same as :meth:`PagedKV.attend`'s (every full tile from its record, the
-rest from the tail slot, causal within the chunk); only the order of the arithmetic differs.
+back whole (:meth:`PagedKV.read_back`: the dequantize kernel and the tail) and attend in one
+varlen attention call for all such requests of the step (:data:`VarlenAttention`: vLLM's flash
+attention in the vLLM backend, :func:`sdpa_varlen` elsewhere) instead of through the paged decode
+kernel, whose programs serve one query block at a time; :func:`split_prefill` picks those requests
+and :meth:`PagedKV.attend_split` runs both paths in one step. The semantics are the same as
+:meth:`PagedKV.attend`'s (every full tile from its record, the rest from the tail slot, causal
+within the chunk); only the order of the arithmetic differs.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Callable
@@ -464,37 +467,41 @@ class PagedKV:
             impl=self.impl,
         )
 
-    def attend_prefill(
-        self, plan: TilePlan, query: torch.Tensor, blocks: torch.Tensor, seq_len: int, row: int, scale: float | None
-    ) -> torch.Tensor:
-        """Attention of one request's ``query: [n, Hq, D]`` (its last ``n`` positions) by reading its K/V back whole.
+    def read_back(
+        self, plan: TilePlan, blocks: torch.Tensor, seq_len: int, row: int, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A request's first ``seq_len`` tokens read back whole: ``k, v: [seq_len, Hkv, D]`` ``dtype``, model frame.
 
-        ``blocks: [max_blocks]`` is its block-table row, ``seq_len`` its length after the step and
-        ``row`` its index in ``plan``. Full tiles are dequantized (the sink tile read from its slot),
-        the last ``seq_len % G`` tokens come from the tail slot, and one causal attention call
-        (queries aligned to the end) runs over them in ``query``'s dtype. Returns ``[n, Hq, D]``.
+        ``blocks: [max_blocks]`` is its block-table row and ``row`` its index in ``plan``. Full tiles
+        are dequantized (the sink tile read from its slot), the last ``seq_len % G`` tokens come
+        from the tail slot: the values :meth:`attend` reads for the same request. They leave the
+        rotated frame through one matrix product with ``H`` per tensor (a prompt chunk reads many
+        tiles; the elementwise butterfly of :func:`kvarn.ops.rotate` would pass over them
+        ``log2 D`` times), rounded once to ``dtype``.
         """
-        g = self.cfg.group_size
-        n, hq, _ = query.shape
+        cfg, g = self.cfg, self.cfg.group_size
         full, rem = divmod(seq_len, g)
-        keys, values = [], []
+        heads, d = self.cache.shape[1], cfg.head_dim
+        dev = self.cache.device
+        out = [torch.empty(seq_len, heads, d, dtype=dtype, device=dev) for _ in range(2)]
+        h = ops.hadamard_matrix(d, dev) if cfg.rotate else None
+
+        def put(dst: torch.Tensor, x: torch.Tensor) -> None:
+            dst.copy_(x if h is None else x @ h)
+
         if full:
-            sinks = None if plan.sink_slots is None else plan.sink_slots[row : row + 1]
-            k, v = self.read_tiles(blocks[None, :full], sinks)
-            keys.append(k[0])
-            values.append(v[0])
+            tiles = ops.decode_records(self.cache[blocks[:full].long()], cfg, impl=self.impl)  # [full, Hkv, G, D]
+            for o, x in zip(out, tiles, strict=True):
+                put(o[: full * g].view(full, g, heads, d).transpose(1, 2), x)
+            sink = -1 if plan.sink_slots is None else int(plan.sink_slots[row])
+            if sink >= 0:
+                for o, pool in zip(out, (self.tail_k, self.tail_v), strict=True):
+                    put(o[:g], ops.from_pool(pool[sink]))
         if rem:
-            k, v = self.read_tail(plan.tail_slots[row : row + 1], rem)
-            keys.append(k[0])
-            values.append(v[0])
-        group = hq // self.cache.shape[1]
-        k = torch.cat(keys).to(query.dtype).transpose(0, 1).repeat_interleave(group, 0)  # [Hq, L, D]
-        v = torch.cat(values).to(query.dtype).transpose(0, 1).repeat_interleave(group, 0)
-        visible = torch.ones(n, seq_len, dtype=torch.bool, device=query.device).tril(seq_len - n)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query.transpose(0, 1)[None], k[None], v[None], attn_mask=visible, scale=scale
-        )
-        return out[0].transpose(0, 1)
+            slot = plan.tail_slots[row : row + 1].long()
+            for o, pool in zip(out, (self.tail_k, self.tail_v), strict=True):
+                put(o[full * g :], ops.from_pool(pool.index_select(0, slot)[0, :rem]))
+        return out[0], out[1]
 
     def attend_split(
         self,
@@ -504,9 +511,14 @@ class PagedKV:
         seq_lens: torch.Tensor,
         split: PrefillSplit,
         scale: float | None = None,
+        varlen: VarlenAttention | None = None,
     ) -> torch.Tensor:
-        """:meth:`attend` for a step that :func:`split_prefill` split: its prefill requests through
-        :meth:`attend_prefill`, the others through the paged kernel. ``query: [T, Hq, D]`` -> ``[T, Hq, D]``."""
+        """:meth:`attend` for a step that :func:`split_prefill` split. ``query: [T, Hq, D]`` -> ``[T, Hq, D]``.
+
+        The prefill requests' K/V are read back whole (:meth:`read_back`) and attended in one
+        ``varlen`` call (default :func:`sdpa_varlen`; the vLLM backend passes flash attention),
+        queries aligned to the end of their sequence; the other requests go through the paged kernel.
+        """
         out = torch.empty_like(query)
         if split.rest_rows is not None:
             rows, tokens = split.rest_rows, split.rest_tokens
@@ -525,8 +537,27 @@ class PagedKV:
                 scale,
                 impl=self.impl,
             ).to(out.dtype)
+        keys, values, cu_q, cu_k = [], [], [0], [0]
         for row, first, end, seq_len in split.rows:
-            out[first:end] = self.attend_prefill(plan, query[first:end], block_table[row], seq_len, row, scale)
+            k, v = self.read_back(plan, block_table[row], seq_len, row, query.dtype)
+            keys.append(k)
+            values.append(v)
+            cu_q.append(cu_q[-1] + end - first)
+            cu_k.append(cu_k[-1] + seq_len)
+        spans = [(first, end) for _, first, end, _ in split.rows]
+        contiguous = all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+        if contiguous:
+            q = query[spans[0][0] : spans[-1][1]]
+        else:
+            q = torch.cat([query[first:end] for first, end in spans])
+        att = (varlen or sdpa_varlen)(
+            q, torch.cat(keys), torch.cat(values), cu_q, cu_k, query.shape[-1] ** -0.5 if scale is None else scale
+        )
+        if contiguous:
+            out[spans[0][0] : spans[-1][1]] = att
+        else:
+            for (first, end), (a, b) in zip(spans, itertools.pairwise(cu_q), strict=True):
+                out[first:end] = att[a:b]
         return out
 
     def read_tiles(self, blocks: torch.Tensor, sink_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
@@ -571,7 +602,33 @@ class PagedKV:
 
 
 PREFILL_MIN_QUERIES = 64
-"""A request with at least this many queries in a step attends through :meth:`PagedKV.attend_prefill`."""
+"""A request with at least this many queries in a step attends through :meth:`PagedKV.attend_split`."""
+
+VarlenAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[int], list[int], float], torch.Tensor]
+"""``(q: [Tq, Hq, D], k, v: [Tk, Hkv, D], cu_q, cu_k, scale) -> [Tq, Hq, D]``: causal attention of
+packed sequences (sequence ``i`` is rows ``cu_q[i] .. cu_q[i + 1]`` of ``q`` and ``cu_k[i] ..
+cu_k[i + 1]`` of ``k, v``; host ints), queries aligned to the end of their keys, GQA heads grouped."""
+
+
+def sdpa_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list[int], cu_k: list[int], scale: float
+) -> torch.Tensor:
+    """:data:`VarlenAttention` by one ``scaled_dot_product_attention`` call per sequence (any device).
+
+    An explicit end-aligned causal mask, and the KV heads repeated for GQA.
+    """
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[1]
+    for (qa, qb), (ka, kb) in zip(itertools.pairwise(cu_q), itertools.pairwise(cu_k), strict=True):
+        n, length = qb - qa, kb - ka
+        keys = k[ka:kb].transpose(0, 1).repeat_interleave(group, 0)  # [Hq, L, D]
+        vals = v[ka:kb].transpose(0, 1).repeat_interleave(group, 0)
+        visible = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
+        att = torch.nn.functional.scaled_dot_product_attention(
+            q[qa:qb].transpose(0, 1)[None], keys[None], vals[None], attn_mask=visible, scale=scale
+        )
+        out[qa:qb] = att[0].transpose(0, 1)
+    return out
 
 
 @dataclass

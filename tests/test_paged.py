@@ -181,3 +181,36 @@ def test_prefill_split_attends_as_the_paged_path(sink, dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     assert split_prefill(qsl.numpy(), lens.numpy(), "cpu", min_queries=81) is None
+
+
+def test_prefill_split_packs_chunks_around_a_decode_row():
+    """Two prompt chunks with a decode row between them: one varlen call, each chunk's rows back in place."""
+    from kvarn.config import KVarNConfig
+    from kvarn.paged import PagedKV, sdpa_varlen, split_prefill
+
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
+    g, hkv, hq = cfg.group_size, 2, 4
+    planner = TilePlanner(6, g)
+    kv = PagedKV.allocate(cfg, 12, hkv, 6, torch.float32, "cpu", impl="reference")
+    table = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]])
+    gen = torch.Generator().manual_seed(1)
+    steps = [([100, 70, 64], [100, 70, 64]), ([90, 1, 130], [190, 71, 194])]
+    for news, lens in steps:
+        qsl = torch.tensor([0, *torch.tensor(news).cumsum(0).tolist()])
+        step_plan = planner.plan(qsl, torch.tensor(lens), table, int(qsl[-1]))
+        k, v = (torch.randn(int(qsl[-1]), hkv, 64, generator=gen) for _ in range(2))
+        kv.store(step_plan, k, v)
+    q = torch.randn(int(qsl[-1]), hq, 64, generator=gen)
+    lens = torch.tensor(steps[-1][1])
+    want = kv.attend(step_plan, q, table, lens, qsl)
+    split = split_prefill(qsl.numpy(), lens.numpy(), "cpu")
+    assert [r[:3] for r in split.rows] == [(0, 0, 90), (2, 91, 221)]
+    calls = []
+
+    def spy(*args):
+        calls.append([a.shape[0] for a in args[:3]] + list(args[3:5]))
+        return sdpa_varlen(*args)
+
+    got = kv.attend_split(step_plan, q, table, lens, split, varlen=spy)
+    assert calls == [[220, 384, 384, [0, 90, 220], [0, 190, 384]]]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -1,12 +1,13 @@
-"""The vLLM backend's CUDA path without vLLM (``pytest -m gpu``): its own store and attention calls.
+"""The vLLM backend's CUDA path without vLLM's engine (``pytest -m gpu``): its own store and attention calls.
 
-The vLLM GPU wheel cannot be installed on the GPU machine, so this drives what the backend runs on
-CUDA, :class:`~kvarn.paged.TilePlanner` plus :meth:`~kvarn.paged.PagedKV.store` and
+This drives what the backend runs on CUDA, :class:`~kvarn.paged.TilePlanner` plus :meth:`~kvarn.paged.PagedKV.store` and
 :meth:`~kvarn.paged.PagedKV.attend` with ``impl="triton"``, through a schedule like vLLM's (chunks ending inside
 tiles, mixed decode and prefill, permuted blocks, skipped steps, a prefix hit, preemption). Every
 step checks the records of every full tile against the reference encoding of its tokens (equal up
 to rounding ties, as in ``kernel_oracle``) and the attention output against
-``kvarn.reference.paged_attention`` over the same state.
+``kvarn.reference.paged_attention`` over the same state, and so does the prompt-chunk path
+(:meth:`~kvarn.paged.PagedKV.attend_split`) through SDPA and, where vLLM imports, through vLLM's
+flash attention.
 """
 
 from __future__ import annotations
@@ -27,7 +28,19 @@ from kernel_oracle import check_attention, check_records  # noqa: E402
 
 from kvarn import reference as R  # noqa: E402
 from kvarn.config import KVarNConfig  # noqa: E402
-from kvarn.paged import PagedKV, TilePlanner  # noqa: E402
+from kvarn.paged import PagedKV, TilePlanner, sdpa_varlen, split_prefill  # noqa: E402
+
+
+def _varlens() -> list:
+    """The prompt-chunk attentions to check: SDPA always, vLLM's flash attention where vLLM imports."""
+    try:
+        from kvarn.integration.vllm.backend import flash_varlen
+    except ImportError:
+        return [sdpa_varlen]
+    flash = flash_varlen()
+    assert flash is not None, "vLLM imports on this CUDA machine but its flash attention does not"
+    return [sdpa_varlen, flash]
+
 
 DEV = "cuda"
 IMPL = "triton"
@@ -78,7 +91,8 @@ def test_backend_steps_on_cuda_match_the_reference(preset, d, dtype):
 
     for rid in range(6):
         add(rid, rng.randrange(g // 2, 4 * g))
-    next_id, steps, checked = 6, 0, 0
+    next_id, steps, checked, prefill_checks = 6, 0, 0, 0
+    varlens = _varlens()
     while steps < 30:
         steps += 1
         live = [r for r, q in reqs.items() if q["len"] < q["target"]]
@@ -126,7 +140,12 @@ def test_backend_steps_on_cuda_match_the_reference(preset, d, dtype):
         table, lens, qsl_t = table.to(DEV, torch.int32), lens.to(DEV, torch.int32), qsl_t.to(DEV, torch.int32)
         scale = d**-0.5
         out = paged.attend(plan, query, table, lens, qsl_t, scale)
-        check_attention(out, (query, cache, table, lens, tail_k, tail_v, plan.tail_slots, cfg, qsl_t, None, scale))
+        args = (query, cache, table, lens, tail_k, tail_v, plan.tail_slots, cfg, qsl_t, None, scale)
+        check_attention(out, args)
+        split = split_prefill(qsl, lens.cpu().numpy(), DEV, min_queries=g // 2)
+        for varlen in varlens if split is not None else ():
+            check_attention(paged.attend_split(plan, query, table, lens, split, scale, varlen=varlen), args)
+            prefill_checks += 1
         for rid in order:
             req = reqs[rid]
             full = req["len"] // g
@@ -138,4 +157,5 @@ def test_backend_steps_on_cuda_match_the_reference(preset, d, dtype):
             check_records(cache[torch.tensor(req["blocks"][:full], device=DEV)], want, kt, vt, cfg)
             checked += full
     assert checked > 0 and planner.stats["committed_tiles"] > 0 and planner.stats["stored_tiles"] > 0
+    assert prefill_checks >= 2 * len(varlens)
     assert planner.stats["chunks_starting_inside_a_tile"] > 0

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import sys
 import weakref
@@ -68,6 +69,7 @@ from kvarn.paged import (
     PrefillSplit,
     TilePlan,
     TilePlanner,
+    VarlenAttention,
     plan_request_slots,
     split_prefill,
 )
@@ -428,6 +430,45 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         meta.decode = True
 
 
+_flash: list = []
+
+
+def flash_varlen() -> VarlenAttention | None:
+    """vLLM's own flash attention as a :data:`~kvarn.paged.VarlenAttention`, or ``None`` where it does not import.
+
+    Found by feature (``vllm.v1.attention.backends.fa_utils`` with a varlen function that imports),
+    never by version. Prompt chunks on CUDA attend through it; without it they use
+    :func:`kvarn.paged.sdpa_varlen`.
+    """
+    if not _flash:
+        fn = None
+        try:
+            from vllm.v1.attention.backends import fa_utils
+
+            if fa_utils.is_flash_attn_varlen_func_available():
+                version = fa_utils.get_flash_attn_version()
+                kernel = fa_utils.flash_attn_varlen_func
+
+                def fn(q, k, v, cu_q, cu_k, scale):
+                    dev = q.device
+                    return kernel(
+                        q,
+                        k,
+                        v,
+                        max_seqlen_q=max(b - a for a, b in itertools.pairwise(cu_q)),
+                        cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32).to(dev, non_blocking=True),
+                        max_seqlen_k=max(b - a for a, b in itertools.pairwise(cu_k)),
+                        cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32).to(dev, non_blocking=True),
+                        softmax_scale=scale,
+                        causal=True,
+                        **({} if version is None else {"fa_version": version}),
+                    )
+        except (ImportError, AttributeError, RuntimeError, AssertionError) as exc:
+            logger.info("KVarN: vLLM's flash attention is not available for prompt chunks (%s)", exc)
+        _flash.append(fn)
+    return _flash[0]
+
+
 _warned_unconditional = [False]
 
 
@@ -563,7 +604,9 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
             paged.store_whole(plan, k, v)
         q = query[:n].view(n, self.num_heads, self.head_size)
         if meta.prefill is not None and not capturing:
-            out = paged.attend_split(plan, q, meta.block_table, meta.seq_lens, meta.prefill, self.scale)
+            out = paged.attend_split(
+                plan, q, meta.block_table, meta.seq_lens, meta.prefill, self.scale, varlen=flash_varlen()
+            )
         else:
             qsl = None if meta.decode else meta.query_start_loc
             out = paged.attend(plan, q, meta.block_table, meta.seq_lens, qsl, self.scale)
