@@ -10,14 +10,19 @@ concurrent requests. The graph run must give the eager run's tokens exactly (sam
 graph path adds the persistent plan buffers and the conditional commit), and every run must finish.
 Exit status 1 if not.
 
-``CAP=0`` skips the capacity-bound part, ``CAP_ONLY=1`` runs only it, ``TPOT=0`` skips the
-time-per-output-token part.
+``bench`` knobs (environment): ``KV_GIB`` gives the engine an explicit KV budget of that many GiB
+(``kv_cache_memory_bytes``; the tail pool then comes on top) instead of vLLM's default memory,
+so that filling the cache fits one device call; ``CAP=0`` skips the capacity-bound part,
+``CAP_ONLY=1`` runs only it, ``TPOT=0`` skips the time-per-output-token part; ``TPOT_GRID``
+(default ``4096:1,8,32``; e.g. ``4096:1,8,32;32768:1,8``) picks its contexts and batches (a batch
+whose tokens exceed the cache is recorded as not fitting, not timed); ``CAP_PROMPT`` (default 4096) is
+the capacity run's prompt length. One engine serves every part.
 
-``bench``: Llama-3-8B or Qwen3-8B shapes, ``gpu_memory_utilization`` 0.9 and vLLM's defaults:
-KV token capacity (``num_gpu_blocks * block_size``), prefill tokens/s of one 16K prompt, time per
-output token at batch 1 and 32 at 4K context (prefix-cached prompts: 65 minus 1 generated tokens),
-and capacity-bound output tokens/s with 4K prompts + 256 generated, as many requests as the cache
-holds, at a KV budget of ``KV_GIB`` GiB (default 16) so that filling it fits one device call.
+``bench``: Llama-3-8B or Qwen3-8B shapes, vLLM's defaults otherwise: KV token capacity
+(``num_gpu_blocks * block_size``), prefill tokens/s of one 16K prompt, time per output token
+(prefix-cached prompts, ``(t(129 tokens) - t(65 tokens)) / 64``, median of 3), and capacity-bound
+output tokens/s: ``CAP_PROMPT``-token prompts + 256 generated (``ignore_eos``), as many requests as
+the cache holds, all submitted at once.
 """
 
 from __future__ import annotations
@@ -166,13 +171,27 @@ def bench(shape: str, kv: str, out_path: str) -> int:
     def prompt(n):
         return {"prompt_token_ids": [rng.randrange(100, 100000) for _ in range(n)]}
 
-    if os.environ.get("CAP_ONLY") == "1":
-        return _capacity(shape, kv, res, prompt, out_path)
+    def save():
+        print(json.dumps(res), flush=True)
+        with open(out_path, "w") as f:
+            json.dump(res, f)
+
+    grid = {}
+    for part in os.environ.get("TPOT_GRID", "4096:1,8,32").split(";"):
+        ctx, batches = part.split(":")
+        grid[int(ctx)] = [int(b) for b in batches.split(",")]
+    cap_prompt = int(os.environ.get("CAP_PROMPT", "4096"))
+    kv_gib = os.environ.get("KV_GIB")
+    memory = (
+        {"gpu_memory_utilization": 0.9} if kv_gib is None else {"kv_cache_memory_bytes": int(float(kv_gib) * 2**30)}
+    )
     t0 = time.time()
-    llm = _llm(shape, kv, gpu_memory_utilization=0.9, max_model_len=16384 + 320)
+    llm = _llm(shape, kv, max_model_len=max(16384, cap_prompt, *grid) + 320, **memory)
     cfg = llm.llm_engine.vllm_config
     res["start_s"] = round(time.time() - t0, 1)
+    res["kv_budget"] = "gpu_memory_utilization 0.9" if kv_gib is None else f"{kv_gib} GiB"
     res["max_num_seqs"] = cfg.scheduler_config.max_num_seqs
+    res["max_num_batched_tokens"] = cfg.scheduler_config.max_num_batched_tokens
     res["kv_tokens"] = cfg.cache_config.num_gpu_blocks * cfg.cache_config.block_size
     res["cudagraph_mode"] = str(cfg.compilation_config.cudagraph_mode)
 
@@ -181,49 +200,39 @@ def bench(shape: str, kv: str, out_path: str) -> int:
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
         return time.time() - t
 
-    p16 = [prompt(16384)]
-    timed([prompt(512)], 1)
-    res["prefill_16k_tok_s"] = round(16384 / timed(p16, 1))
-    for ctx in () if os.environ.get("TPOT") == "0" else (4096,):
-        for batch in (1, 32):
-            ps = [prompt(ctx) for _ in range(batch)]
-            timed(ps, 1)
-            t1 = min(timed(ps, 1) for _ in range(2))
-            t65 = min(timed(ps, 65) for _ in range(2))
-            res[f"tpot_ms_b{batch}_ctx{ctx}"] = round((t65 - t1) / 64 * 1e3, 3)
-    print(json.dumps(res), flush=True)
-    with open(out_path, "w") as f:
-        json.dump(res, f)
-    if os.environ.get("CAP", "1") == "0":
-        return 0
-    llm = None  # free the engine before the capacity run starts another
-    import gc
-
-    import torch
-
-    gc.collect()
-    torch.cuda.empty_cache()
-    return _capacity(shape, kv, res, prompt, out_path)
+    if os.environ.get("CAP_ONLY") != "1":
+        timed([prompt(512)], 1)
+        res["prefill_16k_tok_s"] = round(16384 / timed([prompt(16384)], 1))
+        for ctx, batches in {} if os.environ.get("TPOT") == "0" else grid.items():
+            for batch in batches:
+                key = f"tpot_ms_b{batch}_ctx{ctx}"
+                if batch * (ctx + 160) > res["kv_tokens"]:
+                    res[key] = "does not fit"
+                    continue
+                # prompts prefix-cached after the first call; (t(129) - t(65)) / 64 leaves out the
+                # prefill step and the first decode steps, which both runs share
+                ps = [prompt(ctx) for _ in range(batch)]
+                timed(ps, 1)
+                pairs = [(timed(ps, 65), timed(ps, 129)) for _ in range(3)]
+                res[key] = round(sorted((b - a) / 64 * 1e3 for a, b in pairs)[1], 3)
+                res[key + "_raw_s"] = [[round(a, 4), round(b, 4)] for a, b in pairs]
+        save()
+    if os.environ.get("CAP", "1") != "0":
+        _capacity(llm, res, prompt, cap_prompt)
+        save()
+    return 0
 
 
-def _capacity(shape: str, kv: str, res: dict, prompt, out_path: str) -> int:
-    """Capacity-bound output tokens/s: as many 4K + 256 requests as a ``KV_GIB`` GiB cache holds."""
+def _capacity(llm, res: dict, prompt, plen: int) -> None:
+    """Capacity-bound output tokens/s: as many ``plen`` + 256 requests as the engine's cache holds, at once."""
     from vllm import SamplingParams
 
-    kv_gib = float(os.environ.get("KV_GIB", "16"))
-    llm = _llm(shape, kv, kv_cache_memory_bytes=int(kv_gib * 2**30), max_model_len=4096 + 320)
-    cfg = llm.llm_engine.vllm_config
-    cap = cfg.cache_config.num_gpu_blocks * cfg.cache_config.block_size
-    nreq = max(1, cap // (4096 + 256))
-    ps = [prompt(4096) for _ in range(nreq)]
+    nreq = max(1, res["kv_tokens"] // (plen + 256))
+    ps = [prompt(plen) for _ in range(nreq)]
     t = time.time()
     llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True), use_tqdm=False)
     el = time.time() - t
-    res |= {"cap_kv_gib": kv_gib, "cap_kv_tokens": cap, "cap_requests": nreq, "cap_out_tok_s": round(nreq * 256 / el)}
-    print(json.dumps(res), flush=True)
-    with open(out_path, "w") as f:
-        json.dump(res, f)
-    return 0
+    res |= {"cap_prompt": plen, "cap_requests": nreq, "cap_s": round(el, 2), "cap_out_tok_s": round(nreq * 256 / el)}
 
 
 if __name__ == "__main__":
