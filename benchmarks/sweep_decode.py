@@ -36,14 +36,9 @@ SHAPES = (
     + [(K44, 128, 16, 32768), (K44, 128, 1, 32768), (K42, 64, 16, 32768), (K42, 256, 16, 32768)]
 )
 """``(preset, head_dim, batch, ctx)``, all 32 query / 8 KV heads, fp16."""
-VARIANTS = (
-    [(K42G64, 128, b, c, dict(pair_tiles=False)) for b, c in [(16, 32768), (64, 4096), (1, 32768)]]
-    + [(K42, 128, b, c, dict(fuse_merge=False)) for b, c in [(1, 4096), (1, 32768), (16, 32768), (64, 4096)]]
-    + [(K22, 128, 16, 32768, dict(fuse_merge=False)), (K42G64, 128, 1, 32768, dict(fuse_merge=False))]
-    + [(K42, 128, 1, c, dict(num_splits=n)) for c, n in [(1024, 9), (4096, 33), (32768, 128), (131072, 128)]]
-    + [(K42, 128, 8, 1024, dict(num_splits=9))]
-    + [(K22, 128, 1, 32768, dict(num_splits=128)), (K42G64, 128, 1, 32768, dict(num_splits=128))]
-)
+VARIANTS = [(p, d, b, c, dict(tokens_m=True)) for p, d, b, c in SHAPES] + [
+    (K42G64, 128, b, c, dict(tokens_m=True, num_warps=2)) for b, c in [(1, 4096), (1, 32768), (16, 32768), (64, 4096)]
+]
 """Launch keyword arguments of ``paged_attention`` timed beside the default (not with ``--base``)."""
 
 
