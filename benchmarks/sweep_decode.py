@@ -36,14 +36,16 @@ SHAPES = (
     + [(K44, 128, 16, 32768), (K44, 128, 1, 32768), (K42, 64, 16, 32768), (K42, 256, 16, 32768)]
 )
 """``(preset, head_dim, batch, ctx)``, all 32 query / 8 KV heads, fp16."""
-VARIANTS = (
-    [(K42G64, 128, b, c, dict(pair_tiles=False)) for b, c in [(16, 32768), (64, 4096), (1, 32768)]]
-    + [(K42, 128, b, c, dict(fuse_merge=False)) for b, c in [(1, 4096), (1, 32768), (16, 32768), (64, 4096)]]
-    + [(K22, 128, 16, 32768, dict(fuse_merge=False)), (K42G64, 128, 1, 32768, dict(fuse_merge=False))]
-    + [(K42, 128, 1, c, dict(num_splits=n)) for c, n in [(1024, 9), (4096, 33), (32768, 128), (131072, 128)]]
-    + [(K42, 128, 8, 1024, dict(num_splits=9))]
-    + [(K22, 128, 1, 32768, dict(num_splits=128)), (K42G64, 128, 1, 32768, dict(num_splits=128))]
-)
+VARIANTS = [(p, d, b, c, dict(tokens_m=True)) for p, d, b, c in SHAPES] + [
+    (K42G64, 128, b, c, dict(tokens_m=True, num_warps=2)) for b, c in [(1, 4096), (1, 32768), (16, 32768), (64, 4096)]
+]
+QUICK = [(p, 128, 16, 32768) for p in (K42, K22, K42G64, K44)] + [
+    (K42, 64, 16, 32768),
+    (K42, 256, 16, 32768),
+    (K42, 128, 1, 32768),
+    (K42G64, 128, 1, 4096),
+]
+"""``--quick``: these shapes, default and ``tokens_m=True`` (and the 2-warp ``tokens_m`` for 64-token tiles)."""
 """Launch keyword arguments of ``paged_attention`` timed beside the default (not with ``--base``)."""
 
 
@@ -86,9 +88,13 @@ def main() -> None:
     ap.add_argument("--checks", action="store_true", help="run bench_decode's stored-cache checks first")
     ap.add_argument("--compare", help="a --base run's JSON: print both side by side at the end")
     ap.add_argument("--warm", type=int, default=0, help="compile every launch first in this many processes")
+    ap.add_argument("--quick", action="store_true", help="the QUICK shapes only, default and tokens_m")
     ap.add_argument("--warm-only", action="store_true", help="compile (with --warm), time nothing")
     args = ap.parse_args()
     jobs = [(p, d, b, c, {}) for p, d, b, c in SHAPES] + ([] if args.base else VARIANTS)
+    if args.quick:
+        jobs = [(p, d, b, c, {}) for p, d, b, c in QUICK] + [(p, d, b, c, dict(tokens_m=True)) for p, d, b, c in QUICK]
+        jobs += [(p, d, b, c, dict(tokens_m=True, num_warps=2)) for p, d, b, c in QUICK if p == K42G64]
     if args.warm:
         t0 = time.time()
         warm(jobs, args.warm)

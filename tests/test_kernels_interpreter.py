@@ -225,6 +225,26 @@ def test_paged_attention_decode(preset, d, dtype, hq, hkv, sink, splits, fuse, m
     check_attention(out, args)
 
 
+@pytest.mark.parametrize(
+    "preset,d,hq,hkv,splits,pair",
+    [
+        ("kvarn_k4v2_g64", 64, 4, 2, None, True),
+        ("kvarn_k2v2_g128", 64, 6, 2, 2, None),
+        ("kvarn_k4v4_g64", 128, 16, 1, 3, None),
+        ("kvarn_k4v2_g128", 64, 2, 2, 1, False),
+    ],
+)
+def test_paged_attention_tokens_m(preset, d, hq, hkv, splits, pair):
+    """The tokens-as-M variant of the quantized tiles (``tokens_m=True``) against the reference."""
+    cfg = KVarNConfig.from_preset(preset, head_dim=d)
+    lengths = ragged_lengths(cfg.group_size, 12, seed=d + hq + 1)
+    state = build_cache(cfg, lengths, hkv, torch.float16, seed=2)
+    query = torch.randn(len(lengths), hq, d).to(torch.float16)
+    args = attention_args(state, query, cfg, sink=hq % 4 == 0)
+    out = attention.paged_attention(*args, num_splits=splits, tokens_m=True, pair_tiles=pair, empty=poisoned_empty)
+    check_attention(out, args)
+
+
 def test_paged_attention_merge_counters():
     """The in-kernel merge leaves its counters at zero (the next launch, or graph replay, reuses them)."""
     cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)

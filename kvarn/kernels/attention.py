@@ -157,6 +157,15 @@ def pair_tiles_default(cfg: KVarNConfig) -> bool:
     return cfg.group_size < 128 and cfg.head_dim == 128
 
 
+TOKENS_M_MIN_ROWS = 8
+"""Rows (query heads) of a program with ``tokens_m``: the N of the MMA (``m16n8``), padded up to it."""
+
+
+def tokens_m_default(cfg: KVarNConfig, multi_q: bool) -> bool:
+    """Default of ``tokens_m``: whether decode launches put the tokens on the M side of both dots."""
+    return False
+
+
 def _check_args(query, cache, block_table, seq_lens, tail_k, tail_v, cfg, query_start_loc) -> None:
     check_dtype("query", query)
     check_cache(cache, cfg)
@@ -259,6 +268,7 @@ def paged_attention(
     fuse_query: bool | None = None,
     fuse_merge: bool | None = None,
     pair_tiles: bool | None = None,
+    tokens_m: bool | None = None,
     counters: torch.Tensor | None = None,
     empty: Callable[..., torch.Tensor] = torch.empty,
 ) -> torch.Tensor:
@@ -275,8 +285,9 @@ def paged_attention(
     launch merges the splits (else the epilogue launch; default :func:`merge_in_kernel`);
     ``counters`` (int32 zeros, at least query blocks x Hkv entries; left zero) replaces the
     device's :func:`merge_counters`; ``pair_tiles`` walks two tiles per loop step (default
-    :func:`pair_tiles_default`); ``empty`` allocates the output and the workspaces
-    (``torch.empty``'s signature; tests pass one that fills with NaN).
+    :func:`pair_tiles_default`); ``tokens_m`` (decode only) puts the tokens on the M side of the
+    score and value dots, the query heads on N (default :func:`tokens_m_default`); ``empty``
+    allocates the output and the workspaces (``torch.empty``'s signature; tests pass one that fills with NaN).
     """
     _check_args(query, cache, block_table, seq_lens, tail_k, tail_v, cfg, query_start_loc)
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
@@ -323,6 +334,7 @@ def paged_attention(
     launch = {"num_warps": num_warps, "num_stages": num_stages, "FUSED_Q": fused_q, "FACTOR": _query_factor(cfg, scale)}
     launch["HAS_SINK"] = sink_slots is not None
     launch["PAIR"] = pair_tiles_default(cfg) if pair_tiles is None else pair_tiles
+    launch["TOKENS_M"] = not multi_q and (tokens_m_default(cfg, multi_q) if tokens_m is None else tokens_m)
     _launch_attention(grid, q, query, cache, block_table, seq_lens, query_start_loc, pool, ws, cfg, flags, launch)
     if merge:
         return final
@@ -371,7 +383,7 @@ def _launch_attention(grid, q, query, cache, block_table, seq_lens, qsl, pool, w
         GQ=gqa,
         GQP=gqp,
         BLOCK_Q=block_q,
-        BLOCK_M=max(MIN_DOT_ROWS, block_q * gqp),
+        BLOCK_M=max(TOKENS_M_MIN_ROWS if launch["TOKENS_M"] else MIN_DOT_ROWS, block_q * gqp),
         LAYOUT=record_layout(cfg),
         MULTI_Q=multi_q,
         POOL_BF16=tail_k.dtype == torch.bfloat16,

@@ -19,7 +19,14 @@ import triton.language as tl
 
 from kvarn.kernels._common import NEG_BIG, frexp_exponent, hadamard_pm, load_f32, pow2
 from kvarn.kernels.attention_merge import _finish
-from kvarn.kernels.attention_tiles import _causal, _fp_tile, _tile_scores, _tile_values
+from kvarn.kernels.attention_tiles import (
+    _causal,
+    _fp_tile,
+    _tile_scores,
+    _tile_scores_t,
+    _tile_values,
+    _tile_values_t,
+)
 
 
 @triton.jit
@@ -202,6 +209,51 @@ def _quantized_tiles(
 
 
 @triton.jit
+def _quantized_tiles_t(query, records, bt_row, u0, u1, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, PAIR):
+    """:func:`_quantized_tiles` with the tokens as the M of both dots (decode only, no causal mask).
+
+    The score dot is ``codes^T @ (q k_scale)^T: [G // 2, N]`` and the value dot ``V^T @ p: [D // 2, N]``,
+    so the ``N = BLOCK_M`` query rows (the heads of one KV head) are the MMA's columns: the
+    per-token and per-channel work runs on ``G x N`` and ``D x N`` blocks, not on 16 padded rows.
+    Same returns as :func:`_quantized_tiles`.
+    """
+    q0, q1, q2, q3, rf = query
+    query_t = (tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3), rf)  # [DK, N] each
+    N: tl.constexpr = rf.shape[0]
+    G: tl.constexpr = LAYOUT.G
+    D: tl.constexpr = LAYOUT.D
+    cache, s_cb, s_ch, kvh = records
+    m_i = tl.full([N], NEG_BIG, tl.float32)
+    l_e = tl.zeros([G // 2, N], tl.float32)
+    acc_e = tl.zeros([D // 2, N], tl.float32)  # even output channels
+    acc_o = tl.zeros([D // 2, N], tl.float32)
+    for u in range(u0, u1, 2 if PAIR else 1):
+        rec = cache + tl.load(bt_row + u).to(tl.int64) * s_cb + kvh.to(tl.int64) * s_ch
+        s_e, s_o = _tile_scores_t(rec, query_t, LAYOUT, USE_ASM)  # [G // 2, N] each
+        m_new = tl.maximum(m_i, tl.max(tl.maximum(s_e, s_o), axis=0))
+        if PAIR:
+            rec2 = cache + tl.load(bt_row + tl.minimum(u + 1, u1 - 1)).to(tl.int64) * s_cb + kvh.to(tl.int64) * s_ch
+            s2_e, s2_o = _tile_scores_t(rec2, query_t, LAYOUT, USE_ASM)
+            s2_e = tl.where(u + 1 < u1, s2_e, float("-inf"))
+            s2_o = tl.where(u + 1 < u1, s2_o, float("-inf"))
+            m_new = tl.maximum(m_new, tl.max(tl.maximum(s2_e, s2_o), axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p_e = tl.exp2(s_e - m_new[None, :])
+        p_o = tl.exp2(s_o - m_new[None, :])
+        l_e = l_e * alpha[None, :] + (p_e + p_o)
+        acc_e, acc_o = _tile_values_t(rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT, USE_ASM)
+        if PAIR:
+            p2_e = tl.exp2(s2_e - m_new[None, :])
+            p2_o = tl.exp2(s2_o - m_new[None, :])
+            l_e += p2_e + p2_o
+            acc_e, acc_o = _tile_values_t(rec2, p2_e, p2_o, None, acc_e, acc_o, LAYOUT, USE_ASM)
+        m_i = m_new
+    l_i = tl.sum(l_e, axis=0)
+    acc = tl.reshape(tl.permute(tl.join(acc_e, acc_o), (1, 0, 2)), (N, D))  # [N, D // 2, 2] -> [N, D]
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _program_rows(N: tl.constexpr, q_start, q_first, n_q, kvh, GQ: tl.constexpr, GQP: tl.constexpr):
     """The first ``N`` rows of a program: ``(q_row, head, row_ok, q_local)``, each ``[N]``.
 
@@ -258,6 +310,7 @@ def _attn_kernel(
     FACTOR: tl.constexpr,
     FUSED_Q: tl.constexpr,
     PAIR: tl.constexpr,
+    TOKENS_M: tl.constexpr,
     MERGE_CH: tl.constexpr,
     FLAGS: tl.constexpr,
 ):
@@ -269,6 +322,7 @@ def _attn_kernel(
     ``s_o, s_oh``), ``counters: [query blocks * Hkv]`` int32 zeros (with ``MERGE``).
     ``GQ`` query heads per KV head, padded to ``GQP`` (a power of two); row ``r`` of a block is
     query ``r // GQP``, head ``r % GQP``. ``FLAGS = (SPLIT, MERGE, ROTATE, OUT_BF16, INV_SQRT_D)``.
+    ``TOKENS_M`` (decode only): the quantized tiles' dots put the tokens on M (:func:`_quantized_tiles_t`).
     """
     G: tl.constexpr = LAYOUT.G
     ROTATE: tl.constexpr = FLAGS[2]
@@ -311,7 +365,10 @@ def _attn_kernel(
         bt_row = block_table + seq.to(tl.int64) * s_bt
         records = (cache, s_cb, s_ch, kvh)
         qt1 = tl.minimum(u1, n_full)
-        m_i, l_i, acc = _quantized_tiles(query, records, bt_row, qt0, qt1, pos_q, LAYOUT, MULTI_Q, USE_ASM, PAIR)
+        if TOKENS_M:
+            m_i, l_i, acc = _quantized_tiles_t(query, records, bt_row, qt0, qt1, LAYOUT, USE_ASM, PAIR)
+        else:
+            m_i, l_i, acc = _quantized_tiles(query, records, bt_row, qt0, qt1, pos_q, LAYOUT, MULTI_Q, USE_ASM, PAIR)
         sink_here = has_sink & (u0 == 0)
         tail_here = (rem > 0) & (u0 <= n_full) & (n_full < u1)
         if sink_here | tail_here:

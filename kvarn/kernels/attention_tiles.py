@@ -78,29 +78,40 @@ def _unpack(w, f: tl.constexpr, BITS: tl.constexpr, HIGH: tl.constexpr, USE_ASM:
 
 
 @triton.jit
-def _field_dot(a, w, f: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr, even, odd):
+def _field_dot(
+    a, w, f: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr, even, odd, CODES_LEFT: tl.constexpr = False
+):
     """``even += a @ field f of the low bytes of w``, ``odd += a @ field f of the high bytes``.
 
     ``a: [M, K]`` fp16, ``w: [K, N]`` int16 -> ``[M, N]`` fp32 each; ``None`` accumulators start at 0.
+    ``CODES_LEFT``: the codes are the left operand instead, ``w: [M, K]``, ``a: [K, N]``
+    (``field @ a``; the tokens-as-M form of :func:`_quantized_tiles_t`).
     """
-    even = tl.dot(a, _unpack(w, f, BITS, 0, USE_ASM), even)
-    odd = tl.dot(a, _unpack(w, f, BITS, 1, USE_ASM), odd)
+    if CODES_LEFT:
+        even = tl.dot(_unpack(w, f, BITS, 0, USE_ASM), a, even)
+        odd = tl.dot(_unpack(w, f, BITS, 1, USE_ASM), a, odd)
+    else:
+        even = tl.dot(a, _unpack(w, f, BITS, 0, USE_ASM), even)
+        odd = tl.dot(a, _unpack(w, f, BITS, 1, USE_ASM), odd)
     return even, odd
 
 
 @triton.jit
-def _packed_dot(a0, a1, a2, a3, w, P: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr):
+def _packed_dot(
+    a0, a1, a2, a3, w, P: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr, CODES_LEFT: tl.constexpr = False
+):
     """``sum_f a_f @ field_f(w)`` over the ``P`` planar bit fields of the code words ``w: [K, N]`` int16.
 
     ``a_f: [M, K]`` fp16 is the operand of field ``f`` (``a2, a3`` unused when ``P = 2``). Returns
     ``(even, odd)``: the products with the codes of the low and of the high byte of each word,
-    ``[M, N]`` fp32 each. Serves both the score dot (K) and the value dot (V).
+    ``[M, N]`` fp32 each. Serves both the score dot (K) and the value dot (V). With ``CODES_LEFT``
+    the products are ``field_f(w) @ a_f`` (``w: [M, K]``, ``a_f: [K, N]``).
     """
-    even, odd = _field_dot(a0, w, 0, BITS, USE_ASM, None, None)
-    even, odd = _field_dot(a1, w, 1, BITS, USE_ASM, even, odd)
+    even, odd = _field_dot(a0, w, 0, BITS, USE_ASM, None, None, CODES_LEFT)
+    even, odd = _field_dot(a1, w, 1, BITS, USE_ASM, even, odd, CODES_LEFT)
     if P == 4:
-        even, odd = _field_dot(a2, w, 2, BITS, USE_ASM, even, odd)
-        even, odd = _field_dot(a3, w, 3, BITS, USE_ASM, even, odd)
+        even, odd = _field_dot(a2, w, 2, BITS, USE_ASM, even, odd, CODES_LEFT)
+        even, odd = _field_dot(a3, w, 3, BITS, USE_ASM, even, odd, CODES_LEFT)
     return even, odd
 
 
@@ -219,6 +230,102 @@ def _tile_values(rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT: tl.constexpr, USE_A
         acc_o = acc_o * alpha[:, None]
     acc_e += (o_e + z[:, None]) * vc_e[None, :]
     acc_o += (o_o + z[:, None]) * vc_o[None, :]
+    return acc_e, acc_o
+
+
+@triton.jit
+def _tile_scores_t(rec, query_t, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr):
+    """:func:`_tile_scores` with the tokens as the dot's M: ``(even, odd)`` tokens, ``[G // 2, N]`` fp32 each.
+
+    ``query_t = (q0, q1, q2, q3, rf)``: ``q_f: [DK, N]`` are the K fields' channel blocks of the
+    ``N`` query rows, transposed (``rf: [N]`` as in :func:`_tile_scores`). The code words are read
+    ``[G // 2, DK]`` (token pairs x channels) and are the left operand, so the 64 token pairs fill
+    the MMA's rows and the query heads are its columns: no padded rows in the per-token work.
+    """
+    q0, q1, q2, q3, rf = query_t
+    PK: tl.constexpr = LAYOUT.K_PER_BYTE
+    DK: tl.constexpr = LAYOUT.D // PK
+    GH: tl.constexpr = LAYOUT.G // 2
+    KC: tl.constexpr = 1 << (LAYOUT.K_BITS - 1)
+    jk = tl.arange(0, DK)
+    ks = _load_f16(rec + LAYOUT.K_SCALE + 2 * jk)  # [DK] field 0
+    kz = _load_f16(rec + LAYOUT.K_ZERO + 2 * jk) + KC * ks
+    qs0 = (q0 * ks[:, None]).to(tl.float16)  # [DK, N]
+    qz = q0 * kz[:, None]  # [DK, N]
+    ks = _load_f16(rec + LAYOUT.K_SCALE + 2 * (DK + jk))
+    kz = _load_f16(rec + LAYOUT.K_ZERO + 2 * (DK + jk)) + KC * ks
+    qs1 = (q1 * ks[:, None]).to(tl.float16)
+    qz += q1 * kz[:, None]
+    qs2 = qs0
+    qs3 = qs0
+    if PK == 4:
+        ks = _load_f16(rec + LAYOUT.K_SCALE + 2 * (2 * DK + jk))
+        kz = _load_f16(rec + LAYOUT.K_ZERO + 2 * (2 * DK + jk)) + KC * ks
+        qs2 = (q2 * ks[:, None]).to(tl.float16)
+        qz += q2 * kz[:, None]
+        ks = _load_f16(rec + LAYOUT.K_SCALE + 2 * (3 * DK + jk))
+        kz = _load_f16(rec + LAYOUT.K_ZERO + 2 * (3 * DK + jk)) + KC * ks
+        qs3 = (q3 * ks[:, None]).to(tl.float16)
+        qz += q3 * kz[:, None]
+    qz = tl.sum(qz, axis=0)  # [N]
+    ti = tl.arange(0, GH)
+    kw = tl.load((rec + LAYOUT.K_CODES).to(tl.pointer_type(tl.int16)) + jk[None, :] * GH + ti[:, None])  # [GH, DK]
+    s_e, s_o = _packed_dot(qs0, qs1, qs2, qs3, kw, PK, LAYOUT.K_BITS, USE_ASM, True)  # [GH, N] each
+    kt_e = _load_bf16(rec + LAYOUT.K_TOK + 4 * ti)  # [GH]
+    kt_o = _load_bf16(rec + LAYOUT.K_TOK + 4 * ti + 2)
+    s_e = (s_e + qz[None, :]) * (kt_e[:, None] * rf[None, :])
+    s_o = (s_o + qz[None, :]) * (kt_o[:, None] * rf[None, :])
+    return s_e, s_o
+
+
+@triton.jit
+def _split_fields_t(x, PV: tl.constexpr, CT: tl.constexpr):
+    """``x: [PV * CT, N]`` (tokens in order) -> its ``PV`` token chunks ``[CT, N]`` (four, as :func:`_split_fields`)."""
+    N: tl.constexpr = x.shape[1]
+    if PV == 2:
+        a, b = tl.split(tl.permute(tl.reshape(x, (2, CT, N)), (1, 2, 0)))  # [CT, N, 2]
+        return a, b, a, b
+    else:
+        e, o = tl.split(tl.permute(tl.reshape(x, (2, 2, CT, N)), (2, 3, 0, 1)))  # [CT, N, 2, 2]
+        x0, x2 = tl.split(e)
+        x1, x3 = tl.split(o)
+        return x0, x1, x2, x3
+
+
+@triton.jit
+def _tile_values_t(rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr):
+    """:func:`_tile_values` transposed: ``p_e, p_o: [G // 2, N]``, ``acc_e, acc_o: [D // 2, N]``, ``alpha: [N]``.
+
+    The value dot is ``V^T @ p``: the V code words ``[D // 2, G // PV]`` (channel pairs x tokens)
+    are the left operand, the ``N`` query rows its columns.
+    """
+    N: tl.constexpr = p_e.shape[1]
+    G: tl.constexpr = LAYOUT.G
+    PV: tl.constexpr = LAYOUT.V_PER_BYTE
+    CT: tl.constexpr = G // PV
+    DH: tl.constexpr = LAYOUT.D // 2
+    VC: tl.constexpr = 1 << (LAYOUT.V_BITS - 1)
+    th = tl.arange(0, G // 2)
+    vs_e = _load_f16(rec + LAYOUT.V_SCALE + 4 * th)  # [G // 2]
+    vs_o = _load_f16(rec + LAYOUT.V_SCALE + 4 * th + 2)
+    vz_e = _load_f16(rec + LAYOUT.V_ZERO + 4 * th) + VC * vs_e
+    vz_o = _load_f16(rec + LAYOUT.V_ZERO + 4 * th + 2) + VC * vs_o
+    z = tl.sum(p_e * vz_e[:, None] + p_o * vz_o[:, None], axis=0)  # [N]
+    pv_e = (p_e * vs_e[:, None]).to(tl.float16)
+    pv_o = (p_o * vs_o[:, None]).to(tl.float16)
+    pv = tl.reshape(tl.permute(tl.join(pv_e, pv_o), (0, 2, 1)), (G, N))  # tokens in order
+    pv0, pv1, pv2, pv3 = _split_fields_t(pv, PV, CT)  # [CT, N] each
+    jv = tl.arange(0, CT)
+    dh = tl.arange(0, DH)
+    vw = tl.load((rec + LAYOUT.V_CODES).to(tl.pointer_type(tl.int16)) + jv[None, :] * DH + dh[:, None])  # [DH, CT]
+    o_e, o_o = _packed_dot(pv0, pv1, pv2, pv3, vw, PV, LAYOUT.V_BITS, USE_ASM, True)  # [DH, N] each
+    vc_e = _load_bf16(rec + LAYOUT.V_CHAN + 4 * dh)  # [DH]
+    vc_o = _load_bf16(rec + LAYOUT.V_CHAN + 4 * dh + 2)
+    if alpha is not None:
+        acc_e = acc_e * alpha[None, :]
+        acc_o = acc_o * alpha[None, :]
+    acc_e += (o_e + z[None, :]) * vc_e[:, None]
+    acc_o += (o_o + z[None, :]) * vc_o[:, None]
     return acc_e, acc_o
 
 
