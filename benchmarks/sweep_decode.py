@@ -36,7 +36,7 @@ SHAPES = (
     + [(K44, 128, 16, 32768), (K44, 128, 1, 32768), (K42, 64, 16, 32768), (K42, 256, 16, 32768)]
 )
 """``(preset, head_dim, batch, ctx)``, all 32 query / 8 KV heads, fp16."""
-VARIANTS = [(p, d, b, c, dict(tokens_m=True)) for p, d, b, c in SHAPES] + [
+VARIANTS = [(p, d, b, c, dict(tokens_m=t)) for p, d, b, c in SHAPES for t in (False, True)] + [
     (K42G64, 128, b, c, dict(tokens_m=True, num_warps=2)) for b, c in [(1, 4096), (1, 32768), (16, 32768), (64, 4096)]
 ]
 QUICK = [(p, 128, 16, 32768) for p in (K42, K22, K42G64, K44)] + [
@@ -45,7 +45,11 @@ QUICK = [(p, 128, 16, 32768) for p in (K42, K22, K42G64, K44)] + [
     (K42, 128, 1, 32768),
     (K42G64, 128, 1, 4096),
 ]
-"""``--quick``: these shapes, default and ``tokens_m=True`` (and the 2-warp ``tokens_m`` for 64-token tiles)."""
+"""``--quick``: these shapes, default and ``tokens_m`` off and on (and the 2-warp ``tokens_m`` for 64-token tiles)."""
+RULE = [(K42, 128, b, c) for b, c in [(1, 4096), (8, 4096), (32, 4096), (64, 4096), (8, 32768), (16, 32768)]] + [
+    (p, 128, 8, 4096) for p in (K22, K44)
+]
+"""``--rule``: the shapes that set ``tokens_m_default``, default and ``tokens_m`` off and on."""
 """Launch keyword arguments of ``paged_attention`` timed beside the default (not with ``--base``)."""
 
 
@@ -88,13 +92,17 @@ def main() -> None:
     ap.add_argument("--checks", action="store_true", help="run bench_decode's stored-cache checks first")
     ap.add_argument("--compare", help="a --base run's JSON: print both side by side at the end")
     ap.add_argument("--warm", type=int, default=0, help="compile every launch first in this many processes")
-    ap.add_argument("--quick", action="store_true", help="the QUICK shapes only, default and tokens_m")
+    ap.add_argument("--quick", action="store_true", help="the QUICK shapes only, default and tokens_m off / on")
+    ap.add_argument("--rule", action="store_true", help="the RULE shapes only, default and tokens_m off / on")
     ap.add_argument("--warm-only", action="store_true", help="compile (with --warm), time nothing")
     args = ap.parse_args()
     jobs = [(p, d, b, c, {}) for p, d, b, c in SHAPES] + ([] if args.base else VARIANTS)
-    if args.quick:
-        jobs = [(p, d, b, c, {}) for p, d, b, c in QUICK] + [(p, d, b, c, dict(tokens_m=True)) for p, d, b, c in QUICK]
-        jobs += [(p, d, b, c, dict(tokens_m=True, num_warps=2)) for p, d, b, c in QUICK if p == K42G64]
+    if args.quick or args.rule:
+        shapes = QUICK if args.quick else RULE
+        jobs = [
+            (p, d, b, c, launch) for p, d, b, c in shapes for launch in ({}, dict(tokens_m=False), dict(tokens_m=True))
+        ]
+        jobs += [(p, d, b, c, dict(tokens_m=True, num_warps=2)) for p, d, b, c in shapes if p == K42G64]
     if args.warm:
         t0 = time.time()
         warm(jobs, args.warm)

@@ -245,6 +245,20 @@ def test_paged_attention_tokens_m(preset, d, hq, hkv, splits, pair):
     check_attention(out, args)
 
 
+def test_tokens_m_default_rule(monkeypatch):
+    """``tokens_m`` by default only for decode launches of 128-token tiles over more than 2 waves on CUDA."""
+    monkeypatch.setattr(attention, "_num_sms", lambda index: 132)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    k4v2 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
+    g64 = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=128)
+    wave2 = attention.TOKENS_M_MIN_WAVES * attention.PROGRAMS_PER_SM * 132
+    assert attention.tokens_m_default(k4v2, False, wave2 + 1, cuda)
+    assert not attention.tokens_m_default(k4v2, False, wave2, cuda)  # batch 1 at 32K: 512 programs
+    assert not attention.tokens_m_default(k4v2, True, 10 * wave2, cuda)
+    assert not attention.tokens_m_default(g64, False, 10 * wave2, cuda)
+    assert not attention.tokens_m_default(k4v2, False, 10 * wave2, cpu)
+
+
 def test_paged_attention_merge_counters():
     """The in-kernel merge leaves its counters at zero (the next launch, or graph replay, reuses them)."""
     cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)

@@ -161,9 +161,23 @@ TOKENS_M_MIN_ROWS = 8
 """Rows (query heads) of a program with ``tokens_m``: the N of the MMA (``m16n8``), padded up to it."""
 
 
-def tokens_m_default(cfg: KVarNConfig, multi_q: bool) -> bool:
-    """Default of ``tokens_m``: whether decode launches put the tokens on the M side of both dots."""
-    return False
+TOKENS_M_MIN_WAVES = 2
+"""Decode launches of 128-token tiles with more than this many waves of programs default to ``tokens_m``."""
+
+
+def tokens_m_default(cfg: KVarNConfig, multi_q: bool, programs: int, device: torch.device) -> bool:
+    """Default of ``tokens_m``: whether a decode launch puts the tokens on the M side of both dots.
+
+    On for 128-token tiles in launches of more than ``TOKENS_M_MIN_WAVES`` waves, where it was
+    measured faster on the H200 at every shape timed (k4v2 D=128: 8 x 4K 47.5 -> 44.1 us, 32 x 4K
+    112.0 -> 98.1, 64 x 4K 171.3 -> 166.3, 8 x 32K 186.3 -> 156.4, 16 x 32K 303.0 -> 243.7; k2v2,
+    k4v4, D=64 and D=256 likewise; benchmarks/RESULTS.md). Off for batch-1-like launches (32K / B=1
+    was 4% slower), for 64-token tiles (no gain at 4 warps), for multi-query launches (not
+    implemented) and off CUDA (the interpreter tests pick the variant explicitly).
+    """
+    if multi_q or cfg.group_size != 128 or device.type != "cuda":
+        return False
+    return programs > TOKENS_M_MIN_WAVES * PROGRAMS_PER_SM * _num_sms(device.index or 0)
 
 
 def _check_args(query, cache, block_table, seq_lens, tail_k, tail_v, cfg, query_start_loc) -> None:
@@ -334,7 +348,9 @@ def paged_attention(
     launch = {"num_warps": num_warps, "num_stages": num_stages, "FUSED_Q": fused_q, "FACTOR": _query_factor(cfg, scale)}
     launch["HAS_SINK"] = sink_slots is not None
     launch["PAIR"] = pair_tiles_default(cfg) if pair_tiles is None else pair_tiles
-    launch["TOKENS_M"] = not multi_q and (tokens_m_default(cfg, multi_q) if tokens_m is None else tokens_m)
+    if tokens_m is None:
+        tokens_m = tokens_m_default(cfg, multi_q, n_blocks * hkv * splits, dev)
+    launch["TOKENS_M"] = not multi_q and tokens_m
     _launch_attention(grid, q, query, cache, block_table, seq_lens, query_start_loc, pool, ws, cfg, flags, launch)
     if merge:
         return final
