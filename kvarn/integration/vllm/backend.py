@@ -308,6 +308,9 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         if self.planner is not None:
             _planners.add(self.planner)
         self.buffers = None
+        # prompt chunks read back whole (PagedKV.attend_split) on CUDA; on the CPU the paged
+        # reference attention is as fast (tests switch it on to cover the wiring)
+        self.prefill_split = torch.device(device).type == "cuda"
         if self.per_request:
             sched = vllm_config.scheduler_config
             size = max(int(sched.max_num_batched_tokens), int(sched.max_num_seqs))
@@ -388,7 +391,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             plan=None,
             num_slots=self.num_slots + int(self.per_request),
         )
-        if torch.device(self.device).type == "cuda" and cam.max_query_len >= PREFILL_MIN_QUERIES:
+        if self.prefill_split and cam.max_query_len >= PREFILL_MIN_QUERIES:
             # eager prompt chunks: exact lengths (one host sync per such step)
             exact = cam.seq_lens[:batch].cpu().numpy()
             if exact.size and int(exact.max()) <= block_table.shape[1] * self.cfg.group_size:  # not a dummy run's
