@@ -15,14 +15,14 @@ Exit status 1 if not.
 so that filling the cache fits one device call; ``CAP=0`` skips the capacity-bound part,
 ``CAP_ONLY=1`` runs only it, ``TPOT=0`` skips the time-per-output-token part; ``TPOT_GRID``
 (default ``4096:1,8,32``; e.g. ``4096:1,8,32;32768:1,8``) picks its contexts and batches (a batch
-whose tokens exceed the cache is recorded as not fitting, not timed); ``CAP_PROMPT`` (default 4096) is
-the capacity run's prompt length. One engine serves every part.
+whose tokens exceed the cache is recorded as not fitting, not timed); ``CAP_PROMPT`` (default 4096)
+and ``CAP_OUT`` (default 256) are the capacity run's prompt and output lengths. One engine serves every part.
 
 ``bench``: Llama-3-8B or Qwen3-8B shapes, vLLM's defaults otherwise: KV token capacity
 (``num_gpu_blocks * block_size``), prefill tokens/s of one 16K prompt, time per output token
 (prefix-cached prompts, ``(t(129 tokens) - t(65 tokens)) / 64``, median of 3), and capacity-bound
-output tokens/s: ``CAP_PROMPT``-token prompts + 256 generated (``ignore_eos``), as many requests as
-the cache holds, all submitted at once.
+output tokens/s: ``CAP_PROMPT``-token prompts + ``CAP_OUT`` generated (``ignore_eos``), as many
+requests as the cache holds, all submitted at once.
 """
 
 from __future__ import annotations
@@ -186,7 +186,8 @@ def bench(shape: str, kv: str, out_path: str) -> int:
         {"gpu_memory_utilization": 0.9} if kv_gib is None else {"kv_cache_memory_bytes": int(float(kv_gib) * 2**30)}
     )
     t0 = time.time()
-    llm = _llm(shape, kv, max_model_len=max(16384, cap_prompt, *grid) + 320, **memory)
+    cap_out = int(os.environ.get("CAP_OUT", "256"))
+    llm = _llm(shape, kv, max_model_len=max(16384 + 320, cap_prompt + cap_out + 64, *(c + 320 for c in grid)), **memory)
     cfg = llm.llm_engine.vllm_config
     res["start_s"] = round(time.time() - t0, 1)
     res["kv_budget"] = "gpu_memory_utilization 0.9" if kv_gib is None else f"{kv_gib} GiB"
@@ -218,21 +219,22 @@ def bench(shape: str, kv: str, out_path: str) -> int:
                 res[key + "_raw_s"] = [[round(a, 4), round(b, 4)] for a, b in pairs]
         save()
     if os.environ.get("CAP", "1") != "0":
-        _capacity(llm, res, prompt, cap_prompt)
+        _capacity(llm, res, prompt, cap_prompt, cap_out)
         save()
     return 0
 
 
-def _capacity(llm, res: dict, prompt, plen: int) -> None:
-    """Capacity-bound output tokens/s: as many ``plen`` + 256 requests as the engine's cache holds, at once."""
+def _capacity(llm, res: dict, prompt, plen: int, out: int) -> None:
+    """Capacity-bound output tokens/s: as many ``plen`` + ``out`` requests as the engine's cache holds, at once."""
     from vllm import SamplingParams
 
-    nreq = max(1, res["kv_tokens"] // (plen + 256))
+    nreq = max(1, res["kv_tokens"] // (plen + out))
     ps = [prompt(plen) for _ in range(nreq)]
     t = time.time()
-    llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True), use_tqdm=False)
+    llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True), use_tqdm=False)
     el = time.time() - t
-    res |= {"cap_prompt": plen, "cap_requests": nreq, "cap_s": round(el, 2), "cap_out_tok_s": round(nreq * 256 / el)}
+    res |= {"cap_prompt": plen, "cap_out": out, "cap_requests": nreq, "cap_s": round(el, 2)}
+    res["cap_out_tok_s"] = round(nreq * out / el)
 
 
 if __name__ == "__main__":
