@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import pathlib
@@ -216,9 +217,62 @@ def test_kvarn_report_on_a_local_folder_and_text_file(tmp_path):
         == 0
     )
     report = (tmp_path / "r" / "report.md").read_text()
-    assert f"## {folder}" in report and f"Text: {text}." in report and ("commit " in report or "kvarn " in report)
+    digest = hashlib.sha256(text.read_bytes()).hexdigest()[:12]
+    assert f"## {folder}" in report and f"Model: {folder.resolve()} (local)." in report
+    assert f"Text: {text} (sha256 {digest}, {len(text.read_text())} characters)." in report
+    assert "(kvarn " in report
     runs = json.loads((tmp_path / "r" / "results.json").read_text())
     assert runs[0]["model"] == str(folder) and runs[0]["text"] == str(text)
+    assert runs[0]["commit"].startswith("kvarn ")
+
+
+@pytest.mark.hf
+def test_kvarn_report_on_a_gguf_file(tmp_path, monkeypatch):
+    """A GGUF file is converted once into $KVARN_CACHE/models/gguf/ and measured like any model."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    pytest.importorskip("matplotlib")
+    from tiny_model import build_tiny_gguf
+
+    from kvarn.eval.report import main
+
+    monkeypatch.setenv("KVARN_CACHE", str(tmp_path / "cache"))
+    path = build_tiny_gguf(tmp_path / "tiny.gguf")
+    argv = ["--model", str(path), "--prefix", "256", "--continuation", "16", "--greedy", "0", "--quiet"]
+    assert main([*argv, "--methods", "kvarn_k4v2_g64", "--regions", "tail", "--out", str(tmp_path / "r")]) == 0
+    converted = list((tmp_path / "cache" / "models" / "gguf").iterdir())
+    assert [p.name.startswith("tiny-") for p in converted if not p.name.startswith(".")] == [True]
+    report = (tmp_path / "r" / "report.md").read_text()
+    assert f"Model: {path} (local)." in report and "Text: bundled kvarn/data/pride_and_prejudice.txt" in report
+    row = json.loads((tmp_path / "r" / "results.json").read_text())[0]["results"][0]
+    assert row["method"] == "kvarn_k4v2_g64" and row["kl"] > 0 and math.isfinite(row["ppl"])
+
+
+@pytest.mark.hf
+def test_kvarn_report_says_what_is_wrong_with_its_inputs(tmp_path, capsys):
+    """A text too short for prefix + continuation, a text that is not UTF-8, a folder that is not a model."""
+    pytest.importorskip("transformers")
+    from tiny_model import build_tiny_model
+
+    from kvarn.eval.report import main
+
+    folder = build_tiny_model(tmp_path / "m")
+    short = tmp_path / "short.txt"
+    short.write_text("Too short. " * 10)
+    argv = ["--model", str(folder), "--prefix", "128", "--continuation", "16", "--out", str(tmp_path / "r")]
+    assert main([*argv, "--text", str(short)]) == 2
+    err = capsys.readouterr().err
+    assert f"{short} has 110 tokens for this tokenizer, too short for prefix + continuation (128 + 16" in err
+    binary = tmp_path / "blob.txt"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    assert main([*argv, "--text", str(binary)]) == 2
+    assert "not a UTF-8 text file" in capsys.readouterr().err
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama"}')
+    assert main(["--model", str(broken), "--out", str(tmp_path / "r")]) == 2
+    assert f"{broken} is not a model transformers can load" in capsys.readouterr().err
+    assert not (tmp_path / "r" / "report.md").exists()
 
 
 def test_model_resolution_errors(tmp_path, capsys):

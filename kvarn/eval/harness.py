@@ -310,13 +310,15 @@ def run_method(
     )
 
 
-def prepare_ids(tok, prefix: int, continuation: int, text: str | None = None) -> torch.Tensor:
-    """``[1, prefix + continuation]`` token ids of ``text`` (default the bundled text)."""
+def prepare_ids(tok, prefix: int, continuation: int, text: str | None = None, name: str | None = None) -> torch.Tensor:
+    """``[1, prefix + continuation]`` token ids of ``text`` (default the bundled text, called ``name`` in errors)."""
     ids = tok(bundled_text() if text is None else text, return_tensors="pt").input_ids[:, : prefix + continuation]
     if ids.shape[1] < prefix + continuation:
+        what = name or ("the bundled text" if text is None else "the text")
         raise ValueError(
-            f"the {'bundled ' if text is None else ''}text has {ids.shape[1]} tokens for this tokenizer; "
-            f"prefix + continuation ({prefix} + {continuation}) must not exceed it"
+            f"{what} has {ids.shape[1]} tokens for this tokenizer, too short for prefix + continuation "
+            f"({prefix} + {continuation} = {prefix + continuation} tokens); give a longer text or a shorter "
+            "--prefix / --continuation"
         )
     return ids
 
