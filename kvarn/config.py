@@ -307,7 +307,7 @@ class LayerPolicy:
         if preset.group_size != base.group_size:
             raise ValueError(
                 f"LayerPolicy.keep={self.keep!r} has {preset.group_size}-token tiles, the main format "
-                f"{base.name} {base.group_size}: every layer of one cache shares the tile length"
+                f"{base.name} {base.group_size}-token tiles: every layer of one cache shares the tile length"
             )
         return dataclasses.replace(base, k_bits=preset.k_bits, v_bits=preset.v_bits)
 

@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import pathlib
+import re
 import threading
 import time
 
@@ -289,3 +290,72 @@ def test_model_resolution_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--text", str(tmp_path / "missing.txt")])
     assert "no such file" in capsys.readouterr().err
+
+
+def test_layer_policy_method_names():
+    from kvarn.config import LayerPolicy
+
+    m = get_method("kvarn_k2v2_g128+first1+last1")
+    assert m.policy == LayerPolicy(first=1, last=1) and m.config == get_method("kvarn_k2v2_g128").config
+    k2v2 = get_method("kvarn_k2v2_g128").bits_per_element(64)
+    assert m.bits_per_element(64, 30) == pytest.approx((28 * k2v2 + 2 * 16) / 30)
+    hi = get_method("kivi_k2v2_g128+first2@k4v4")
+    assert hi.policy == LayerPolicy(first=2, keep="kvarn_k4v4_g128")
+    assert hi.layer_config(1, 24, 64).rotate is False and hi.layer_config(1, 24, 64).v_bits == 4
+    assert hi.layer_config(2, 24, 64) == hi.for_head_dim(64)
+    assert get_method("kvarn_k4v2_g64+layer3+layer-1").policy.kept(8) == (3, 7)
+    with pytest.raises(ValueError, match="its bits per element need num_layers"):
+        m.bits_per_element(64)
+    for bad, why in (
+        ("kvarn_k2v2_g128+middle2", "unknown layer policy part 'middle2'"),
+        ("kvarn_k2v2_g128+first1@k3v3", "names no preset with 128-token tiles"),
+        ("kvarn_k4v2_g64+first1@k2v2", "names no preset with 64-token tiles"),
+        ("fp8_e4m3+first1", "unknown method"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(why)):
+            get_method(bad)
+
+
+@pytest.mark.hf
+def test_harness_layer_policy_on_a_tiny_random_model():
+    """Keeping every layer reproduces the fp16 method; keeping one costs the bytes it should and changes the error."""
+    transformers = pytest.importorskip("transformers")
+    from kvarn.eval.harness import evaluate
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+
+    class Bar:
+        def __init__(self, total):
+            pass
+
+        def tick(self):
+            pass
+
+        def describe(self, label):
+            pass
+
+        def close(self):
+            pass
+
+    methods = ["fp16", "kvarn_k2v2_g128", "kvarn_k2v2_g128+first3", "kvarn_k2v2_g128+first1+last1"]
+    run = evaluate(model, _ByteTokenizer(), methods, ["tail"], 256, 40, 0, progress_factory=Bar)
+    by = {r["method"]: r for r in run["results"]}
+    every = by["kvarn_k2v2_g128+first3"]
+    assert every["kl"] == by["fp16"]["kl"] and every["cache_bytes"] == by["fp16"]["fp16_bytes"]
+    assert every["attn_static"] == by["fp16"]["attn_static"] and every["bits_per_element"] == 16.0
+    ends, plain = by["kvarn_k2v2_g128+first1+last1"], by["kvarn_k2v2_g128"]
+    assert ends["bits_per_element"] == pytest.approx((plain["bits_per_element"] + 2 * 16) / 3)
+    assert plain["cache_bytes"] < ends["cache_bytes"] < every["cache_bytes"]
+    for layer in (0, 2):  # kept layers: only fp16 rounding in the static error; layer 1 is quantized
+        assert ends["attn_static"][layer] == by["fp16"]["attn_static"][layer]
+    assert ends["attn_static"][1] == plain["attn_static"][1]
