@@ -198,6 +198,9 @@ def test_report_rejects_bad_arguments(capsys):
     assert "unknown model 'llama-70b'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--regions", "middle"])
+    with pytest.raises(SystemExit):
+        main(["--methods", "kvarn_k2v2_g128+first1@k3v3"])
+    assert "@k3v3 names no preset with 128-token tiles" in capsys.readouterr().err
 
 
 @pytest.mark.hf
@@ -273,6 +276,8 @@ def test_kvarn_report_says_what_is_wrong_with_its_inputs(tmp_path, capsys):
     (broken / "config.json").write_text('{"model_type": "llama"}')
     assert main(["--model", str(broken), "--out", str(tmp_path / "r")]) == 2
     assert f"{broken} is not a model transformers can load" in capsys.readouterr().err
+    assert main([*argv, "--methods", "kvarn_k4v2_g128+layer2"]) == 2
+    assert "LayerPolicy.layers [2] are outside a model of 2 layers" in capsys.readouterr().err
     assert not (tmp_path / "r" / "report.md").exists()
 
 

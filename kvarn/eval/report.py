@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from kvarn.eval.methods import ALL_BASELINES, DEFAULT_METHODS
+from kvarn.eval.methods import ALL_BASELINES, DEFAULT_METHODS, get_method
 from kvarn.eval.models import BUNDLED_MODELS, DEFAULT_MODEL
 
 GOALS = (
@@ -86,8 +86,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "--presets",
         dest="methods",
         default=",".join(DEFAULT_METHODS),
-        help="comma-separated methods (kvarn_k4v2_g128, kivi_k4v2_g128, hadrtn_..., sinkhorn_..., fp16, "
-        "fp8_e4m3, fp8_e4m3_amax) or 'all'",
+        help="comma-separated methods (kvarn_k4v2_g128, kivi_k4v2_g128, hadrtn_..., sinkhorn_..., smooth_..., fp16, "
+        "fp8_e4m3, fp8_e4m3_amax) or 'all'; a KVarN-record method may end in a layer policy: +first<N>, "
+        "+last<M>, +layer<i> keep those layers in fp16, and @k<K>v<V> at that preset instead "
+        "(kvarn_k2v2_g128+first1+last1, kvarn_k2v2_g128+first1@k4v4)",
     )
     p.add_argument(
         "--regions",
@@ -116,6 +118,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         args.method_list = [*ALL_BASELINES, *extra]
     else:
         args.method_list = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in args.method_list:
+        try:
+            get_method(m)
+        except ValueError as e:
+            p.error(str(e))
     args.region_list = [r.strip() for r in args.regions.split(",") if r.strip()]
     for r in args.region_list:
         if r not in ("tail", "sink"):
@@ -346,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         try:
             prepare_ids(tok, args.prefix, args.continuation, text, name=args.text or "the bundled text")
+            for m in args.method_list:
+                policy = get_method(m).policy
+                if policy is not None:
+                    policy.kept(model.config.num_hidden_layers)
         except ValueError as e:
             print(f"kvarn report: {e}", file=sys.stderr)
             return 2
