@@ -455,12 +455,8 @@ def test_layer_policy_paged_mode_generates_what_the_dequantizing_path_does(tiny,
         plain = tiny.generate(
             ids, max_new_tokens=40, do_sample=False, past_key_values=KVarNCache(PRESET, sink=True, layer_policy=policy)
         )
-        everything = tiny.generate(
-            ids,
-            max_new_tokens=40,
-            do_sample=False,
-            past_key_values=KVarNCache(PRESET, sink=True, layer_policy=LayerPolicy(first=2)),
-        )
+        kept_all = KVarNCache(PRESET, sink=True, layer_policy=LayerPolicy(first=2))
+        everything = tiny.generate(ids, max_new_tokens=40, do_sample=False, past_key_values=kept_all)
         exact = tiny.generate(ids, max_new_tokens=40, do_sample=False)
         register_kvarn_attention()
         tiny.set_attn_implementation("kvarn")
@@ -471,6 +467,9 @@ def test_layer_policy_paged_mode_generates_what_the_dequantizing_path_does(tiny,
             tiny.set_attn_implementation("sdpa")
     assert torch.equal(plain, paged)
     assert torch.equal(everything, exact)  # every layer kept: the model's own cache, token for token
+    mem = kept_all.memory_report()
+    assert mem["fp16_bytes"] == 2 * 2 * 2 * 2 * 64 * 139  # layers * (K, V) * Hkv * 2 bytes * D * tokens
+    assert mem["full_precision"] == mem["total"] == 2 * mem["fp16_bytes"]  # held in the fp32 model dtype
 
 
 def test_layer_policy_bad_arguments():

@@ -544,6 +544,8 @@ class KVarNCache(Cache):
     def fp16_nbytes(self) -> int:
         """Bytes an fp16 ``DynamicCache`` holding the same real tokens would take (2 bytes per K and V element)."""
         tokens = sum(self._sequences.rows.real)
+        if not any(layer.quantized for layer in self.layers if layer.is_initialized):  # a policy keeping every layer
+            tokens = sum(layer.batch_size * layer.length for layer in self.layers[:1] if layer.is_initialized)
         return sum(2 * 2 * layer.num_heads * tokens * layer.head_dim for layer in self.layers if layer.is_initialized)
 
     def memory_report(self) -> dict[str, float]:
