@@ -331,7 +331,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(max(1, args.threads))
     from kvarn.eval.harness import bundled_text, prepare_ids
-    from kvarn.eval.models import BUNDLED_MODELS as bundled
 
     try:
         text = bundled_text() if args.text is None else read_text(args.text)
@@ -373,8 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         run["model"] = name
         run["model_source"] = (
-            f"{name} (bundled: {bundled[name].description})"
-            if name in bundled
+            f"{name} (bundled: {BUNDLED_MODELS[name].description})"
+            if name in BUNDLED_MODELS
             else f"{pathlib.Path(name).expanduser().resolve()} (local)"
         )
         run["text"] = args.text or "bundled"
