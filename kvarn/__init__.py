@@ -4,7 +4,7 @@
 """
 
 from kvarn.api import QuantizedKV, QuantizedTensor, dequantize, quantize
-from kvarn.config import DEFAULT_PRESET, PRESETS, KVarNConfig
+from kvarn.config import DEFAULT_PRESET, PRESETS, KVarNConfig, LayerPolicy
 
 __version__ = "0.1.0"
 
@@ -12,6 +12,7 @@ __all__ = [
     "DEFAULT_PRESET",
     "PRESETS",
     "KVarNConfig",
+    "LayerPolicy",
     "QuantizedKV",
     "QuantizedTensor",
     "__version__",

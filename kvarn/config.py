@@ -231,3 +231,102 @@ def check_preset(preset: object) -> None:
     if preset not in PRESETS:
         valid = ", ".join(PRESETS)
         raise ValueError(f"unknown KVarN preset {preset!r}; valid presets are: {valid}")
+
+
+@dataclass(frozen=True)
+class LayerPolicy:
+    """Which attention layers keep their KV cache at a higher precision than the cache's preset.
+
+    The first ``first`` layers, the last ``last`` layers and any index in ``layers`` (negative
+    indices count from the end) are *kept*: with ``keep=None`` stored unquantized in the cache's
+    store dtype (the model dtype in a deployment), with ``keep="kvarn_k4v4_g128"`` (a preset of the
+    same tile length) as records of that preset, with the ablation switches (``rotate``,
+    ``normalize``, ``smooth_keys``, ``sinkhorn_iters``) of the main format. Every other layer
+    uses the main format.
+
+    Other low-bit caches keep boundary layers for the same reason: vLLM's TurboQuant keeps the first
+    and last two attention layers in the model dtype through ``--kv-cache-dtype-skip-layers``,
+    whose value for a ``keep=None`` policy is :meth:`skip_layers`.
+
+    Example:
+        >>> policy = LayerPolicy(first=1, last=1)
+        >>> policy.kept(30), policy.skip_layers(30)
+        ((0, 29), ['0', '29'])
+        >>> base = KVarNConfig.from_preset("kvarn_k2v2_g128", head_dim=64)
+        >>> round(policy.bits_per_element(base, 30), 3)  # 28 layers at 2.5625 bits, 2 at 16
+        3.458
+    """
+
+    first: int = 0
+    last: int = 0
+    layers: tuple[int, ...] = ()
+    keep: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("first", "last"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"LayerPolicy.{name} must be a non-negative number of layers, got {value!r}")
+        layers = tuple(self.layers)
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+            raise ValueError(f"LayerPolicy.layers must be layer indices (ints), got {self.layers!r}")
+        object.__setattr__(self, "layers", layers)
+        if self.keep is not None and self.keep not in PRESETS:
+            raise ValueError(
+                f"LayerPolicy.keep must be None (the store dtype) or a preset, got {self.keep!r}; "
+                f"valid presets are: {', '.join(PRESETS)}"
+            )
+
+    @property
+    def needs_num_layers(self) -> bool:
+        """True when the kept layers depend on the model's layer count (``last`` or negative indices)."""
+        return self.last > 0 or any(i < 0 for i in self.layers)
+
+    def kept(self, num_layers: int | None = None) -> tuple[int, ...]:
+        """The kept layer indices, sorted; ``num_layers`` may be None only without ``last`` and negative indices."""
+        if num_layers is None:
+            if self.needs_num_layers:
+                raise ValueError(
+                    f"{self} counts layers from the end and needs the model's layer count "
+                    "(e.g. KVarNCache(..., num_layers=model.config.num_hidden_layers))"
+                )
+            return tuple(sorted(set(range(self.first)) | set(self.layers)))
+        if not isinstance(num_layers, int) or num_layers <= 0:
+            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+        bad = [i for i in self.layers if not -num_layers <= i < num_layers]
+        if bad:
+            raise ValueError(f"LayerPolicy.layers {bad} are outside a model of {num_layers} layers")
+        out = set(range(min(self.first, num_layers))) | set(range(max(num_layers - self.last, 0), num_layers))
+        return tuple(sorted(out | {i % num_layers for i in self.layers}))
+
+    def kept_config(self, base: KVarNConfig) -> KVarNConfig | None:
+        """The format of a kept layer: ``None`` (store dtype) or preset ``keep`` with ``base``'s switches."""
+        if self.keep is None:
+            return None
+        preset = PRESETS[self.keep]
+        if preset.group_size != base.group_size:
+            raise ValueError(
+                f"LayerPolicy.keep={self.keep!r} has {preset.group_size}-token tiles, the main format "
+                f"{base.name} {base.group_size}-token tiles: every layer of one cache shares the tile length"
+            )
+        return dataclasses.replace(base, k_bits=preset.k_bits, v_bits=preset.v_bits)
+
+    def config_for(self, layer: int, num_layers: int | None, base: KVarNConfig) -> KVarNConfig | None:
+        """The format of layer ``layer``: ``base``, the kept preset, or ``None`` for the store dtype."""
+        return self.kept_config(base) if layer in self.kept(num_layers) else base
+
+    def bits_per_element(self, base: KVarNConfig, num_layers: int, store_bits: int = 16) -> float:
+        """Stored bits per K or V element of full tiles, averaged over the ``num_layers`` layers."""
+        kept = len(self.kept(num_layers))
+        cfg = self.kept_config(base)
+        kept_bits = store_bits if cfg is None else cfg.bits_per_element
+        return ((num_layers - kept) * base.bits_per_element + kept * kept_bits) / num_layers
+
+    def skip_layers(self, num_layers: int) -> list[str]:
+        """The value of vLLM's ``--kv-cache-dtype-skip-layers`` for this policy (layer indices as strings)."""
+        if self.keep is not None:
+            raise ValueError(
+                f"vLLM's --kv-cache-dtype-skip-layers keeps layers in the model dtype only; this policy keeps "
+                f"them at {self.keep}"
+            )
+        return [str(i) for i in self.kept(num_layers)]

@@ -124,3 +124,44 @@ def test_preset_fields_by_name():
         assert p[2] == p.group_size  # still a tuple for older readers
         cfg = KVarNConfig.from_preset(name)
         assert (cfg.k_bits, cfg.v_bits, cfg.group_size) == p
+
+
+def test_layer_policy_kept_layers_and_vllm_skip_list():
+    from kvarn.config import LayerPolicy
+
+    assert LayerPolicy(first=1).kept() == (0,) == LayerPolicy(first=1).kept(30)
+    assert LayerPolicy(first=2, last=2).kept(30) == (0, 1, 28, 29)
+    assert LayerPolicy(first=2, last=2).kept(3) == (0, 1, 2)  # overlapping ends: each layer once
+    assert LayerPolicy(layers=(5, -1, 0)).kept(24) == (0, 5, 23)
+    assert LayerPolicy(first=1, last=1).skip_layers(24) == ["0", "23"]
+    assert LayerPolicy().kept(4) == ()
+    with pytest.raises(ValueError, match="needs the model's layer count"):
+        LayerPolicy(last=1).kept()
+    with pytest.raises(ValueError, match="needs the model's layer count"):
+        LayerPolicy(layers=(-1,)).kept()
+    with pytest.raises(ValueError, match=r"layers \[30\] are outside a model of 30 layers"):
+        LayerPolicy(layers=(30,)).kept(30)
+    with pytest.raises(ValueError, match="model dtype only"):
+        LayerPolicy(first=1, keep="kvarn_k4v4_g128").skip_layers(30)
+
+
+def test_layer_policy_formats_and_bits():
+    from kvarn.config import LayerPolicy
+
+    base = KVarNConfig.from_preset("kvarn_k2v2_g128", head_dim=64, normalize=False)
+    fp = LayerPolicy(first=1, last=1)
+    assert fp.config_for(0, 30, base) is None and fp.config_for(29, 30, base) is None
+    assert fp.config_for(1, 30, base) is base
+    # 28 layers of 2-bit records (64*128*4/8 + 2*(3*64 + 3*128) = 5248 bytes per 2*128*64 elements), 2 in fp16
+    k2v2 = 8 * 5248 / (2 * 128 * 64)
+    assert fp.bits_per_element(base, 30) == pytest.approx((28 * k2v2 + 2 * 16) / 30)
+    hi = LayerPolicy(first=1, keep="kvarn_k4v4_g128")
+    kept = hi.config_for(0, 30, base)
+    assert (kept.k_bits, kept.v_bits, kept.group_size, kept.head_dim, kept.normalize) == (4, 4, 128, 64, False)
+    k4v4 = 8 * (64 * 128 + 2 * (3 * 64 + 3 * 128)) / (2 * 128 * 64)
+    assert hi.bits_per_element(base, 30) == pytest.approx((29 * k2v2 + k4v4) / 30)
+    with pytest.raises(ValueError, match="shares the tile length"):
+        LayerPolicy(first=1, keep="kvarn_k4v4_g64").kept_config(base)
+    for bad in ({"first": -1}, {"last": 1.5}, {"layers": ("0",)}, {"keep": "fp16"}):
+        with pytest.raises(ValueError, match="LayerPolicy"):
+            LayerPolicy(**bad)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import pathlib
+import re
 import threading
 import time
 
@@ -196,6 +198,9 @@ def test_report_rejects_bad_arguments(capsys):
     assert "unknown model 'llama-70b'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--regions", "middle"])
+    with pytest.raises(SystemExit):
+        main(["--methods", "kvarn_k2v2_g128+first1@k3v3"])
+    assert "@k3v3 names no preset with 128-token tiles" in capsys.readouterr().err
 
 
 @pytest.mark.hf
@@ -216,9 +221,64 @@ def test_kvarn_report_on_a_local_folder_and_text_file(tmp_path):
         == 0
     )
     report = (tmp_path / "r" / "report.md").read_text()
-    assert f"## {folder}" in report and f"Text: {text}." in report and ("commit " in report or "kvarn " in report)
+    digest = hashlib.sha256(text.read_bytes()).hexdigest()[:12]
+    assert f"## {folder}" in report and f"Model: {folder.resolve()} (local)." in report
+    assert f"Text: {text} (sha256 {digest}, {len(text.read_text())} characters)." in report
+    assert "(kvarn " in report
     runs = json.loads((tmp_path / "r" / "results.json").read_text())
     assert runs[0]["model"] == str(folder) and runs[0]["text"] == str(text)
+    assert runs[0]["commit"].startswith("kvarn ")
+
+
+@pytest.mark.hf
+def test_kvarn_report_on_a_gguf_file(tmp_path, monkeypatch):
+    """A GGUF file is converted once into $KVARN_CACHE/models/gguf/ and measured like any model."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    pytest.importorskip("matplotlib")
+    from tiny_model import build_tiny_gguf
+
+    from kvarn.eval.report import main
+
+    monkeypatch.setenv("KVARN_CACHE", str(tmp_path / "cache"))
+    path = build_tiny_gguf(tmp_path / "tiny.gguf")
+    argv = ["--model", str(path), "--prefix", "256", "--continuation", "16", "--greedy", "0", "--quiet"]
+    assert main([*argv, "--methods", "kvarn_k4v2_g64", "--regions", "tail", "--out", str(tmp_path / "r")]) == 0
+    converted = list((tmp_path / "cache" / "models" / "gguf").iterdir())
+    assert [p.name.startswith("tiny-") for p in converted if not p.name.startswith(".")] == [True]
+    report = (tmp_path / "r" / "report.md").read_text()
+    assert f"Model: {path} (local)." in report and "Text: bundled kvarn/data/pride_and_prejudice.txt" in report
+    row = json.loads((tmp_path / "r" / "results.json").read_text())[0]["results"][0]
+    assert row["method"] == "kvarn_k4v2_g64" and row["kl"] > 0 and math.isfinite(row["ppl"])
+
+
+@pytest.mark.hf
+def test_kvarn_report_says_what_is_wrong_with_its_inputs(tmp_path, capsys):
+    """A text too short for prefix + continuation, a text that is not UTF-8, a folder that is not a model."""
+    pytest.importorskip("transformers")
+    from tiny_model import build_tiny_model
+
+    from kvarn.eval.report import main
+
+    folder = build_tiny_model(tmp_path / "m")
+    short = tmp_path / "short.txt"
+    short.write_text("Too short. " * 10)
+    argv = ["--model", str(folder), "--prefix", "128", "--continuation", "16", "--out", str(tmp_path / "r")]
+    assert main([*argv, "--text", str(short)]) == 2
+    err = capsys.readouterr().err
+    assert f"{short} has 110 tokens for this tokenizer, too short for prefix + continuation (128 + 16" in err
+    binary = tmp_path / "blob.txt"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    assert main([*argv, "--text", str(binary)]) == 2
+    assert "not a UTF-8 text file" in capsys.readouterr().err
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama"}')
+    assert main(["--model", str(broken), "--out", str(tmp_path / "r")]) == 2
+    assert f"{broken} is not a model transformers can load" in capsys.readouterr().err
+    assert main([*argv, "--methods", "kvarn_k4v2_g128+layer2"]) == 2
+    assert "LayerPolicy.layers [2] are outside a model of 2 layers" in capsys.readouterr().err
+    assert not (tmp_path / "r" / "report.md").exists()
 
 
 def test_model_resolution_errors(tmp_path, capsys):
@@ -235,3 +295,72 @@ def test_model_resolution_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--text", str(tmp_path / "missing.txt")])
     assert "no such file" in capsys.readouterr().err
+
+
+def test_layer_policy_method_names():
+    from kvarn.config import LayerPolicy
+
+    m = get_method("kvarn_k2v2_g128+first1+last1")
+    assert m.policy == LayerPolicy(first=1, last=1) and m.config == get_method("kvarn_k2v2_g128").config
+    k2v2 = get_method("kvarn_k2v2_g128").bits_per_element(64)
+    assert m.bits_per_element(64, 30) == pytest.approx((28 * k2v2 + 2 * 16) / 30)
+    hi = get_method("kivi_k2v2_g128+first2@k4v4")
+    assert hi.policy == LayerPolicy(first=2, keep="kvarn_k4v4_g128")
+    assert hi.layer_config(1, 24, 64).rotate is False and hi.layer_config(1, 24, 64).v_bits == 4
+    assert hi.layer_config(2, 24, 64) == hi.for_head_dim(64)
+    assert get_method("kvarn_k4v2_g64+layer3+layer-1").policy.kept(8) == (3, 7)
+    with pytest.raises(ValueError, match="its bits per element need num_layers"):
+        m.bits_per_element(64)
+    for bad, why in (
+        ("kvarn_k2v2_g128+middle2", "unknown layer policy part 'middle2'"),
+        ("kvarn_k2v2_g128+first1@k3v3", "names no preset with 128-token tiles"),
+        ("kvarn_k4v2_g64+first1@k2v2", "names no preset with 64-token tiles"),
+        ("fp8_e4m3+first1", "unknown method"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(why)):
+            get_method(bad)
+
+
+@pytest.mark.hf
+def test_harness_layer_policy_on_a_tiny_random_model():
+    """Keeping every layer reproduces the fp16 method; keeping one costs the bytes it should and changes the error."""
+    transformers = pytest.importorskip("transformers")
+    from kvarn.eval.harness import evaluate
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+
+    class Bar:
+        def __init__(self, total):
+            pass
+
+        def tick(self):
+            pass
+
+        def describe(self, label):
+            pass
+
+        def close(self):
+            pass
+
+    methods = ["fp16", "kvarn_k2v2_g128", "kvarn_k2v2_g128+first3", "kvarn_k2v2_g128+first1+last1"]
+    run = evaluate(model, _ByteTokenizer(), methods, ["tail"], 256, 40, 0, progress_factory=Bar)
+    by = {r["method"]: r for r in run["results"]}
+    every = by["kvarn_k2v2_g128+first3"]
+    assert every["kl"] == by["fp16"]["kl"] and every["cache_bytes"] == by["fp16"]["fp16_bytes"]
+    assert every["attn_static"] == by["fp16"]["attn_static"] and every["bits_per_element"] == 16.0
+    ends, plain = by["kvarn_k2v2_g128+first1+last1"], by["kvarn_k2v2_g128"]
+    assert ends["bits_per_element"] == pytest.approx((plain["bits_per_element"] + 2 * 16) / 3)
+    assert plain["cache_bytes"] < ends["cache_bytes"] < every["cache_bytes"]
+    for layer in (0, 2):  # kept layers: only fp16 rounding in the static error; layer 1 is quantized
+        assert ends["attn_static"][layer] == by["fp16"]["attn_static"][layer]
+    assert ends["attn_static"][1] == plain["attn_static"][1]

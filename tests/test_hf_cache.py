@@ -392,3 +392,97 @@ def test_values_past_an_fp16_store_dtype_warn():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             KVarNCache(PRESET, dtype=torch.float16).update(ok, ok, 0)
+
+
+def test_layer_policy_keeps_layer_0_exact_and_quantizes_the_rest(tiny):
+    """LayerPolicy(first=1): layer 0 holds the store-dtype K/V, layer 1 the reference records; the logits match."""
+    from kvarn.config import LayerPolicy
+    from kvarn.integration.hf import FullPrecisionLayer
+
+    ids = _ids(150)
+    prompt, nxt = ids[:, :149], ids[:, 149:]
+    cfg = KVarNConfig.from_preset(PRESET, head_dim=64)
+    cache = KVarNCache(PRESET, layer_policy=LayerPolicy(first=1), dtype=torch.float16)
+    with torch.no_grad():
+        tiny(prompt, past_key_values=cache, use_cache=True)
+        got = tiny(nxt, past_key_values=cache, use_cache=True).logits
+    exact = _exact_kv(tiny, prompt)
+    fp, quantized = cache.layers
+    assert isinstance(fp, FullPrecisionLayer) and not isinstance(quantized, FullPrecisionLayer)
+    assert fp.keys.shape[2] == 150  # the prompt and the decoded token
+    assert torch.equal(fp.keys[:, :, :149], exact[0][0].half())
+    assert torch.equal(fp.values[:, :, :149], exact[0][1].half())
+    k, v = exact[1]
+    q = kvarn.quantize((k[0].transpose(0, 1).half(), v[0].transpose(0, 1).half()), cfg)
+    assert torch.equal(quantized.records[0], q.records)
+    dyn = transformers.DynamicCache()
+    dyn.update(exact[0][0].half().float(), exact[0][1].half().float(), 0)
+    kh, vh = (t.transpose(0, 1)[None].float() for t in q.dequantize())
+    tail = slice(2 * G, 149)
+    kh[:, :, tail], vh[:, :, tail] = k[:, :, tail].half().float(), v[:, :, tail].half().float()
+    dyn.update(kh, vh, 1)
+    with torch.no_grad():
+        ref = tiny(nxt, past_key_values=dyn, use_cache=True).logits
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    mem = cache.nbytes()
+    assert mem["full_precision"] == 2 * 2 * 150 * 64 * 2  # (K, V) * Hkv * tokens * D * fp16
+    assert mem["records"] == 2 * 2 * cfg.record_bytes  # one layer: 2 tiles * Hkv
+    assert mem["total"] == mem["records"] + mem["tail"] + mem["full_precision"]
+    assert cache.memory_report()["records_vs_fp16"] == pytest.approx(cfg.capacity_vs_fp16)
+
+
+def test_layer_policy_at_a_higher_preset_stores_that_presets_records(tiny):
+    from kvarn.config import LayerPolicy
+
+    ids = _ids(130)
+    policy = LayerPolicy(last=1, keep="kvarn_k4v4_g64")
+    cache = KVarNCache(PRESET, layer_policy=policy, num_layers=2)
+    with torch.no_grad():
+        tiny(ids, past_key_values=cache, use_cache=True)
+    for layer, (k, v), preset in zip(cache.layers, _exact_kv(tiny, ids), (PRESET, "kvarn_k4v4_g64"), strict=True):
+        cfg = KVarNConfig.from_preset(preset, head_dim=64)
+        assert layer.cfg == cfg
+        assert torch.equal(layer.records[0], kvarn.quantize((k[0].transpose(0, 1), v[0].transpose(0, 1)), cfg).records)
+
+
+@pytest.mark.parametrize("keep", [None, "kvarn_k4v4_g64"])
+def test_layer_policy_paged_mode_generates_what_the_dequantizing_path_does(tiny, keep):
+    from kvarn.config import LayerPolicy
+
+    ids = _ids(100)
+    policy = LayerPolicy(first=1, keep=keep)
+    with torch.no_grad():
+        plain = tiny.generate(
+            ids, max_new_tokens=40, do_sample=False, past_key_values=KVarNCache(PRESET, sink=True, layer_policy=policy)
+        )
+        kept_all = KVarNCache(PRESET, sink=True, layer_policy=LayerPolicy(first=2))
+        everything = tiny.generate(ids, max_new_tokens=40, do_sample=False, past_key_values=kept_all)
+        exact = tiny.generate(ids, max_new_tokens=40, do_sample=False)
+        register_kvarn_attention()
+        tiny.set_attn_implementation("kvarn")
+        try:
+            cache = KVarNCache(PRESET, sink=True, paged=True, layer_policy=policy)
+            paged = tiny.generate(ids, max_new_tokens=40, do_sample=False, past_key_values=cache)
+        finally:
+            tiny.set_attn_implementation("sdpa")
+    assert torch.equal(plain, paged)
+    assert torch.equal(everything, exact)  # every layer kept: the model's own cache, token for token
+    mem = kept_all.memory_report()
+    assert mem["fp16_bytes"] == 2 * 2 * 2 * 2 * 64 * 139  # layers * (K, V) * Hkv * 2 bytes * D * tokens
+    assert mem["full_precision"] == mem["total"] == 2 * mem["fp16_bytes"]  # held in the fp32 model dtype
+
+
+def test_layer_policy_bad_arguments():
+    from kvarn.config import LayerPolicy
+
+    with pytest.raises(ValueError, match=r"num_layers=model\.config\.num_hidden_layers"):
+        KVarNCache(PRESET, layer_policy=LayerPolicy(last=1))
+    with pytest.raises(ValueError, match="shares the tile length"):
+        KVarNCache(PRESET, layer_policy=LayerPolicy(first=1, keep="kvarn_k4v4_g128"))
+    with pytest.raises(TypeError, match="LayerPolicy"):
+        KVarNCache(PRESET, layer_policy={"first": 1})
+    cache = KVarNCache(PRESET, layer_policy=LayerPolicy(first=1), num_layers=1)
+    k = torch.randn(1, 2, 8, 64)
+    cache.update(k, k, 0)
+    with pytest.raises(ValueError, match=r"num_layers=1\) got an update for layer 1"):
+        cache.update(k, k, 1)

@@ -40,3 +40,56 @@ def build_tiny_model(path: pathlib.Path) -> pathlib.Path:
     )
     tmp.rename(path)
     return path
+
+
+def build_tiny_gguf(path: pathlib.Path) -> pathlib.Path:
+    """A 2-layer random Llama (head_dim 64, GQA 2:1) with a byte-level BPE vocabulary, written as a GGUF file.
+
+    fp32 tensors under llama.cpp's names, the tokenizer as ``tokenizer.ggml.*`` metadata; what
+    transformers' GGUF loader reads. About 1.5 MB.
+    """
+    import numpy as np
+    from gguf import GGUFWriter
+    from tokenizers import pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens = [*alphabet, "th", "<s>", "</s>"]  # one merge: an empty merge list sends transformers to SentencePiece
+    hidden, ff, layers, heads, kv_heads, head_dim = 128, 256, 2, 2, 1, 64
+    rng = np.random.default_rng(0)
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(layers)
+    w.add_context_length(2048)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(tokens) - 2) + [3, 3])
+    w.add_token_merges(["t h"])
+    w.add_bos_token_id(len(tokens) - 2)
+    w.add_eos_token_id(len(tokens) - 1)
+
+    def weight(name: str, rows: int, cols: int) -> None:
+        w.add_tensor(name, (0.05 * rng.standard_normal((rows, cols))).astype(np.float32))
+
+    weight("token_embd.weight", len(tokens), hidden)
+    weight("output.weight", len(tokens), hidden)
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    for i in range(layers):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+        weight(f"blk.{i}.attn_q.weight", heads * head_dim, hidden)
+        weight(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden)
+        weight(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden)
+        weight(f"blk.{i}.attn_output.weight", hidden, heads * head_dim)
+        weight(f"blk.{i}.ffn_gate.weight", ff, hidden)
+        weight(f"blk.{i}.ffn_up.weight", ff, hidden)
+        weight(f"blk.{i}.ffn_down.weight", hidden, ff)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -232,7 +232,8 @@ def static_errors(ref: Reference, method: Method, sink: bool, store_dtype: torch
         g = method.group_size
         k16, v16 = k.to(store_dtype), v.to(store_dtype)
         # [Hkv, T, D] -> [T, Hkv, D] for the quantizer, and back
-        kh, vh = method.roundtrip(k16.transpose(0, 1).contiguous(), v16.transpose(0, 1).contiguous(), layer, ref.scales)
+        kt, vt = k16.transpose(0, 1).contiguous(), v16.transpose(0, 1).contiguous()
+        kh, vh = method.roundtrip(kt, vt, layer, ref.scales, num_layers=len(ref.qkv))
         kh, vh = kh.transpose(0, 1).float(), vh.transpose(0, 1).float()
         if sink:
             kh[:, :g], vh[:, :g] = k16[:, :g].float(), v16[:, :g].float()
@@ -259,7 +260,8 @@ def run_method(
     t0 = time.perf_counter()
     sink = region == "sink"
     total, g = ids.shape[1], method.group_size
-    cache = method.make_cache(sink=sink, dtype=store_dtype, scales=ref.scales)
+    cfg = model.config
+    cache = method.make_cache(sink=sink, dtype=store_dtype, scales=ref.scales, num_layers=cfg.num_hidden_layers)
     PROBE.start()
     for a, b in _chunks(0, prefix, g):
         logits = _forward(model, ids[:, a:b], cache)
@@ -277,7 +279,6 @@ def run_method(
     ppl = math.exp(float(-logprobs.gather(1, target[:, None]).mean()))
     top1 = float((logprobs.argmax(-1) == ref.logprobs.argmax(-1)).float().mean())
     cache_bytes = int(cache.nbytes()["total"])
-    cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     stored = total - 1
     fp16_bytes = 2 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * stored
@@ -295,8 +296,8 @@ def run_method(
         method=method.name,
         family=method.family,
         region=region,
-        bits_per_element=method.bits_per_element(head_dim),
-        capacity_vs_fp16=method.capacity_vs_fp16(head_dim),
+        bits_per_element=method.bits_per_element(head_dim, cfg.num_hidden_layers),
+        capacity_vs_fp16=method.capacity_vs_fp16(head_dim, cfg.num_hidden_layers),
         kl=kl,
         ppl=ppl,
         top1=top1,
@@ -310,13 +311,15 @@ def run_method(
     )
 
 
-def prepare_ids(tok, prefix: int, continuation: int, text: str | None = None) -> torch.Tensor:
-    """``[1, prefix + continuation]`` token ids of ``text`` (default the bundled text)."""
+def prepare_ids(tok, prefix: int, continuation: int, text: str | None = None, name: str | None = None) -> torch.Tensor:
+    """``[1, prefix + continuation]`` token ids of ``text`` (default the bundled text, called ``name`` in errors)."""
     ids = tok(bundled_text() if text is None else text, return_tensors="pt").input_ids[:, : prefix + continuation]
     if ids.shape[1] < prefix + continuation:
+        what = name or ("the bundled text" if text is None else "the text")
         raise ValueError(
-            f"the {'bundled ' if text is None else ''}text has {ids.shape[1]} tokens for this tokenizer; "
-            f"prefix + continuation ({prefix} + {continuation}) must not exceed it"
+            f"{what} has {ids.shape[1]} tokens for this tokenizer, too short for prefix + continuation "
+            f"({prefix} + {continuation} = {prefix + continuation} tokens); give a longer text or a shorter "
+            "--prefix / --continuation"
         )
     return ids
 

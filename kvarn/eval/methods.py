@@ -21,6 +21,13 @@ name                       what a full tile becomes                             
                            more per record; ``kvarn/reference/smooth.py``)
 =========================  ===========================================================  =========
 
+Any KVarN-record method takes a per-layer policy (:class:`kvarn.config.LayerPolicy`) as a suffix:
+``+first{N}`` keeps the first ``N`` layers, ``+last{M}`` the last ``M``, ``+layer{i}`` layer ``i``
+(repeatable), unquantized in the store dtype, or with ``@k{K}v{V}`` as records of that preset (same
+tile length, same switches). ``kvarn_k2v2_g128+first1+last1`` keeps layers 0 and L-1 in fp16;
+``kvarn_k2v2_g128+first2@k4v4`` keeps layers 0 and 1 at ``kvarn_k4v4_g128``. Its bits per element
+are the average over the model's layers.
+
 "real" storage keeps fp8 / fp16 tensors in the cache (``SimpleTiledCache``); "KVarN" means
 :class:`kvarn.integration.hf.KVarNCache` storing packed records. The three RTN variants use the
 record layout of their preset, so they have exactly its bits per element; ``smooth_*`` stores one
@@ -36,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 import kvarn
-from kvarn.config import PRESETS, KVarNConfig
+from kvarn.config import PRESETS, KVarNConfig, LayerPolicy
 
 FP8_MAX = 448.0
 """Largest finite float8 e4m3fn value."""
@@ -75,6 +82,7 @@ class Method:
     family: str
     config: KVarNConfig | None = None  # KVarN-record methods (head_dim is replaced per model)
     fp8: str | None = None  # "unit" or "amax" for the fp8 methods
+    policy: LayerPolicy | None = None  # layers kept at a higher precision (KVarN-record methods)
 
     @property
     def group_size(self) -> int:
@@ -83,21 +91,39 @@ class Method:
     def for_head_dim(self, head_dim: int) -> KVarNConfig:
         return dataclasses.replace(self.config, head_dim=head_dim)
 
-    def bits_per_element(self, head_dim: int) -> float:
-        """Stored bits per K or V element of a full tile, scales included."""
+    def layer_config(self, layer: int, num_layers: int | None, head_dim: int) -> KVarNConfig | None:
+        """The format of layer ``layer``: the method's config, a kept layer's, or None (store dtype)."""
+        base = self.for_head_dim(head_dim)
+        return base if self.policy is None else self.policy.config_for(layer, num_layers, base)
+
+    def bits_per_element(self, head_dim: int, num_layers: int | None = None) -> float:
+        """Stored bits per K or V element of a full tile, scales included (averaged over layers with a policy)."""
+        if self.policy is not None:
+            if num_layers is None:
+                raise ValueError(f"method {self.name} keeps some layers: its bits per element need num_layers")
+            return self.policy.bits_per_element(self.for_head_dim(head_dim), num_layers)
         if self.config is not None:
             return self.for_head_dim(head_dim).bits_per_element
         return 8.0 if self.fp8 else 16.0
 
-    def capacity_vs_fp16(self, head_dim: int) -> float:
-        return 16.0 / self.bits_per_element(head_dim)
+    def capacity_vs_fp16(self, head_dim: int, num_layers: int | None = None) -> float:
+        return 16.0 / self.bits_per_element(head_dim, num_layers)
 
-    def make_cache(self, *, sink: bool, dtype: torch.dtype, scales=None, keep_decoded: bool = False):
+    def make_cache(
+        self, *, sink: bool, dtype: torch.dtype, scales=None, keep_decoded: bool = False, num_layers: int | None = None
+    ):
         """A fresh transformers cache storing full tiles this way."""
         if self.config is not None:
             from kvarn.integration.hf import KVarNCache
 
-            return KVarNCache(self.config, sink=sink, dtype=dtype, keep_decoded=keep_decoded)
+            return KVarNCache(
+                self.config,
+                sink=sink,
+                dtype=dtype,
+                keep_decoded=keep_decoded,
+                layer_policy=self.policy,
+                num_layers=num_layers,
+            )
         return SimpleTiledCache(self._codec(scales), self.group_size, sink=sink, dtype=dtype)
 
     def _codec(self, scales):
@@ -107,13 +133,47 @@ class Method:
             raise ValueError(f"method {self.name} needs per-layer amax scales (from the reference run)")
         return Codec(torch.float8_e4m3fn, scales if self.fp8 == "amax" else None)
 
-    def roundtrip(self, k: torch.Tensor, v: torch.Tensor, layer: int, scales=None):
+    def roundtrip(self, k: torch.Tensor, v: torch.Tensor, layer: int, scales=None, num_layers: int | None = None):
         """Static mode: ``k, v: [T, Hkv, D]`` with every full tile stored and read back (rest exact)."""
         if self.config is not None:
-            q = kvarn.quantize((k, v), self.for_head_dim(k.shape[-1]))
-            return q.dequantize()
+            cfg = self.layer_config(layer, num_layers, k.shape[-1])
+            if cfg is None:
+                return k, v
+            return kvarn.quantize((k, v), cfg).dequantize()
         codec = self._codec(scales)
         return codec.roundtrip(k, layer, 0), codec.roundtrip(v, layer, 1)
+
+
+def parse_policy(suffix: str, group_size: int) -> LayerPolicy:
+    """The :class:`LayerPolicy` of a method-name suffix such as ``+first1+last1`` or ``+first2@k4v4``.
+
+    ``@k{K}v{V}`` names the preset ``kvarn_k{K}v{V}_g{group_size}`` (the method's tile length).
+    """
+    rest, _, keep = suffix.partition("@")
+    first = last = 0
+    layers: list[int] = []
+    for part in rest.split("+")[1:]:
+        for prefix in ("first", "last", "layer"):
+            number = part.removeprefix(prefix)
+            if number != part and number.lstrip("-").isdigit():
+                if prefix == "first":
+                    first = int(number)
+                elif prefix == "last":
+                    last = int(number)
+                else:
+                    layers.append(int(number))
+                break
+        else:
+            raise ValueError(
+                f"unknown layer policy part {part!r} in {suffix!r}: use +first<N>, +last<M>, +layer<i> and an "
+                "optional @k<K>v<V> (e.g. kvarn_k2v2_g128+first1+last1@k4v4)"
+            )
+    if not (first or last or layers):
+        raise ValueError(f"layer policy {suffix!r} keeps no layer: give +first<N>, +last<M> or +layer<i>")
+    preset = f"kvarn_{keep}_g{group_size}" if keep else None
+    if preset is not None and preset not in PRESETS:
+        raise ValueError(f"layer policy {suffix!r}: @{keep} names no preset with {group_size}-token tiles")
+    return LayerPolicy(first=first, last=last, layers=tuple(layers), keep=preset)
 
 
 def get_method(name: str) -> Method:
@@ -124,17 +184,26 @@ def get_method(name: str) -> Method:
         return Method(name, "fp8 e4m3 (scale 1)", fp8="unit")
     if name == "fp8_e4m3_amax":
         return Method(name, "fp8 e4m3 (per-layer amax)", fp8="amax")
-    family, _, preset = name.partition("_")
+    base, plus, suffix = name.partition("+")
+    family, _, preset = base.partition("_")
     if family in FAMILIES and f"kvarn_{preset}" in PRESETS:
         label, switches = FAMILIES[family]
-        return Method(name, label, KVarNConfig.from_preset(f"kvarn_{preset}", **switches))
+        config = KVarNConfig.from_preset(f"kvarn_{preset}", **switches)
+        if not plus:
+            return Method(name, label, config)
+        policy = parse_policy(plus + suffix, config.group_size)
+        kept = "fp16" if policy.keep is None else policy.keep
+        return Method(name, f"{label}, layers kept in {kept}", config, policy=policy)
     valid = [
         "fp16",
         "fp8_e4m3",
         "fp8_e4m3_amax",
         *(f"{f}_{p.removeprefix('kvarn_')}" for f in FAMILIES for p in PRESETS),
     ]
-    raise ValueError(f"unknown method {name!r}; valid methods are: {', '.join(valid)}")
+    raise ValueError(
+        f"unknown method {name!r}; valid methods are: {', '.join(valid)}, each KVarN-record method optionally "
+        "followed by a layer policy such as +first1+last1 or +first2@k4v4"
+    )
 
 
 @dataclass(frozen=True)

@@ -269,12 +269,19 @@ def model_dir(model: str | os.PathLike) -> pathlib.Path:
 
 
 def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype=None, device: str = "cpu"):
-    """``(model, tokenizer)`` of ``name`` (see :func:`model_dir`) in eval mode (``dtype`` default fp32 on CPU)."""
+    """``(model, tokenizer)`` of ``name`` (see :func:`model_dir`) in eval mode (``dtype`` default fp32 on CPU).
+
+    Raises:
+        ValueError naming ``name`` when it resolves to a folder transformers cannot load.
+    """
     import torch
     import transformers
 
     path = model_dir(name)
     dtype = dtype or (torch.float32 if device == "cpu" else torch.float16)
-    tok = transformers.AutoTokenizer.from_pretrained(path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(path)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{name} is not a model transformers can load as a causal LM with its tokenizer: {e}") from e
     return model.to(device).eval(), tok

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from kvarn.eval.methods import ALL_BASELINES, DEFAULT_METHODS
+from kvarn.eval.methods import ALL_BASELINES, DEFAULT_METHODS, get_method
 from kvarn.eval.models import BUNDLED_MODELS, DEFAULT_MODEL
 
 GOALS = (
@@ -86,8 +86,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "--presets",
         dest="methods",
         default=",".join(DEFAULT_METHODS),
-        help="comma-separated methods (kvarn_k4v2_g128, kivi_k4v2_g128, hadrtn_..., sinkhorn_..., fp16, "
-        "fp8_e4m3, fp8_e4m3_amax) or 'all'",
+        help="comma-separated methods (kvarn_k4v2_g128, kivi_k4v2_g128, hadrtn_..., sinkhorn_..., smooth_..., fp16, "
+        "fp8_e4m3, fp8_e4m3_amax) or 'all'; a KVarN-record method may end in a layer policy: +first<N>, "
+        "+last<M>, +layer<i> keep those layers in fp16, and @k<K>v<V> at that preset instead "
+        "(kvarn_k2v2_g128+first1+last1, kvarn_k2v2_g128+first1@k4v4)",
     )
     p.add_argument(
         "--regions",
@@ -116,6 +118,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         args.method_list = [*ALL_BASELINES, *extra]
     else:
         args.method_list = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in args.method_list:
+        try:
+            get_method(m)
+        except ValueError as e:
+            p.error(str(e))
     args.region_list = [r.strip() for r in args.regions.split(",") if r.strip()]
     for r in args.region_list:
         if r not in ("tail", "sink"):
@@ -129,19 +136,39 @@ def _slug(name: str) -> str:
 
 
 def _commit() -> str:
-    """The kvarn commit this report ran on, or its version where no git checkout is at hand."""
+    """The kvarn version this report ran on: ``kvarn 0.1.0, git c43abbc`` (``git describe``), or the version alone."""
     import kvarn
 
     here = pathlib.Path(__file__).resolve().parents[2]
     try:
         found = subprocess.run(
-            ["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+            ["git", "-C", str(here), "describe", "--tags", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+            timeout=10,
         )
     except (OSError, subprocess.SubprocessError):
         found = None
     if found is not None and found.returncode == 0 and found.stdout.strip():
-        return f"commit {found.stdout.strip()}"
+        return f"kvarn {kvarn.__version__}, git {found.stdout.strip()}"
     return f"kvarn {kvarn.__version__}"
+
+
+def text_label(path: str | None, text: str) -> str:
+    """How the report names the text: its path (or the bundled file), a short hash and its length."""
+    import hashlib
+
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
+    where = path if path is not None else "bundled kvarn/data/pride_and_prejudice.txt (Pride and Prejudice, ch. 1-4)"
+    return f"{where} (sha256 {digest}, {len(text)} characters)"
+
+
+def read_text(path: str) -> str:
+    """The UTF-8 text of ``path``; ValueError saying so when it is not UTF-8 text."""
+    try:
+        return pathlib.Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--text {path}: not a UTF-8 text file ({e.reason} at byte {e.start})") from None
 
 
 def _fmt(x, spec: str) -> str:
@@ -255,7 +282,7 @@ def write_markdown(runs: list[dict], out: pathlib.Path, command: str) -> pathlib
     lines = [
         "# kvarn fidelity report",
         "",
-        f"Command: `{command}` ({_commit()})",
+        f"Command: `{command}` ({runs[0].get('commit') if runs else _commit()})",
         "",
         f"torch {torch.__version__}, transformers {transformers.__version__}, {platform.machine()} "
         f"{platform.system()}, {torch.get_num_threads()} thread(s).",
@@ -269,7 +296,9 @@ def write_markdown(runs: list[dict], out: pathlib.Path, command: str) -> pathlib
             "",
             f"## {run['model']}",
             "",
-            f"Text: {run.get('text', 'bundled')}.",
+            f"Model: {run.get('model_source', run['model'])}.",
+            "",
+            f"Text: {run.get('text_label', run.get('text', 'bundled'))}.",
             "",
             f"Prefix {run['prefix']} tokens tile by tile, {run['continuation']} teacher-forced tokens, "
             f"{run['greedy']} greedy tokens; exact-run perplexity {run['reference']['ppl']:.3f}; "
@@ -301,7 +330,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvarn report needs transformers, gguf and accelerate: pip install 'kvarn[hf]' ({e})", file=sys.stderr)
         return 2
     torch.set_num_threads(max(1, args.threads))
-    text = None if args.text is None else pathlib.Path(args.text).read_text(encoding="utf-8")
+    from kvarn.eval.harness import bundled_text, prepare_ids
+
+    try:
+        text = bundled_text() if args.text is None else read_text(args.text)
+    except ValueError as e:
+        print(f"kvarn report: {e}", file=sys.stderr)
+        return 2
+    label = text_label(args.text, text)
+    commit = _commit()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = []
@@ -311,6 +348,15 @@ def main(argv: list[str] | None = None) -> int:
         try:
             model, tok = load_model(name)
         except (ModuleNotFoundError, ImportError, ValueError, FileNotFoundError) as e:
+            print(f"kvarn report: {e}", file=sys.stderr)
+            return 2
+        try:
+            prepare_ids(tok, args.prefix, args.continuation, text, name=args.text or "the bundled text")
+            for m in args.method_list:
+                policy = get_method(m).policy
+                if policy is not None:
+                    policy.kept(model.config.num_hidden_layers)
+        except ValueError as e:
             print(f"kvarn report: {e}", file=sys.stderr)
             return 2
         run = evaluate(
@@ -325,7 +371,14 @@ def main(argv: list[str] | None = None) -> int:
             text=text,
         )
         run["model"] = name
-        run["text"] = args.text or "bundled: Pride and Prejudice, chapters 1-4"
+        run["model_source"] = (
+            f"{name} (bundled: {BUNDLED_MODELS[name].description})"
+            if name in BUNDLED_MODELS
+            else f"{pathlib.Path(name).expanduser().resolve()} (local)"
+        )
+        run["text"] = args.text or "bundled"
+        run["text_label"] = label
+        run["commit"] = commit
         run["seconds"] = time.perf_counter() - t0
         run["plots"] = plots(run, out, _slug(name))
         runs.append(run)

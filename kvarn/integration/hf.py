@@ -42,7 +42,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvarn import ops
-from kvarn.config import DEFAULT_PRESET, KVarNConfig, check_preset
+from kvarn.config import DEFAULT_PRESET, KVarNConfig, LayerPolicy, check_preset
 from kvarn.paged import BatchStep, DenseBatch, PagedKV
 
 ATTENTION_NAME = "kvarn"
@@ -143,6 +143,7 @@ class KVarNLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
     is_sliding = False
+    quantized = True
 
     def __init__(
         self,
@@ -352,6 +353,93 @@ class KVarNLayer(CacheLayerMixin):
         decoded = sum(t.numel() * t.element_size() for t in self.decoded) if self.decoded else 0
         return {**self.kv.nbytes(), "decoded": decoded}
 
+    @property
+    def head_dim(self) -> int:
+        return self.cfg.head_dim
+
+
+class FullPrecisionLayer(CacheLayerMixin):
+    """A layer a :class:`~kvarn.config.LayerPolicy` keeps unquantized: K/V in the store dtype, every position.
+
+    Like transformers' ``DynamicLayer``, with K/V rounded to the cache's store dtype (default the
+    model's) as :class:`KVarNLayer` rounds its tail; padding positions are stored as given (the
+    attention mask hides them). ``update`` returns the history read back in the model dtype
+    followed by the chunk's own K/V as the model computed them.
+    """
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+    quantized = False
+
+    def __init__(self, *, dtype: torch.dtype | None = None, paged: bool = False):
+        super().__init__()
+        self.store_dtype = dtype
+        self.paged = paged
+        self.length = 0
+        self.first_chunk = True
+        self.saw_kvarn_attention = False
+        self.keys = self.values = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.store_dtype = self.store_dtype or key_states.dtype
+        self.batch_size, self.num_heads, _, self.head_dim = key_states.shape
+        self.keys = key_states[:, :, :0].to(self.store_dtype)
+        self.values = value_states[:, :, :0].to(self.store_dtype)
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``key_states, value_states: [B, Hkv, n, D]``; return ``[B, Hkv, positions, D]`` to attend over."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[:2] != (self.batch_size, self.num_heads) or key_states.shape != value_states.shape:
+            raise ValueError(
+                f"key_states and value_states must both be [{self.batch_size}, {self.num_heads}, n, "
+                f"{self.head_dim}] for this cache, got {tuple(key_states.shape)} and {tuple(value_states.shape)}"
+            )
+        past = self.length
+        self.first_chunk = past == 0
+        hist_k, hist_v = self.keys.to(self.dtype), self.values.to(self.dtype)
+        self.keys = torch.cat([self.keys, key_states.to(self.store_dtype)], dim=2)
+        self.values = torch.cat([self.values, value_states.to(self.store_dtype)], dim=2)
+        self.length = past + key_states.shape[2]
+        keys = torch.cat([hist_k, key_states], dim=2)
+        values = torch.cat([hist_v, value_states], dim=2)
+        if self.paged:
+            _ATTENDING.set((self, keys))
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.length = 0
+        self.keys = self.values = None
+        self.first_chunk = True
+        self.is_initialized = False
+
+    def reorder_rows(self, beam_idx: torch.Tensor, moves: list[tuple[int, int]]) -> None:
+        if self.is_initialized:
+            self.keys = self.keys.index_select(0, beam_idx.to(self.device))
+            self.values = self.values.index_select(0, beam_idx.to(self.device))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("KVarNCache cannot be cropped: committed tiles are quantized and cannot be reopened")
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes this layer holds, all under ``full_precision``."""
+        held = 0 if not self.is_initialized else sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+        return {"records": 0, "tail": 0, "sink": 0, "decoded": 0, "full_precision": held}
+
 
 class KVarNCache(Cache):
     """A transformers ``Cache`` holding KVarN records, a full-precision tail and an optional sink.
@@ -375,10 +463,17 @@ class KVarNCache(Cache):
             left-padded batch, so that each row's tiles start at its first real token. Needed only
             where transformers passes no position ids to the cache and the attention is not
             ``"kvarn"`` (see the module docstring).
+        layer_policy: a :class:`~kvarn.config.LayerPolicy` keeping some layers (e.g. the first and
+            the last) unquantized in ``dtype`` or at another preset of the same tile length.
+        num_layers: the model's attention layer count (``model.config.num_hidden_layers``); needed
+            when ``layer_policy`` counts layers from the end, checked against the layers seen.
 
     Example:
         >>> from kvarn.integration.hf import KVarNCache
         >>> out = model.generate(ids, max_new_tokens=32, past_key_values=KVarNCache())  # doctest: +SKIP
+        >>> policy = LayerPolicy(first=1, last=1)  # layers 0 and L-1 unquantized
+        >>> n = model.config.num_hidden_layers  # doctest: +SKIP
+        >>> cache = KVarNCache("kvarn_k2v2_g128", layer_policy=policy, num_layers=n)  # doctest: +SKIP
     """
 
     def __init__(
@@ -392,11 +487,20 @@ class KVarNCache(Cache):
         impl: str = "auto",
         keep_decoded: bool = False,
         attention_mask: torch.Tensor | None = None,
+        layer_policy: LayerPolicy | None = None,
+        num_layers: int | None = None,
     ):
         if impl not in ops.IMPLS:
             raise ValueError(f"impl must be one of {ops.IMPLS}, got {impl!r}")
         check_preset(preset)
+        if layer_policy is not None and not isinstance(layer_policy, LayerPolicy):
+            raise TypeError(f"layer_policy must be a kvarn.config.LayerPolicy, got {type(layer_policy).__name__}")
         self.preset, self.sink, self.paged = preset, sink, paged
+        self.layer_policy, self.num_layers = layer_policy, num_layers
+        kept, kept_preset = (), None
+        if layer_policy is not None:
+            kept = layer_policy.kept(num_layers)
+            kept_preset = layer_policy.kept_config(KVarNConfig.from_preset(preset))
         self._sequences = _Sequences(sink, attention_mask)
         kwargs = {
             "dtype": dtype,
@@ -405,7 +509,18 @@ class KVarNCache(Cache):
             "impl": impl,
             "keep_decoded": keep_decoded,
         }
-        super().__init__(layer_class_to_replicate=lambda: KVarNLayer(self._sequences, preset, **kwargs))
+
+        def make_layer() -> CacheLayerMixin:
+            index = len(self.layers)  # transformers appends layers in order, each when first updated
+            if num_layers is not None and index >= num_layers:
+                raise ValueError(f"KVarNCache(num_layers={num_layers}) got an update for layer {index}")
+            if index not in kept:
+                return KVarNLayer(self._sequences, preset, **kwargs)
+            if kept_preset is None:
+                return FullPrecisionLayer(dtype=dtype, paged=paged)
+            return KVarNLayer(self._sequences, kept_preset, **kwargs)
+
+        super().__init__(layer_class_to_replicate=make_layer)
 
     def reset(self) -> None:
         super().reset()
@@ -417,8 +532,9 @@ class KVarNCache(Cache):
             layer.reorder_rows(beam_idx, moves)
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes held by all layers: ``records``, ``tail``, ``sink``, ``decoded`` and ``total``."""
-        out = {"records": 0, "tail": 0, "sink": 0, "decoded": 0}
+        """Bytes held by all layers: ``records``, ``tail``, ``sink``, ``decoded``, ``full_precision`` (the layers a
+        :class:`~kvarn.config.LayerPolicy` keeps unquantized) and ``total``."""
+        out = {"records": 0, "tail": 0, "sink": 0, "decoded": 0, "full_precision": 0}
         for layer in self.layers:
             for key, value in layer.nbytes().items():
                 out[key] += value
@@ -428,9 +544,9 @@ class KVarNCache(Cache):
     def fp16_nbytes(self) -> int:
         """Bytes an fp16 ``DynamicCache`` holding the same real tokens would take (2 bytes per K and V element)."""
         tokens = sum(self._sequences.rows.real)
-        return sum(
-            2 * 2 * layer.num_heads * tokens * layer.cfg.head_dim for layer in self.layers if layer.is_initialized
-        )
+        if not any(layer.quantized for layer in self.layers if layer.is_initialized):  # a policy keeping every layer
+            tokens = sum(layer.batch_size * layer.length for layer in self.layers[:1] if layer.is_initialized)
+        return sum(2 * 2 * layer.num_heads * tokens * layer.head_dim for layer in self.layers if layer.is_initialized)
 
     def memory_report(self) -> dict[str, float]:
         """What the cache holds against an fp16 cache of the same tokens.
@@ -445,7 +561,7 @@ class KVarNCache(Cache):
         out["capacity_vs_fp16"] = out["fp16_bytes"] / out["total"] if out["total"] else float("nan")
         real, committed, used, record = self._sequences.rows.real, 0, 0, 0
         for layer in self.layers:
-            if layer.is_initialized:
+            if layer.is_initialized and layer.quantized:
                 g, per_token = layer.cfg.group_size, layer.num_heads * layer.cfg.head_dim
                 committed += sum(r // g * g for r in real) * 2 * 2 * per_token
                 used += sum(r % g for r in real) * 2 * per_token * layer.kv.tail_k.element_size()
@@ -481,7 +597,7 @@ def kvarn_attention(
             "with another cache use attn_implementation='sdpa'"
         )
     layer.saw_kvarn_attention = True
-    if layer.first_chunk:
+    if layer.first_chunk or not layer.quantized:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout)
     return layer.attend(query, scaling), None
 
