@@ -364,3 +364,19 @@ def test_harness_layer_policy_on_a_tiny_random_model():
     for layer in (0, 2):  # kept layers: only fp16 rounding in the static error; layer 1 is quantized
         assert ends["attn_static"][layer] == by["fp16"]["attn_static"][layer]
     assert ends["attn_static"][1] == plain["attn_static"][1]
+
+
+def test_goals_are_issue_10s_per_model():
+    """Every model: never worse than KIVI-style RTN; a bundled model adds its own ratios and top-1."""
+    from kvarn.eval.report import goals
+
+    def run(model, kl, top1=0.97):
+        rows = [("kvarn_k4v2_g128", kl), ("kivi_k4v2_g128", 0.01), ("hadrtn_k4v2_g128", 0.01)]
+        return {"model": model, "results": [{"method": m, "region": "sink", "kl": k, "top1": top1} for m, k in rows]}
+
+    other = goals(run("/models/mine", 0.009))
+    assert other == ["- [sink] KL kvarn_k4v2_g128 / KL kivi_k4v2_g128 = 0.0090 / 0.0100 = 0.90 (goal <= 1.0): met"]
+    smol = goals(run("smollm2-135m", 0.005, top1=0.95))
+    assert len(smol) == 4 and smol[1].endswith("(goal <= 0.8): met") and smol[2].endswith("(goal <= 0.4): MISSED")
+    assert smol[3] == "- [sink] top-1 agreement of kvarn_k4v2_g128 = 95.0% (goal >= 96%): MISSED"
+    assert goals(run("qwen2.5-coder-0.5b", 0.005))[-1].endswith("= 0.50 (goal <= 0.6): met")
