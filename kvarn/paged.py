@@ -468,39 +468,56 @@ class PagedKV:
         )
 
     def read_back(
-        self, plan: TilePlan, blocks: torch.Tensor, seq_len: int, row: int, dtype: torch.dtype = torch.float32
+        self, plan: TilePlan, block_table: torch.Tensor, requests: list[tuple[int, int]], dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A request's first ``seq_len`` tokens read back whole: ``k, v: [seq_len, Hkv, D]`` ``dtype``, model frame.
+        """Requests' tokens read back whole and packed: ``k, v: [sum of lengths, Hkv, D]`` ``dtype``, model frame.
 
-        ``blocks: [max_blocks]`` is its block-table row and ``row`` its index in ``plan``. Full tiles
-        are dequantized (the sink tile read from its slot), the last ``seq_len % G`` tokens come
-        from the tail slot: the values :meth:`attend` reads for the same request. They leave the
-        rotated frame through one matrix product with ``H`` per tensor (a prompt chunk reads many
-        tiles; the elementwise butterfly of :func:`kvarn.ops.rotate` would pass over them
-        ``log2 D`` times), rounded once to ``dtype``.
+        ``requests`` holds ``(row, seq_len)`` (host ints): the request's row in ``block_table`` and
+        ``plan`` and its first ``seq_len`` tokens, packed in that order. Full tiles are dequantized
+        (a sink tile read from its slot), the last ``seq_len % G`` tokens come from the tail slot:
+        the values :meth:`attend` reads for the same requests. The work is batched over all
+        requests (a constant number of launches however many there are), and the values leave the
+        rotated frame through one matrix product with ``H`` per tensor (the elementwise butterfly
+        of :func:`kvarn.ops.rotate` would pass over them ``log2 D`` times), rounded once to ``dtype``.
         """
         cfg, g = self.cfg, self.cfg.group_size
-        full, rem = divmod(seq_len, g)
         heads, d = self.cache.shape[1], cfg.head_dim
         dev = self.cache.device
-        out = [torch.empty(seq_len, heads, d, dtype=dtype, device=dev) for _ in range(2)]
+        rows = np.array([r for r, _ in requests], dtype=np.int64)
+        lens = np.array([n for _, n in requests], dtype=np.int64)
+        start = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        full, rem = lens // g, lens % g
+        out = [torch.empty(int(lens.sum()), heads, d, dtype=dtype, device=dev) for _ in range(2)]
         h = ops.hadamard_matrix(d, dev) if cfg.rotate else None
 
-        def put(dst: torch.Tensor, x: torch.Tensor) -> None:
-            dst.copy_(x if h is None else x @ h)
+        def model_frame(x: torch.Tensor) -> torch.Tensor:
+            return x if h is None else x @ h
 
-        if full:
-            tiles = ops.decode_records(self.cache[blocks[:full].long()], cfg, impl=self.impl)  # [full, Hkv, G, D]
+        def device(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev, non_blocking=True)
+
+        if full.any():
+            tile_req = np.repeat(np.arange(len(requests)), full)
+            tile_pos = np.arange(len(tile_req)) - np.repeat(np.cumsum(full) - full, full)  # tile index in its request
+            blocks = block_table[device(rows[tile_req]), device(tile_pos)].long()
+            dst = device((start[tile_req] + tile_pos * g)[:, None] + np.arange(g)).reshape(-1)
+            tiles = ops.decode_records(self.cache[blocks], cfg, impl=self.impl)  # [N, Hkv, G, D] fp32 each
             for o, x in zip(out, tiles, strict=True):
-                put(o[: full * g].view(full, g, heads, d).transpose(1, 2), x)
-            sink = -1 if plan.sink_slots is None else int(plan.sink_slots[row])
-            if sink >= 0:
-                for o, pool in zip(out, (self.tail_k, self.tail_v), strict=True):
-                    put(o[:g], ops.from_pool(pool[sink]))
-        if rem:
-            slot = plan.tail_slots[row : row + 1].long()
+                o.index_copy_(0, dst, model_frame(x).transpose(1, 2).reshape(-1, heads, d).to(dtype))
+            if plan.sink_slots is not None:
+                sinks = plan.sink_slots[device(rows[full > 0])].tolist()
+                for i, slot in zip(np.flatnonzero(full > 0), sinks, strict=True):
+                    if slot >= 0:
+                        for o, pool in zip(out, (self.tail_k, self.tail_v), strict=True):
+                            o[start[i] : start[i] + g] = model_frame(ops.from_pool(pool[slot]))
+        if rem.any():
+            has = np.flatnonzero(rem)
+            slots = plan.tail_slots[device(rows[has])].long()
+            src = np.concatenate([k * g + np.arange(rem[i]) for k, i in enumerate(has)])
+            dst = np.concatenate([start[i] + full[i] * g + np.arange(rem[i]) for i in has])
             for o, pool in zip(out, (self.tail_k, self.tail_v), strict=True):
-                put(o[full * g :], ops.from_pool(pool.index_select(0, slot)[0, :rem]))
+                tail = pool.index_select(0, slots).reshape(-1, heads, d).index_select(0, device(src))
+                o.index_copy_(0, device(dst), model_frame(ops.from_pool(tail)).to(dtype))
         return out[0], out[1]
 
     def attend_split(
@@ -537,11 +554,9 @@ class PagedKV:
                 scale,
                 impl=self.impl,
             ).to(out.dtype)
-        keys, values, cu_q, cu_k = [], [], [0], [0]
-        for row, first, end, seq_len in split.rows:
-            k, v = self.read_back(plan, block_table[row], seq_len, row, query.dtype)
-            keys.append(k)
-            values.append(v)
+        keys, values = self.read_back(plan, block_table, [(row, n) for row, _, _, n in split.rows], query.dtype)
+        cu_q, cu_k = [0], [0]
+        for _, first, end, seq_len in split.rows:
             cu_q.append(cu_q[-1] + end - first)
             cu_k.append(cu_k[-1] + seq_len)
         spans = [(first, end) for _, first, end, _ in split.rows]
@@ -550,9 +565,7 @@ class PagedKV:
             q = query[spans[0][0] : spans[-1][1]]
         else:
             q = torch.cat([query[first:end] for first, end in spans])
-        att = (varlen or sdpa_varlen)(
-            q, torch.cat(keys), torch.cat(values), cu_q, cu_k, query.shape[-1] ** -0.5 if scale is None else scale
-        )
+        att = (varlen or sdpa_varlen)(q, keys, values, cu_q, cu_k, query.shape[-1] ** -0.5 if scale is None else scale)
         if contiguous:
             out[spans[0][0] : spans[-1][1]] = att
         else:
