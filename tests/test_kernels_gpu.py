@@ -222,3 +222,22 @@ def test_ops_auto_picks_triton_on_cuda():
     got = ops.encode_records(kr, vr, cfg, impl="auto")
     check_records(got, R.encode_records(kr, vr, cfg), kr, vr, cfg)
     assert ops._pick("paged_attention", "auto", kr) is attention.paged_attention  # kr: fp16 on CUDA
+
+
+# Key smoothing (``smooth_keys=True``): implemented in the kernels and tested under the interpreter
+# (``test_kernels_interpreter.py -k smooth``); these are the same checks at full size on the GPU.
+
+
+def _smooth_cfg(preset: str, d: int) -> KVarNConfig:
+    return KVarNConfig.from_preset(preset, head_dim=d, smooth_keys=True)
+
+
+@pytest.mark.parametrize("preset", ["kvarn_k4v2_g128", "kvarn_k2v2_g128", "kvarn_k4v4_g64"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_decode_records_smooth_gpu_is_exact(preset, d):
+    cfg = _smooth_cfg(preset, d)
+    k, v = make_kv(4, cfg.group_size, 2, d, torch.bfloat16, seed=1)
+    records = R.encode_records(R.prepare(k.to(DEV)).transpose(1, 2), R.prepare(v.to(DEV)).transpose(1, 2), cfg)
+    gk, gv = dequant.decode_records(records, cfg, empty=poisoned_empty)
+    wk, wv = R.decode_records(records, cfg)
+    assert torch.equal(gk, wk) and torch.equal(gv, wv)

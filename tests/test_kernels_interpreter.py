@@ -321,14 +321,17 @@ def test_kernels_reject_bad_input():
             attention.paged_attention(*args, num_splits=bad)
 
 
+@pytest.mark.parametrize("smooth", [False, True])
 @pytest.mark.parametrize("d", SUPPORTED_HEAD_DIMS)
 @pytest.mark.parametrize("preset", list(PRESETS))
-def test_record_layout_is_the_configs(preset, d):
-    cfg = KVarNConfig.from_preset(preset, head_dim=d)
+def test_record_layout_is_the_configs(preset, d, smooth):
+    cfg = KVarNConfig.from_preset(preset, head_dim=d, smooth_keys=smooth)
     layout = _common.record_layout(cfg)
     assert (layout.D, layout.G, layout.K_BITS, layout.V_BITS) == (d, cfg.group_size, cfg.k_bits, cfg.v_bits)
     assert (layout.K_PER_BYTE, layout.V_PER_BYTE) == (8 // cfg.k_bits, 8 // cfg.v_bits)
-    assert {name.lower(): getattr(layout, name) for name in layout._fields[6:]} == cfg.offsets
+    offsets = {name.lower(): getattr(layout, name) for name in layout._fields[6:]}
+    assert offsets.pop("k_smooth") == cfg.offsets.get("k_smooth", -1)
+    assert offsets == {k: v for k, v in cfg.offsets.items() if k != "k_smooth"}
 
 
 @pytest.mark.parametrize("exp", [-40, -100])
@@ -347,3 +350,24 @@ def test_encode_records_tiny_tiles_rescale_like_the_reference(exp):
     check_records(got_unit, R.encode_records(*unit, cfg), *unit, cfg)
     want = R.scale_records(got_unit, torch.tensor([exp]), torch.tensor([exp]), cfg)
     assert torch.equal(got_tiny, want)
+
+
+# Key smoothing (``KVarNConfig(smooth_keys=True)``): the kernels against the reference's smoothed records.
+
+
+def _smooth_cfg(preset: str, d: int) -> KVarNConfig:
+    return KVarNConfig.from_preset(preset, head_dim=d, smooth_keys=True)
+
+
+@pytest.mark.parametrize(
+    "preset,d", [("kvarn_k4v2_g64", 64), ("kvarn_k2v2_g128", 64), ("kvarn_k4v4_g64", 128), ("kvarn_k4v2_g64", 256)]
+)
+def test_decode_records_smooth_is_exact(preset, d):
+    cfg = _smooth_cfg(preset, d)
+    k, v = make_kv(2, cfg.group_size, 1, d, torch.bfloat16, seed=17)
+    rec = R.encode_records(R.prepare(k[:, :, 0]), R.prepare(v[:, :, 0]), cfg)
+    s = R.unpack_record(rec, cfg)[0].smooth.float()
+    assert float(s.min()) < 0.5, "the test tiles should smooth some channel"
+    gk, gv = dequant.decode_records(rec, cfg, empty=poisoned_empty)
+    wk, wv = R.decode_records(rec, cfg)
+    assert torch.equal(gk, wk) and torch.equal(gv, wv)
