@@ -241,3 +241,42 @@ def test_decode_records_smooth_gpu_is_exact(preset, d):
     gk, gv = dequant.decode_records(records, cfg, empty=poisoned_empty)
     wk, wv = R.decode_records(records, cfg)
     assert torch.equal(gk, wk) and torch.equal(gv, wv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("preset", ["kvarn_k4v2_g128", "kvarn_k2v2_g128", "kvarn_k4v4_g64"])
+def test_encode_records_smooth_gpu(preset, d, dtype):
+    cfg = _smooth_cfg(preset, d)
+    k, v = make_kv(8, cfg.group_size, 2, d, dtype, seed=d)
+    kr = R.prepare(k.to(DEV), dtype).transpose(1, 2)
+    vr = R.prepare(v.to(DEV), dtype).transpose(1, 2)
+    got = store.encode_records(kr, vr, cfg, empty=poisoned_empty)
+    _report(f"encode smooth {preset} d={d} {dtype}", check_records(got, R.encode_records(kr, vr, cfg), kr, vr, cfg))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_store_and_commit_smooth_gpu(d, dtype):
+    """store_tiles and write_tail + commit_tiles of a smoothed format: the reference's records, one path's bytes."""
+    cfg = _smooth_cfg("kvarn_k4v2_g128", d)
+    g, hkv, n = cfg.group_size, 4, 6
+    k, v = make_kv(n, g, hkv, d, dtype, seed=2)
+    k[0, 1, 0, 2] = float("nan")
+    k, v = k.to(DEV), v.to(DEV)
+    block_ids = (torch.randperm(n) + 1).to(torch.int32).to(DEV)
+    got = torch.full((n + 3, hkv, cfg.record_bytes), 0xAB, dtype=torch.uint8, device=DEV)
+    want = got.clone()
+    store.store_tiles(k, v, block_ids, got, cfg, empty=poisoned_empty)
+    R.store_tiles(k, v, block_ids, want, cfg)
+    assert torch.equal(got[[0, n + 1, n + 2]], want[[0, n + 1, n + 2]])
+    kr, vr = R.prepare(k, dtype).transpose(1, 2), R.prepare(v, dtype).transpose(1, 2)
+    ids = block_ids.long()
+    _report(f"store smooth d={d} {dtype}", check_records(got[ids], want[ids], kr, vr, cfg))
+    pool_k = torch.full((n + 1, g, hkv, d), float("nan"), dtype=dtype, device=DEV)
+    pool_v = pool_k.clone()
+    mapping = torch.arange(g, (n + 1) * g, device=DEV)
+    store.write_tail(k.reshape(n * g, hkv, d), v.reshape(n * g, hkv, d), pool_k, pool_v, mapping, cfg)
+    via_tail = torch.zeros_like(got)
+    store.commit_tiles(pool_k, pool_v, torch.arange(1, n + 1, dtype=torch.int32, device=DEV), block_ids, via_tail, cfg)
+    assert torch.equal(via_tail[ids], got[ids]), "the two Triton store paths give different bytes"

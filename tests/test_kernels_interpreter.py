@@ -371,3 +371,87 @@ def test_decode_records_smooth_is_exact(preset, d):
     gk, gv = dequant.decode_records(rec, cfg, empty=poisoned_empty)
     wk, wv = R.decode_records(rec, cfg)
     assert torch.equal(gk, wk) and torch.equal(gv, wv)
+
+
+@pytest.mark.parametrize(
+    "preset,d,dtype",
+    [
+        ("kvarn_k4v2_g64", 64, torch.float16),
+        ("kvarn_k2v2_g128", 64, torch.bfloat16),
+        ("kvarn_k4v4_g64", 128, torch.bfloat16),
+        ("kvarn_k4v2_g64", 256, torch.float16),
+    ],
+)
+def test_encode_records_smooth_matches_reference(preset, d, dtype):
+    cfg = _smooth_cfg(preset, d)
+    k, v = make_kv(2, cfg.group_size, 1, d, dtype, seed=d + cfg.k_bits)
+    kr, vr = R.prepare(k[:, :, 0], dtype), R.prepare(v[:, :, 0], dtype)
+    got = store.encode_records(kr, vr, cfg, empty=poisoned_empty)
+    want = R.encode_records(kr, vr, cfg)
+    assert float(R.unpack_record(want, cfg)[0].smooth.float().min()) < 0.5, "the test tiles should smooth some channel"
+    stats = check_records(got, want, kr, vr, cfg)
+    assert stats["k_smooth_equal"] == 1.0
+
+
+@pytest.mark.parametrize("kind", ["zero", "constant", "huge", "tiny"])
+def test_encode_records_smooth_hard_tiles(kind):
+    cfg = _smooth_cfg("kvarn_k4v2_g64", 64)
+    k, v = make_kv(1, 64, 1, 64, torch.bfloat16, seed=7, kind=kind)
+    kr, vr = R.prepare(k[:, :, 0], torch.bfloat16), R.prepare(v[:, :, 0], torch.bfloat16)
+    check_records(store.encode_records(kr, vr, cfg), R.encode_records(kr, vr, cfg), kr, vr, cfg)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_store_tiles_and_commit_smooth(dtype):
+    """store_tiles and write_tail + commit_tiles of a smoothed format: the reference's records, one path's bytes."""
+    cfg = _smooth_cfg("kvarn_k4v2_g64", 64)
+    g, hkv, d, n = 64, 2, 64, 2
+    k, v = make_kv(n, g, hkv, d, dtype, seed=19)
+    k[0, 1, 0, 2] = float("nan")
+    block_ids = torch.tensor([3, 1], dtype=torch.int32)
+    got = torch.full((5, hkv, cfg.record_bytes), 0xAB, dtype=torch.uint8)
+    want = got.clone()
+    store.store_tiles(k, v, block_ids, got, cfg, empty=poisoned_empty)
+    R.store_tiles(k, v, block_ids, want, cfg)
+    assert torch.equal(got[[0, 2, 4]], want[[0, 2, 4]])
+    kr, vr = R.prepare(k, dtype).transpose(1, 2), R.prepare(v, dtype).transpose(1, 2)
+    check_records(got[block_ids.long()], want[block_ids.long()], kr, vr, cfg)
+    pool_k = torch.full((n + 1, g, hkv, d), float("nan"), dtype=dtype)
+    pool_v = pool_k.clone()
+    mapping = torch.arange(g, (n + 1) * g)
+    store.write_tail(k.reshape(n * g, hkv, d), v.reshape(n * g, hkv, d), pool_k, pool_v, mapping, cfg)
+    via_tail = torch.full_like(got, 0x5A)
+    slots = torch.tensor([1, -1, 2], dtype=torch.int32)
+    store.commit_tiles(pool_k, pool_v, slots, torch.tensor([3, 0, 1], dtype=torch.int32), via_tail, cfg)
+    assert (via_tail[[0, 2, 4]] == 0x5A).all()
+    assert torch.equal(via_tail[block_ids.long()], got[block_ids.long()]), "the two store paths give different bytes"
+
+
+def test_fp8_helpers_match_torch():
+    """fp8 e4m3 rounding, bits and decoding in integer arithmetic equal torch's ``float8_e4m3fn`` casts."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _fp8_roundtrip(x_ptr, r_ptr, b_ptr, d_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        r = _common.fp8e4m3_round(tl.load(x_ptr + i))
+        tl.store(r_ptr + i, r)
+        tl.store(b_ptr + i, _common.fp8e4m3_bits(r))
+        tl.store(d_ptr + i, _common.fp8e4m3_to_f32(tl.load(b_ptr + 256 + i)))
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.exp2(torch.empty(256).uniform_(-6, 0, generator=gen))  # the smoothing factors' range
+    grid = torch.arange(1, 9) / 8 * 2.0**-6  # exact values and midpoints (ties to even) at the low end
+    x[:16] = torch.cat([2.0**-6 + grid / 16, 1 - grid / 16])
+    x[-1] = 1.0
+    r = torch.empty_like(x)
+    b = torch.zeros(512, dtype=torch.uint8)
+    b[256:] = torch.arange(256, dtype=torch.uint8)
+    b[256 + 0x7F] = b[256 + 0xFF] = 0  # NaN bytes: not decoded
+    out = torch.empty(256)
+    _fp8_roundtrip[(1,)](x, r, b, out, N=256)
+    want = x.to(torch.float8_e4m3fn)
+    assert torch.equal(r, want.float())
+    assert torch.equal(b[:256], want.view(torch.uint8))
+    assert torch.equal(out, b[256:].view(torch.float8_e4m3fn).float())
