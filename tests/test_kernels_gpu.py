@@ -280,3 +280,44 @@ def test_store_and_commit_smooth_gpu(d, dtype):
     via_tail = torch.zeros_like(got)
     store.commit_tiles(pool_k, pool_v, torch.arange(1, n + 1, dtype=torch.int32, device=DEV), block_ids, via_tail, cfg)
     assert torch.equal(via_tail[ids], got[ids]), "the two Triton store paths give different bytes"
+
+
+SMOOTH_ATTN_CASES = [
+    ("kvarn_k4v2_g128", 128, torch.float16, 32, 8, True, None),
+    ("kvarn_k4v2_g128", 128, torch.bfloat16, 32, 8, False, 8),
+    ("kvarn_k4v2_g128", 64, torch.float16, 32, 8, True, 1),
+    ("kvarn_k4v2_g128", 256, torch.bfloat16, 16, 4, True, None),
+    ("kvarn_k4v2_g64", 128, torch.float16, 32, 8, True, 4),
+    ("kvarn_k4v4_g128", 128, torch.float16, 32, 8, False, None),
+    ("kvarn_k2v2_g128", 128, torch.float16, 28, 4, True, 2),
+    ("kvarn_k2v2_g128", 64, torch.bfloat16, 12, 2, False, None),
+]
+
+
+@pytest.mark.parametrize("merge", [True, False], ids=["merge", "epilogue"])
+@pytest.mark.parametrize("preset,d,dtype,hq,hkv,sink,splits", SMOOTH_ATTN_CASES)
+def test_paged_attention_smooth_gpu(preset, d, dtype, hq, hkv, sink, splits, merge):
+    cfg = _smooth_cfg(preset, d)
+    lengths = ragged_lengths(cfg.group_size, cfg.group_size, seed=d + hq, max_tiles=12)
+    state = build_cache(cfg, lengths, hkv, dtype, seed=5, device=DEV)
+    query = torch.randn(len(lengths), hq, d) * 2
+    query[..., 3] *= 10  # a large query channel where the keys' channel 3 is smoothed (make_kv's outlier)
+    args = attention_args(state, query.to(dtype).to(DEV), cfg, sink=sink)
+    out = attention.paged_attention(*args, num_splits=splits, fuse_merge=merge, empty=poisoned_empty)
+    err = check_attention(out, args)
+    tag = f"{preset} d={d} {dtype} hq={hq} hkv={hkv} sink={sink} splits={splits} merge={merge}"
+    print(f"STATS attention smooth {tag} rel_err={err:.2e}")
+
+
+@pytest.mark.parametrize("splits", [None, 1, 4])
+@pytest.mark.parametrize("preset", ["kvarn_k4v2_g128", "kvarn_k2v2_g128"])
+def test_paged_attention_multi_query_smooth_gpu(preset, splits):
+    cfg = _smooth_cfg(preset, 128)
+    lengths = [1000, 300, 128, 7, 2050, 640]
+    n_q = [37, 0, 128, 7, 300, 1]
+    state = build_cache(cfg, lengths, 8, torch.float16, seed=8, device=DEV)
+    qsl = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    query = torch.randn(int(qsl[-1]), 32, 128, device=DEV).half()
+    args = attention_args(state, query, cfg, qsl=qsl, sink=True)
+    err = check_attention(attention.paged_attention(*args, num_splits=splits, empty=poisoned_empty), args)
+    print(f"STATS multi_query smooth {preset} splits={splits} rel_err={err:.2e}")

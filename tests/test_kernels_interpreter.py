@@ -455,3 +455,44 @@ def test_fp8_helpers_match_torch():
     assert torch.equal(r, want.float())
     assert torch.equal(b[:256], want.view(torch.uint8))
     assert torch.equal(out, b[256:].view(torch.float8_e4m3fn).float())
+
+
+SMOOTH_ATTN_CASES = [
+    ("kvarn_k4v2_g64", 64, torch.float16, 4, 2, True, None, None),
+    ("kvarn_k2v2_g128", 64, torch.bfloat16, 4, 2, False, 2, None),
+    ("kvarn_k4v2_g64", 128, torch.float16, 2, 1, True, 3, True),
+    ("kvarn_k2v2_g128", 128, torch.float16, 2, 2, True, 1, None),
+]
+
+
+@pytest.mark.parametrize("preset,d,dtype,hq,hkv,sink,splits,pair", SMOOTH_ATTN_CASES)
+def test_paged_attention_decode_smooth(preset, d, dtype, hq, hkv, sink, splits, pair):
+    cfg = _smooth_cfg(preset, d)
+    lengths = ragged_lengths(cfg.group_size, 6, seed=d + hq)
+    state = build_cache(cfg, lengths, hkv, dtype, seed=1)
+    gen = torch.Generator().manual_seed(d)
+    query = torch.randn(len(lengths), hq, d, generator=gen)
+    query[..., 3] *= 20  # a large query channel where the keys' channel 3 is smoothed (make_kv's outlier)
+    args = attention_args(state, query.to(dtype), cfg, sink=sink)
+    out = attention.paged_attention(*args, num_splits=splits, pair_tiles=pair, empty=poisoned_empty)
+    check_attention(out, args)
+
+
+def test_paged_attention_multi_query_smooth():
+    cfg = _smooth_cfg("kvarn_k4v2_g64", 64)
+    lengths = [190, 70, 5, 130]
+    n_q = [20, 0, 5, 3]
+    state = build_cache(cfg, lengths, 2, torch.float16, seed=6)
+    qsl = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(int(qsl[-1]), 4, 64).to(torch.float16)
+    args = attention_args(state, query, cfg, qsl=qsl, sink=True)
+    check_attention(attention.paged_attention(*args, num_splits=2, empty=poisoned_empty), args)
+
+
+def test_paged_attention_smooth_refuses_unimplemented_variants():
+    cfg = _smooth_cfg("kvarn_k4v2_g64", 64)
+    state = build_cache(cfg, [70], 1, torch.float16, seed=0)
+    args = attention_args(state, torch.zeros(1, 2, 64, dtype=torch.float16), cfg)
+    for knobs in ({"fuse_query": False}, {"tokens_m": True}):
+        with pytest.raises(ValueError, match="smooth_keys"):
+            attention.paged_attention(*args, **knobs)
