@@ -266,10 +266,9 @@ def fwht_rows(x, INV_SQRT_D: tl.constexpr):
     """
     R: tl.constexpr = x.shape[0]
     D: tl.constexpr = x.shape[1]
-    for stage in tl.static_range(8):
-        H: tl.constexpr = 1 << stage
-        if H < D:
-            y = tl.permute(tl.reshape(x, (R, D // (2 * H), 2, H)), (0, 1, 3, 2))  # [R, blocks, H, 2]
+    for stage in tl.static_range(8):  # pairs 1 << stage apart
+        if (1 << stage) < D:
+            y = tl.permute(tl.reshape(x, (R, D // (2 << stage), 2, 1 << stage)), (0, 1, 3, 2))  # [R, blocks, h, 2]
             a, b = tl.split(y)
             y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
             x = tl.reshape(y, (R, D))

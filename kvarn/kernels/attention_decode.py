@@ -374,7 +374,9 @@ def _attn_kernel(
     ``TOKENS_M`` (decode only): the quantized tiles' dots put the tokens on M (:func:`_quantized_tiles_t`).
     Smoothed records (``LAYOUT.K_SMOOTH >= 0``) need ``FUSED_Q`` and not ``TOKENS_M``.
     """
-    tl.static_assert(LAYOUT.K_SMOOTH < 0 or (FUSED_Q and not TOKENS_M), "smoothed records need FUSED_Q, no TOKENS_M")
+    if LAYOUT.K_SMOOTH >= 0:
+        tl.static_assert(FUSED_Q, "smoothed records need FUSED_Q (the raw queries at q)")
+        tl.static_assert(not TOKENS_M, "smoothed records are not implemented with TOKENS_M")
     G: tl.constexpr = LAYOUT.G
     ROTATE: tl.constexpr = FLAGS[2]
     pid = tl.program_id(0)
