@@ -321,3 +321,19 @@ def test_paged_attention_multi_query_smooth_gpu(preset, splits):
     args = attention_args(state, query, cfg, qsl=qsl, sink=True)
     err = check_attention(attention.paged_attention(*args, num_splits=splits, empty=poisoned_empty), args)
     print(f"STATS multi_query smooth {preset} splits={splits} rel_err={err:.2e}")
+
+
+def test_ops_smooth_runs_the_kernels_only_when_asked():
+    """``auto`` keeps a smoothed format on the reference (kernels not yet GPU-validated); ``triton`` runs them."""
+    cfg = _smooth_cfg("kvarn_k4v2_g128", 128)
+    k, v = make_kv(2, 128, 1, 128, torch.float16, seed=0)
+    kr, vr = R.prepare(k[:, :, 0].to(DEV)), R.prepare(v[:, :, 0].to(DEV))
+    assert ops._pick("encode_records", "auto", kr, smoothed=True) is R.encode_records
+    assert ops._pick("paged_attention", "auto", kr, smoothed=True) is R.paged_attention
+    want = ops.encode_records(kr, vr, cfg)
+    assert torch.equal(want, R.encode_records(kr, vr, cfg))
+    got = ops.encode_records(kr, vr, cfg, impl="triton")
+    check_records(got, want, kr, vr, cfg)
+    gk, gv = ops.decode_records(want, cfg, impl="triton")
+    wk, wv = ops.decode_records(want, cfg)
+    assert torch.equal(gk, wk) and torch.equal(gv, wv)

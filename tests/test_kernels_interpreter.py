@@ -462,6 +462,7 @@ SMOOTH_ATTN_CASES = [
     ("kvarn_k2v2_g128", 64, torch.bfloat16, 4, 2, False, 2, None),
     ("kvarn_k4v2_g64", 128, torch.float16, 2, 1, True, 3, True),
     ("kvarn_k2v2_g128", 128, torch.float16, 2, 2, True, 1, None),
+    ("kvarn_k4v2_g64", 256, torch.bfloat16, 2, 1, True, 2, None),
 ]
 
 

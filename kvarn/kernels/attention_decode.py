@@ -303,6 +303,39 @@ def _quantized_tiles_t(query, records, bt_row, u0, u1, LAYOUT: tl.constexpr, USE
 
 
 @triton.jit
+def _record_tiles(
+    query,
+    walk,
+    q_base,
+    row_ok,
+    LAYOUT: tl.constexpr,
+    MULTI_Q: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    PAIR: tl.constexpr,
+    TOKENS_M: tl.constexpr,
+    FUSED_Q: tl.constexpr,
+    IN_BF16: tl.constexpr,
+    FACTOR: tl.constexpr,
+):
+    """The program's quantized tiles: :func:`_quantized_tiles_t` with ``TOKENS_M``, else :func:`_quantized_tiles`.
+
+    ``walk = (records, bt_row, u0, u1, pos_q)``; the raw queries at ``q_base`` (rows ``row_ok``)
+    are read for smoothed records (``LAYOUT.K_SMOOTH >= 0``, which need ``FUSED_Q`` and not ``TOKENS_M``).
+    """
+    records, bt_row, u0, u1, pos_q = walk
+    if TOKENS_M:
+        tl.static_assert(LAYOUT.K_SMOOTH < 0, "smoothed records are not implemented with TOKENS_M")
+        out = _quantized_tiles_t(query, records, bt_row, u0, u1, LAYOUT, USE_ASM, PAIR)
+    elif LAYOUT.K_SMOOTH >= 0:
+        tl.static_assert(FUSED_Q, "smoothed records need FUSED_Q (the raw queries at q)")
+        q_model = _model_query(q_base, row_ok, LAYOUT.D, IN_BF16, FACTOR)
+        out = _quantized_tiles(query, records, bt_row, u0, u1, pos_q, LAYOUT, MULTI_Q, USE_ASM, PAIR, q_model)
+    else:
+        out = _quantized_tiles(query, records, bt_row, u0, u1, pos_q, LAYOUT, MULTI_Q, USE_ASM, PAIR)
+    return out
+
+
+@triton.jit
 def _program_rows(N: tl.constexpr, q_start, q_first, n_q, kvh, GQ: tl.constexpr, GQP: tl.constexpr):
     """The first ``N`` rows of a program: ``(q_row, head, row_ok, q_local)``, each ``[N]``.
 
@@ -374,9 +407,6 @@ def _attn_kernel(
     ``TOKENS_M`` (decode only): the quantized tiles' dots put the tokens on M (:func:`_quantized_tiles_t`).
     Smoothed records (``LAYOUT.K_SMOOTH >= 0``) need ``FUSED_Q`` and not ``TOKENS_M``.
     """
-    if LAYOUT.K_SMOOTH >= 0:
-        tl.static_assert(FUSED_Q, "smoothed records need FUSED_Q (the raw queries at q)")
-        tl.static_assert(not TOKENS_M, "smoothed records are not implemented with TOKENS_M")
     G: tl.constexpr = LAYOUT.G
     ROTATE: tl.constexpr = FLAGS[2]
     pid = tl.program_id(0)
@@ -418,15 +448,10 @@ def _attn_kernel(
         bt_row = block_table + seq.to(tl.int64) * s_bt
         records = (cache, s_cb, s_ch, kvh)
         qt1 = tl.minimum(u1, n_full)
-        if TOKENS_M:
-            m_i, l_i, acc = _quantized_tiles_t(query, records, bt_row, qt0, qt1, LAYOUT, USE_ASM, PAIR)
-        elif LAYOUT.K_SMOOTH >= 0:
-            q_model = _model_query(q_base, row_ok, LAYOUT.D, IN_BF16, FACTOR)  # needs FUSED_Q: q holds the queries
-            m_i, l_i, acc = _quantized_tiles(
-                query, records, bt_row, qt0, qt1, pos_q, LAYOUT, MULTI_Q, USE_ASM, PAIR, q_model
-            )
-        else:
-            m_i, l_i, acc = _quantized_tiles(query, records, bt_row, qt0, qt1, pos_q, LAYOUT, MULTI_Q, USE_ASM, PAIR)
+        walk = (records, bt_row, qt0, qt1, pos_q)
+        m_i, l_i, acc = _record_tiles(
+            query, walk, q_base, row_ok, LAYOUT, MULTI_Q, USE_ASM, PAIR, TOKENS_M, FUSED_Q, IN_BF16, FACTOR
+        )
         sink_here = has_sink & (u0 == 0)
         tail_here = (rem > 0) & (u0 <= n_full) & (n_full < u1)
         if sink_here | tail_here:
