@@ -88,7 +88,8 @@ class KVarNConfig:
     switches exist for ablations and baselines (with both off the format is KIVI-style RTN:
     per-channel K, per-token V). The byte layout does not depend on them. ``smooth_keys`` divides
     each K tile by a per-channel vector before the rotation (an option measured in
-    ``docs/fidelity.md``; it adds ``D`` bytes per record and runs on the reference path only).
+    ``docs/fidelity.md``; it adds ``D`` bytes per record; the kernels implement it, interpreter-tested and
+    not yet GPU-validated, so ``kvarn.ops`` runs it on the reference unless asked for ``impl="triton"``).
 
     Example:
         >>> cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)

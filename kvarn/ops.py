@@ -4,6 +4,11 @@ Every function takes ``impl="auto" | "reference" | "triton"``. ``"auto"`` picks 
 tensors in fp16 or bf16 (the dtypes the kernels are built for) when the kernels import, and the
 reference otherwise (CPU, fp32, or no Triton). Integrations call
 these functions only, never a kernel or a reference module directly.
+
+Key smoothing (``KVarNConfig(smooth_keys=True)``): the kernels of :data:`SMOOTH_KERNEL_OPS` implement
+it, interpreter-tested against the reference but not yet GPU-validated, so ``"auto"`` keeps every
+smoothed format on the reference and only an explicit ``impl="triton"`` runs those kernels; the
+other ops refuse ``impl="triton"`` for it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.uint8)
 """Dtypes of the deciding tensor for which ``auto`` uses Triton (uint8: the records themselves)."""
 REFERENCE_ONLY = frozenset({"prepare", "rotate", "from_pool"})
 """Ops with no kernel of their own (cheap elementwise or small-matrix work): every ``impl`` runs the reference."""
+SMOOTH_KERNEL_OPS = frozenset({"encode_records", "store_tiles", "commit_tiles", "decode_records", "paged_attention"})
+"""Ops whose kernels implement ``smooth_keys`` records. Interpreter-tested, not yet GPU-validated:
+``impl="triton"`` runs them, ``"auto"`` stays on the reference for a smoothed format."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -37,30 +45,31 @@ def triton_available() -> bool:
     return _triton_ops() is not None
 
 
-def _kernel_format(cfg) -> bool:
-    """Whether the kernels store and read records of ``cfg`` (not: the ``smooth_keys`` option)."""
-    return not getattr(cfg, "smooth_keys", False)
+def _smoothed(cfg) -> bool:
+    """Whether ``cfg`` is a ``smooth_keys`` format (see :data:`SMOOTH_KERNEL_OPS`)."""
+    return getattr(cfg, "smooth_keys", False)
 
 
-def _kernel_half(half) -> bool:
-    """Whether a kernel reads tile half ``half`` (not: a K half carrying a smoothing vector)."""
-    return len(half) <= 4 or half[4] is None
+def _smoothed_half(half) -> bool:
+    """Whether tile half ``half`` is a K half carrying a smoothing vector."""
+    return len(half) > 4 and half[4] is not None
 
 
-def _pick(name: str, impl: str, like: torch.Tensor, kernel_format: bool = True) -> Callable:
+def _pick(name: str, impl: str, like: torch.Tensor, smoothed: bool = False) -> Callable:
     """The implementation of op ``name`` for ``impl``, deciding ``auto`` by ``like``'s device and dtype.
 
-    ``kernel_format=False`` (a record format no kernel implements) makes ``auto`` pick the reference
-    and ``triton`` raise.
+    ``smoothed=True`` (a ``smooth_keys`` format) makes ``auto`` pick the reference, and ``triton``
+    raise unless the op is in :data:`SMOOTH_KERNEL_OPS`.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if name in REFERENCE_ONLY:
         return getattr(reference, name)
-    if not kernel_format:
-        if impl == "triton":
-            raise ValueError(f"impl='triton' asked for {name}, but the kernels do not implement smooth_keys")
-        return getattr(reference, name)
+    if smoothed:
+        if impl != "triton":
+            return getattr(reference, name)  # not yet GPU-validated: never the default
+        if name not in SMOOTH_KERNEL_OPS:
+            raise ValueError(f"impl='triton' asked for {name}, but its kernel does not implement smooth_keys")
     if impl == "triton":
         ops = _triton_ops()
         if ops is None or name not in ops:
@@ -106,22 +115,22 @@ def write_tail(k, v, tail_k, tail_v, tail_slot_mapping, cfg, *, impl: str = "aut
 
 def commit_tiles(tail_k, tail_v, tail_slots, block_ids, cache, cfg, *, impl: str = "auto") -> None:
     """Quantize full pool tiles into cache records. See :func:`kvarn.reference.commit_tiles`."""
-    _pick("commit_tiles", impl, tail_k, _kernel_format(cfg))(tail_k, tail_v, tail_slots, block_ids, cache, cfg)
+    _pick("commit_tiles", impl, tail_k, _smoothed(cfg))(tail_k, tail_v, tail_slots, block_ids, cache, cfg)
 
 
 def store_tiles(k, v, block_ids, cache, cfg, *, impl: str = "auto") -> None:
     """Quantize whole model-frame tiles into cache records. See :func:`kvarn.reference.store_tiles`."""
-    _pick("store_tiles", impl, k, _kernel_format(cfg))(k, v, block_ids, cache, cfg)
+    _pick("store_tiles", impl, k, _smoothed(cfg))(k, v, block_ids, cache, cfg)
 
 
 def encode_records(k, v, cfg, *, impl: str = "auto") -> torch.Tensor:
     """Prepared tiles to records. See :func:`kvarn.reference.encode_records`."""
-    return _pick("encode_records", impl, k, _kernel_format(cfg))(k, v, cfg)
+    return _pick("encode_records", impl, k, _smoothed(cfg))(k, v, cfg)
 
 
 def decode_records(records, cfg, *, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Records to rotated fp32 K/V tiles. See :func:`kvarn.reference.decode_records`."""
-    return _pick("decode_records", impl, records, _kernel_format(cfg))(records, cfg)
+    return _pick("decode_records", impl, records, _smoothed(cfg))(records, cfg)
 
 
 def paged_attention(
@@ -140,7 +149,7 @@ def paged_attention(
     impl: str = "auto",
 ) -> torch.Tensor:
     """Attention over the paged cache. See :func:`kvarn.reference.paged_attention`."""
-    fn = _pick("paged_attention", impl, query, _kernel_format(cfg))
+    fn = _pick("paged_attention", impl, query, _smoothed(cfg))
     return fn(
         query,
         cache,
@@ -158,12 +167,12 @@ def paged_attention(
 
 def encode_half(tiles, role, cfg, *, impl: str = "auto"):
     """Prepared tiles ``[..., G, D]`` to the K or V half of a record. See :func:`kvarn.reference.encode_half`."""
-    return _pick("encode_half", impl, tiles, _kernel_format(cfg))(tiles, role, cfg)
+    return _pick("encode_half", impl, tiles, _smoothed(cfg))(tiles, role, cfg)
 
 
 def decode_half(half, role, *, impl: str = "auto") -> torch.Tensor:
     """A tile half back to rotated fp32 tiles ``[..., G, D]``. See :func:`kvarn.reference.decode_half`."""
-    return _pick("decode_half", impl, half[0], _kernel_half(half))(half, role)
+    return _pick("decode_half", impl, half[0], _smoothed_half(half))(half, role)
 
 
 def pack_codes(codes, bits, *, impl: str = "auto") -> torch.Tensor:
@@ -183,9 +192,9 @@ def input_exponent(x, dtype=None, rotate: bool = True, *, impl: str = "auto") ->
 
 def scale_half(half, exp, *, impl: str = "auto"):
     """A tile half reconstructing ``2^exp`` times larger. See :func:`kvarn.reference.scale_half`."""
-    return _pick("scale_half", impl, half[0], _kernel_half(half))(half, exp)
+    return _pick("scale_half", impl, half[0], _smoothed_half(half))(half, exp)
 
 
 def scale_records(records, k_exp, v_exp, cfg, *, impl: str = "auto") -> torch.Tensor:
     """Records reconstructing ``2^k_exp``, ``2^v_exp`` times larger. See :func:`kvarn.reference.scale_records`."""
-    return _pick("scale_records", impl, records, _kernel_format(cfg))(records, k_exp, v_exp, cfg)
+    return _pick("scale_records", impl, records, _smoothed(cfg))(records, k_exp, v_exp, cfg)

@@ -26,6 +26,7 @@ from kvarn.config import KVarNConfig
 from kvarn.reference.normalize import sinkhorn
 from kvarn.reference.quantize import COL_DTYPE
 from kvarn.reference.rtn import choose_qparams
+from kvarn.reference.smooth import smooth
 
 
 def poisoned_empty(*shape, dtype=torch.float32, device=None, **kw):
@@ -83,7 +84,12 @@ def check_records(got: torch.Tensor, want: torch.Tensor, k: torch.Tensor, v: tor
     wk, wv = R.unpack_record(want, cfg)
     stats = {"bytes_equal": float((got == want).float().mean())}
     k, v = R.from_pool(k.to(want.device)), R.from_pool(v.to(want.device))  # the values the pool form stands for
-    halves = (("k", gk, wk, k.transpose(-1, -2), cfg.k_bits), ("v", gv, wv, v, cfg.v_bits))
+    k_quantized = k
+    if cfg.smooth_keys:  # the smoothing vector is exact: both sides then quantize the same smoothed tile
+        stats["k_smooth_equal"] = float((gk.smooth.view(torch.uint8) == wk.smooth.view(torch.uint8)).float().mean())
+        assert stats["k_smooth_equal"] == 1.0, "k_smooth differs from the reference's"
+        k_quantized = smooth(k, wk.smooth.float())
+    halves = (("k", gk, wk, k_quantized.transpose(-1, -2), cfg.k_bits), ("v", gv, wv, v, cfg.v_bits))
     for name, g, w, m, bits in halves:
         dcode = (g.codes.int() - w.codes.int()).abs()
         assert int(dcode.max()) <= 1, f"{name} codes differ by {int(dcode.max())} steps"
@@ -221,8 +227,11 @@ def ragged_lengths(g: int, n: int, seed: int, max_tiles: int = 3) -> list[int]:
 def expect_math_constants(kernels_common) -> None:
     """The kernels' copies of the method's constants equal the reference's."""
     from kvarn.reference import normalize, quantize, rtn
+    from kvarn.reference import smooth as smooth_mod
 
     pairs = {
+        "SMOOTH_MIN": smooth_mod.SMOOTH_MIN,
+        "SMOOTH_EXP": smooth_mod.SMOOTH_EXP,
         "STD_MIN": normalize.STD_MIN,
         "STD_MAX": normalize.STD_MAX,
         "LOG_SCALE_MIN": normalize.LOG_SCALE_MIN,

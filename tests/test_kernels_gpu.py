@@ -222,3 +222,118 @@ def test_ops_auto_picks_triton_on_cuda():
     got = ops.encode_records(kr, vr, cfg, impl="auto")
     check_records(got, R.encode_records(kr, vr, cfg), kr, vr, cfg)
     assert ops._pick("paged_attention", "auto", kr) is attention.paged_attention  # kr: fp16 on CUDA
+
+
+# Key smoothing (``smooth_keys=True``): implemented in the kernels and tested under the interpreter
+# (``test_kernels_interpreter.py -k smooth``); these are the same checks at full size on the GPU.
+
+
+def _smooth_cfg(preset: str, d: int) -> KVarNConfig:
+    return KVarNConfig.from_preset(preset, head_dim=d, smooth_keys=True)
+
+
+@pytest.mark.parametrize("preset", ["kvarn_k4v2_g128", "kvarn_k2v2_g128", "kvarn_k4v4_g64"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_decode_records_smooth_gpu_is_exact(preset, d):
+    cfg = _smooth_cfg(preset, d)
+    k, v = make_kv(4, cfg.group_size, 2, d, torch.bfloat16, seed=1)
+    records = R.encode_records(R.prepare(k.to(DEV)).transpose(1, 2), R.prepare(v.to(DEV)).transpose(1, 2), cfg)
+    gk, gv = dequant.decode_records(records, cfg, empty=poisoned_empty)
+    wk, wv = R.decode_records(records, cfg)
+    assert torch.equal(gk, wk) and torch.equal(gv, wv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("preset", ["kvarn_k4v2_g128", "kvarn_k2v2_g128", "kvarn_k4v4_g64"])
+def test_encode_records_smooth_gpu(preset, d, dtype):
+    cfg = _smooth_cfg(preset, d)
+    k, v = make_kv(8, cfg.group_size, 2, d, dtype, seed=d)
+    kr = R.prepare(k.to(DEV), dtype).transpose(1, 2)
+    vr = R.prepare(v.to(DEV), dtype).transpose(1, 2)
+    got = store.encode_records(kr, vr, cfg, empty=poisoned_empty)
+    _report(f"encode smooth {preset} d={d} {dtype}", check_records(got, R.encode_records(kr, vr, cfg), kr, vr, cfg))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_store_and_commit_smooth_gpu(d, dtype):
+    """store_tiles and write_tail + commit_tiles of a smoothed format: the reference's records, one path's bytes."""
+    cfg = _smooth_cfg("kvarn_k4v2_g128", d)
+    g, hkv, n = cfg.group_size, 4, 6
+    k, v = make_kv(n, g, hkv, d, dtype, seed=2)
+    k[0, 1, 0, 2] = float("nan")
+    k, v = k.to(DEV), v.to(DEV)
+    block_ids = (torch.randperm(n) + 1).to(torch.int32).to(DEV)
+    got = torch.full((n + 3, hkv, cfg.record_bytes), 0xAB, dtype=torch.uint8, device=DEV)
+    want = got.clone()
+    store.store_tiles(k, v, block_ids, got, cfg, empty=poisoned_empty)
+    R.store_tiles(k, v, block_ids, want, cfg)
+    assert torch.equal(got[[0, n + 1, n + 2]], want[[0, n + 1, n + 2]])
+    kr, vr = R.prepare(k, dtype).transpose(1, 2), R.prepare(v, dtype).transpose(1, 2)
+    ids = block_ids.long()
+    _report(f"store smooth d={d} {dtype}", check_records(got[ids], want[ids], kr, vr, cfg))
+    pool_k = torch.full((n + 1, g, hkv, d), float("nan"), dtype=dtype, device=DEV)
+    pool_v = pool_k.clone()
+    mapping = torch.arange(g, (n + 1) * g, device=DEV)
+    store.write_tail(k.reshape(n * g, hkv, d), v.reshape(n * g, hkv, d), pool_k, pool_v, mapping, cfg)
+    via_tail = torch.zeros_like(got)
+    store.commit_tiles(pool_k, pool_v, torch.arange(1, n + 1, dtype=torch.int32, device=DEV), block_ids, via_tail, cfg)
+    assert torch.equal(via_tail[ids], got[ids]), "the two Triton store paths give different bytes"
+
+
+SMOOTH_ATTN_CASES = [
+    ("kvarn_k4v2_g128", 128, torch.float16, 32, 8, True, None),
+    ("kvarn_k4v2_g128", 128, torch.bfloat16, 32, 8, False, 8),
+    ("kvarn_k4v2_g128", 64, torch.float16, 32, 8, True, 1),
+    ("kvarn_k4v2_g128", 256, torch.bfloat16, 16, 4, True, None),
+    ("kvarn_k4v2_g64", 128, torch.float16, 32, 8, True, 4),
+    ("kvarn_k4v4_g128", 128, torch.float16, 32, 8, False, None),
+    ("kvarn_k2v2_g128", 128, torch.float16, 28, 4, True, 2),
+    ("kvarn_k2v2_g128", 64, torch.bfloat16, 12, 2, False, None),
+]
+
+
+@pytest.mark.parametrize("merge", [True, False], ids=["merge", "epilogue"])
+@pytest.mark.parametrize("preset,d,dtype,hq,hkv,sink,splits", SMOOTH_ATTN_CASES)
+def test_paged_attention_smooth_gpu(preset, d, dtype, hq, hkv, sink, splits, merge):
+    cfg = _smooth_cfg(preset, d)
+    lengths = ragged_lengths(cfg.group_size, cfg.group_size, seed=d + hq, max_tiles=12)
+    state = build_cache(cfg, lengths, hkv, dtype, seed=5, device=DEV)
+    query = torch.randn(len(lengths), hq, d) * 2
+    query[..., 3] *= 10  # a large query channel where the keys' channel 3 is smoothed (make_kv's outlier)
+    args = attention_args(state, query.to(dtype).to(DEV), cfg, sink=sink)
+    out = attention.paged_attention(*args, num_splits=splits, fuse_merge=merge, empty=poisoned_empty)
+    err = check_attention(out, args)
+    tag = f"{preset} d={d} {dtype} hq={hq} hkv={hkv} sink={sink} splits={splits} merge={merge}"
+    print(f"STATS attention smooth {tag} rel_err={err:.2e}")
+
+
+@pytest.mark.parametrize("splits", [None, 1, 4])
+@pytest.mark.parametrize("preset", ["kvarn_k4v2_g128", "kvarn_k2v2_g128"])
+def test_paged_attention_multi_query_smooth_gpu(preset, splits):
+    cfg = _smooth_cfg(preset, 128)
+    lengths = [1000, 300, 128, 7, 2050, 640]
+    n_q = [37, 0, 128, 7, 300, 1]
+    state = build_cache(cfg, lengths, 8, torch.float16, seed=8, device=DEV)
+    qsl = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    query = torch.randn(int(qsl[-1]), 32, 128, device=DEV).half()
+    args = attention_args(state, query, cfg, qsl=qsl, sink=True)
+    err = check_attention(attention.paged_attention(*args, num_splits=splits, empty=poisoned_empty), args)
+    print(f"STATS multi_query smooth {preset} splits={splits} rel_err={err:.2e}")
+
+
+def test_ops_smooth_runs_the_kernels_only_when_asked():
+    """``auto`` keeps a smoothed format on the reference (kernels not yet GPU-validated); ``triton`` runs them."""
+    cfg = _smooth_cfg("kvarn_k4v2_g128", 128)
+    k, v = make_kv(2, 128, 1, 128, torch.float16, seed=0)
+    kr, vr = R.prepare(k[:, :, 0].to(DEV)), R.prepare(v[:, :, 0].to(DEV))
+    assert ops._pick("encode_records", "auto", kr, smoothed=True) is R.encode_records
+    assert ops._pick("paged_attention", "auto", kr, smoothed=True) is R.paged_attention
+    want = ops.encode_records(kr, vr, cfg)
+    assert torch.equal(want, R.encode_records(kr, vr, cfg))
+    got = ops.encode_records(kr, vr, cfg, impl="triton")
+    check_records(got, want, kr, vr, cfg)
+    gk, gv = ops.decode_records(want, cfg, impl="triton")
+    wk, wv = ops.decode_records(want, cfg)
+    assert torch.equal(gk, wk) and torch.equal(gv, wv)

@@ -321,14 +321,17 @@ def test_kernels_reject_bad_input():
             attention.paged_attention(*args, num_splits=bad)
 
 
+@pytest.mark.parametrize("smooth", [False, True])
 @pytest.mark.parametrize("d", SUPPORTED_HEAD_DIMS)
 @pytest.mark.parametrize("preset", list(PRESETS))
-def test_record_layout_is_the_configs(preset, d):
-    cfg = KVarNConfig.from_preset(preset, head_dim=d)
+def test_record_layout_is_the_configs(preset, d, smooth):
+    cfg = KVarNConfig.from_preset(preset, head_dim=d, smooth_keys=smooth)
     layout = _common.record_layout(cfg)
     assert (layout.D, layout.G, layout.K_BITS, layout.V_BITS) == (d, cfg.group_size, cfg.k_bits, cfg.v_bits)
     assert (layout.K_PER_BYTE, layout.V_PER_BYTE) == (8 // cfg.k_bits, 8 // cfg.v_bits)
-    assert {name.lower(): getattr(layout, name) for name in layout._fields[6:]} == cfg.offsets
+    offsets = {name.lower(): getattr(layout, name) for name in layout._fields[6:]}
+    assert offsets.pop("k_smooth") == cfg.offsets.get("k_smooth", -1)
+    assert offsets == {k: v for k, v in cfg.offsets.items() if k != "k_smooth"}
 
 
 @pytest.mark.parametrize("exp", [-40, -100])
@@ -347,3 +350,150 @@ def test_encode_records_tiny_tiles_rescale_like_the_reference(exp):
     check_records(got_unit, R.encode_records(*unit, cfg), *unit, cfg)
     want = R.scale_records(got_unit, torch.tensor([exp]), torch.tensor([exp]), cfg)
     assert torch.equal(got_tiny, want)
+
+
+# Key smoothing (``KVarNConfig(smooth_keys=True)``): the kernels against the reference's smoothed records.
+
+
+def _smooth_cfg(preset: str, d: int) -> KVarNConfig:
+    return KVarNConfig.from_preset(preset, head_dim=d, smooth_keys=True)
+
+
+@pytest.mark.parametrize(
+    "preset,d", [("kvarn_k4v2_g64", 64), ("kvarn_k2v2_g128", 64), ("kvarn_k4v4_g64", 128), ("kvarn_k4v2_g64", 256)]
+)
+def test_decode_records_smooth_is_exact(preset, d):
+    cfg = _smooth_cfg(preset, d)
+    k, v = make_kv(2, cfg.group_size, 1, d, torch.bfloat16, seed=17)
+    rec = R.encode_records(R.prepare(k[:, :, 0]), R.prepare(v[:, :, 0]), cfg)
+    s = R.unpack_record(rec, cfg)[0].smooth.float()
+    assert float(s.min()) < 0.5, "the test tiles should smooth some channel"
+    gk, gv = dequant.decode_records(rec, cfg, empty=poisoned_empty)
+    wk, wv = R.decode_records(rec, cfg)
+    assert torch.equal(gk, wk) and torch.equal(gv, wv)
+
+
+@pytest.mark.parametrize(
+    "preset,d,dtype",
+    [
+        ("kvarn_k4v2_g64", 64, torch.float16),
+        ("kvarn_k2v2_g128", 64, torch.bfloat16),
+        ("kvarn_k4v4_g64", 128, torch.bfloat16),
+        ("kvarn_k4v2_g64", 256, torch.float16),
+    ],
+)
+def test_encode_records_smooth_matches_reference(preset, d, dtype):
+    cfg = _smooth_cfg(preset, d)
+    k, v = make_kv(2, cfg.group_size, 1, d, dtype, seed=d + cfg.k_bits)
+    kr, vr = R.prepare(k[:, :, 0], dtype), R.prepare(v[:, :, 0], dtype)
+    got = store.encode_records(kr, vr, cfg, empty=poisoned_empty)
+    want = R.encode_records(kr, vr, cfg)
+    assert float(R.unpack_record(want, cfg)[0].smooth.float().min()) < 0.5, "the test tiles should smooth some channel"
+    stats = check_records(got, want, kr, vr, cfg)
+    assert stats["k_smooth_equal"] == 1.0
+
+
+@pytest.mark.parametrize("kind", ["zero", "constant", "huge", "tiny"])
+def test_encode_records_smooth_hard_tiles(kind):
+    cfg = _smooth_cfg("kvarn_k4v2_g64", 64)
+    k, v = make_kv(1, 64, 1, 64, torch.bfloat16, seed=7, kind=kind)
+    kr, vr = R.prepare(k[:, :, 0], torch.bfloat16), R.prepare(v[:, :, 0], torch.bfloat16)
+    check_records(store.encode_records(kr, vr, cfg), R.encode_records(kr, vr, cfg), kr, vr, cfg)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_store_tiles_and_commit_smooth(dtype):
+    """store_tiles and write_tail + commit_tiles of a smoothed format: the reference's records, one path's bytes."""
+    cfg = _smooth_cfg("kvarn_k4v2_g64", 64)
+    g, hkv, d, n = 64, 2, 64, 2
+    k, v = make_kv(n, g, hkv, d, dtype, seed=19)
+    k[0, 1, 0, 2] = float("nan")
+    block_ids = torch.tensor([3, 1], dtype=torch.int32)
+    got = torch.full((5, hkv, cfg.record_bytes), 0xAB, dtype=torch.uint8)
+    want = got.clone()
+    store.store_tiles(k, v, block_ids, got, cfg, empty=poisoned_empty)
+    R.store_tiles(k, v, block_ids, want, cfg)
+    assert torch.equal(got[[0, 2, 4]], want[[0, 2, 4]])
+    kr, vr = R.prepare(k, dtype).transpose(1, 2), R.prepare(v, dtype).transpose(1, 2)
+    check_records(got[block_ids.long()], want[block_ids.long()], kr, vr, cfg)
+    pool_k = torch.full((n + 1, g, hkv, d), float("nan"), dtype=dtype)
+    pool_v = pool_k.clone()
+    mapping = torch.arange(g, (n + 1) * g)
+    store.write_tail(k.reshape(n * g, hkv, d), v.reshape(n * g, hkv, d), pool_k, pool_v, mapping, cfg)
+    via_tail = torch.full_like(got, 0x5A)
+    slots = torch.tensor([1, -1, 2], dtype=torch.int32)
+    store.commit_tiles(pool_k, pool_v, slots, torch.tensor([3, 0, 1], dtype=torch.int32), via_tail, cfg)
+    assert (via_tail[[0, 2, 4]] == 0x5A).all()
+    assert torch.equal(via_tail[block_ids.long()], got[block_ids.long()]), "the two store paths give different bytes"
+
+
+def test_fp8_helpers_match_torch():
+    """fp8 e4m3 rounding, bits and decoding in integer arithmetic equal torch's ``float8_e4m3fn`` casts."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _fp8_roundtrip(x_ptr, r_ptr, b_ptr, d_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        r = _common.fp8e4m3_round(tl.load(x_ptr + i))
+        tl.store(r_ptr + i, r)
+        tl.store(b_ptr + i, _common.fp8e4m3_bits(r))
+        tl.store(d_ptr + i, _common.fp8e4m3_to_f32(tl.load(b_ptr + 256 + i)))
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.exp2(torch.empty(256).uniform_(-6, 0, generator=gen))  # the smoothing factors' range
+    grid = torch.arange(1, 9) / 8 * 2.0**-6  # exact values and midpoints (ties to even) at the low end
+    x[:16] = torch.cat([2.0**-6 + grid / 16, 1 - grid / 16])
+    x[-1] = 1.0
+    r = torch.empty_like(x)
+    b = torch.zeros(512, dtype=torch.uint8)
+    b[256:] = torch.arange(256, dtype=torch.uint8)
+    b[256 + 0x7F] = b[256 + 0xFF] = 0  # NaN bytes: not decoded
+    out = torch.empty(256)
+    _fp8_roundtrip[(1,)](x, r, b, out, N=256)
+    want = x.to(torch.float8_e4m3fn)
+    assert torch.equal(r, want.float())
+    assert torch.equal(b[:256], want.view(torch.uint8))
+    assert torch.equal(out, b[256:].view(torch.float8_e4m3fn).float())
+
+
+SMOOTH_ATTN_CASES = [
+    ("kvarn_k4v2_g64", 64, torch.float16, 4, 2, True, None, None),
+    ("kvarn_k2v2_g128", 64, torch.bfloat16, 4, 2, False, 2, None),
+    ("kvarn_k4v2_g64", 128, torch.float16, 2, 1, True, 3, True),
+    ("kvarn_k2v2_g128", 128, torch.float16, 2, 2, True, 1, None),
+    ("kvarn_k4v2_g64", 256, torch.bfloat16, 2, 1, True, 2, None),
+]
+
+
+@pytest.mark.parametrize("preset,d,dtype,hq,hkv,sink,splits,pair", SMOOTH_ATTN_CASES)
+def test_paged_attention_decode_smooth(preset, d, dtype, hq, hkv, sink, splits, pair):
+    cfg = _smooth_cfg(preset, d)
+    lengths = ragged_lengths(cfg.group_size, 6, seed=d + hq)
+    state = build_cache(cfg, lengths, hkv, dtype, seed=1)
+    gen = torch.Generator().manual_seed(d)
+    query = torch.randn(len(lengths), hq, d, generator=gen)
+    query[..., 3] *= 20  # a large query channel where the keys' channel 3 is smoothed (make_kv's outlier)
+    args = attention_args(state, query.to(dtype), cfg, sink=sink)
+    out = attention.paged_attention(*args, num_splits=splits, pair_tiles=pair, empty=poisoned_empty)
+    check_attention(out, args)
+
+
+def test_paged_attention_multi_query_smooth():
+    cfg = _smooth_cfg("kvarn_k4v2_g64", 64)
+    lengths = [190, 70, 5, 130]
+    n_q = [20, 0, 5, 3]
+    state = build_cache(cfg, lengths, 2, torch.float16, seed=6)
+    qsl = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(int(qsl[-1]), 4, 64).to(torch.float16)
+    args = attention_args(state, query, cfg, qsl=qsl, sink=True)
+    check_attention(attention.paged_attention(*args, num_splits=2, empty=poisoned_empty), args)
+
+
+def test_paged_attention_smooth_refuses_unimplemented_variants():
+    cfg = _smooth_cfg("kvarn_k4v2_g64", 64)
+    state = build_cache(cfg, [70], 1, torch.float16, seed=0)
+    args = attention_args(state, torch.zeros(1, 2, 64, dtype=torch.float16), cfg)
+    for knobs in ({"fuse_query": False}, {"tokens_m": True}):
+        with pytest.raises(ValueError, match="smooth_keys"):
+            attention.paged_attention(*args, **knobs)

@@ -85,13 +85,28 @@ def test_quantize_tensor_and_pair_agree_and_round_trip_through_torch_save(tmp_pa
     assert torch.load(tmp_path / "q.pt") == one
 
 
-def test_the_kernels_refuse_a_smoothed_format():
+def test_auto_keeps_a_smoothed_format_on_the_reference(monkeypatch):
+    """Smoothed kernels are interpreter-tested only: ``auto`` never picks them, ``triton`` only where they exist."""
+    from types import SimpleNamespace
+
+    from kvarn import reference
+
+    kernels = {name: object() for name in ("encode_records", "decode_records", "paged_attention", "write_tail")}
+    monkeypatch.setattr(ops, "_triton_ops", lambda: kernels)
+    cuda_half = SimpleNamespace(device=torch.device("cuda"), dtype=torch.float16)
+    for name in ("encode_records", "decode_records", "paged_attention"):
+        assert ops._pick(name, "auto", cuda_half) is kernels[name]
+        assert ops._pick(name, "auto", cuda_half, smoothed=True) is getattr(reference, name)
+        assert ops._pick(name, "triton", cuda_half, smoothed=True) is kernels[name]
+    for name in ("encode_half", "decode_half", "scale_half", "scale_records"):
+        with pytest.raises(ValueError, match="smooth_keys"):
+            ops._pick(name, "triton", cuda_half, smoothed=True)
     cfg = _cfg()
     k = prepare(torch.randn(1, 128, 64))
+    half = ops.encode_half(k, "key", cfg)  # auto: the reference
     with pytest.raises(ValueError, match="smooth_keys"):
-        ops.encode_records(k, k, cfg, impl="triton")
-    records = ops.encode_records(k, k, cfg)  # auto: the reference
-    assert records.shape[-1] == cfg.record_bytes
+        ops.decode_half(half, "key", impl="triton")
+    assert ops.encode_records(k, k, cfg).shape[-1] == cfg.record_bytes
 
 
 def test_smoothing_needs_the_rotation():

@@ -34,6 +34,9 @@ ROW_EXP_LO = tl.constexpr(-8)
 ROW_EXP_HI = tl.constexpr(15)
 FP16_MAX = tl.constexpr(65504.0)
 BF16_MAX = tl.constexpr(3.3895313892515355e38)
+SMOOTH_MIN = tl.constexpr(2.0**-6)
+SMOOTH_EXP = 0.5
+"""The kernels take the smoothing factor as a square root (``sqrt_rn``): a test pins the reference's exponent to it."""
 
 NEG_BIG = tl.constexpr(-1.0e30)
 """Start value of a running maximum: finite, so ``exp2(NEG_BIG - NEG_BIG)`` is 1, not NaN."""
@@ -68,6 +71,8 @@ class RecordLayout(NamedTuple):
     V_SCALE: int
     V_ZERO: int
     V_CHAN: int
+    K_SMOOTH: int = -1
+    """offset of the key smoothing vector (``smooth_keys`` configs; kernels test ``K_SMOOTH >= 0``), -1 without one"""
 
 
 @functools.cache
@@ -249,3 +254,57 @@ def frexp_exponent(x):
 def pow2(e):
     """``2^e`` in fp32 for an int32 ``e`` in [-126, 127], exactly."""
     return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fwht_rows(x, INV_SQRT_D: tl.constexpr):
+    """``x @ H`` for ``x: [R, D]`` fp32 by the reference's butterflies: equal to :func:`kvarn.reference.rotate`.
+
+    Stage ``h = 1, 2, 4, ..`` maps the pair ``(a, b)`` of channels ``h`` apart to ``(a + b, a - b)``,
+    then one ``* INV_SQRT_D`` (``D^-0.5`` in fp32). Elementwise fp32 adds, so exact in the same op
+    order as the reference (no tensor cores): for fp32 inputs that a tf32 dot would truncate.
+    """
+    R: tl.constexpr = x.shape[0]
+    D: tl.constexpr = x.shape[1]
+    for stage in tl.static_range(8):  # pairs 1 << stage apart
+        if (1 << stage) < D:
+            y = tl.permute(tl.reshape(x, (R, D // (2 << stage), 2, 1 << stage)), (0, 1, 3, 2))  # [R, blocks, h, 2]
+            a, b = tl.split(y)
+            y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
+            x = tl.reshape(y, (R, D))
+    return x * INV_SQRT_D
+
+
+@triton.jit
+def fp8e4m3_to_f32(byte):
+    """fp8 e4m3 (``float8_e4m3fn``) bits ``byte`` (any int type) -> fp32, exactly. Not for NaN bytes.
+
+    Decoded with integer ops: the interpreter's fp8 casts are not the GPU's.
+    """
+    bits = byte.to(tl.int32) & 0xFF
+    e = (bits >> 3) & 0xF
+    m = bits & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    val = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2^-9
+    return tl.where((bits >> 7) == 1, -val, val)
+
+
+@triton.jit
+def fp8e4m3_round(x):
+    """fp32 ``x`` in fp8 e4m3's normal range (``2^-6 <= |x| <= 448``) rounded to it (nearest even), fp32 result.
+
+    Rounds the fp32 mantissa to 3 bits in fp32 bit arithmetic, as the GPU cast does; the interpreter's cast does not.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
+    return rounded.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8e4m3_bits(x):
+    """fp32 ``x``, a normal fp8 e4m3 value (as :func:`fp8e4m3_round` returns), as its fp8 bits in ``uint8``."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = ((bits >> 31) & 1) << 7
+    e = ((bits >> 23) & 0xFF) - 120
+    m = (bits >> 20) & 7
+    return (sign | (e << 3) | m).to(tl.uint8)

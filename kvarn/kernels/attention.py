@@ -302,8 +302,19 @@ def paged_attention(
     :func:`pair_tiles_default`); ``tokens_m`` (decode only) puts the tokens on the M side of the
     score and value dots, the query heads on N (default :func:`tokens_m_default`); ``empty``
     allocates the output and the workspaces (``torch.empty``'s signature; tests pass one that fills with NaN).
+
+    A ``smooth_keys`` config (records with a key smoothing vector) rotates each record tile's
+    smoothed queries in the attention kernel itself: it needs ``fuse_query`` and ``tokens_m`` left
+    at their defaults (or ``True`` / ``False``), and its launch is not tuned (no register cap).
     """
     _check_args(query, cache, block_table, seq_lens, tail_k, tail_v, cfg, query_start_loc)
+    if cfg.smooth_keys:
+        if fuse_query is False or tokens_m:
+            raise ValueError(
+                "smooth_keys records need the queries rotated per tile in the attention kernel: "
+                f"fuse_query=False and tokens_m=True are not implemented for them (got {fuse_query=}, {tokens_m=})"
+            )
+        fuse_query, tokens_m = True, False
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
     nq, hq, d = query.shape
@@ -407,6 +418,6 @@ def _launch_attention(grid, q, query, cache, block_table, seq_lens, qsl, pool, w
         IN_BF16=query.dtype == torch.bfloat16,
         MERGE_CH=max(1, MERGE_CHUNK // (block_q * gqp * d)),
         FLAGS=flags,
-        maxnreg=None if multi_q or launch["num_warps"] != ATTN_NUM_WARPS else DECODE_MAX_REGS.get(d),
+        maxnreg=None if multi_q or cfg.smooth_keys or launch["num_warps"] != ATTN_NUM_WARPS else DECODE_MAX_REGS.get(d),
         **launch,
     )

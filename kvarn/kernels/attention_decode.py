@@ -10,6 +10,13 @@ split's partial for the epilogue kernel. The launcher is :mod:`kvarn.kernels.att
 Each query row is divided by a power of two so ``|q| < 1``; the range guard keeps every row
 parameter under ``2^15``, so ``q * k_scale`` and ``p * v_scale`` fit fp16 without a per-tile scale.
 Their fp16 rounding is the kernel's main error against the fp32 reference (~2e-3 of max |out|).
+
+Smoothed records (``LAYOUT.K_SMOOTH >= 0``, ``smooth_keys``): a record's K tile is
+``unrotate(R) * s`` in the model frame (``R`` the tile its codes store), so its scores are
+``((q * s) H) . R[t]``: the program keeps its model-frame queries and, per record tile, multiplies
+them by the tile's ``s`` and rotates them (:func:`_smoothed_query`, two tf32 dots on a hi/lo split,
+~22 bits) before the usual score step. Sink and tail tiles are stored unsmoothed and use ``q H``.
+Needs ``FUSED_Q`` (the raw queries at ``q``) and not ``TOKENS_M``; the launcher enforces both.
 """
 
 from __future__ import annotations
@@ -17,11 +24,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvarn.kernels._common import NEG_BIG, frexp_exponent, hadamard_pm, load_f32, pow2
-from kvarn.kernels.attention_merge import _finish
+from kvarn.kernels._common import NEG_BIG, fp8e4m3_to_f32, frexp_exponent, hadamard_pm, load_f32, pow2
+from kvarn.kernels.attention_merge import _finish, _unrotate
 from kvarn.kernels.attention_tiles import (
     _causal,
     _fp_tile,
+    _split_fields,
     _tile_scores,
     _tile_scores_t,
     _tile_values,
@@ -159,12 +167,47 @@ def _query_rows(query, LAYOUT: tl.constexpr):
 
 
 @triton.jit
+def _model_query(q_base, row_ok, D: tl.constexpr, IN_BF16: tl.constexpr, FACTOR):
+    """The rows' fp16/bf16 queries in the model frame, times ``FACTOR``: ``[BLOCK_M, D]`` fp32 (smoothed records)."""
+    dd = tl.arange(0, D)
+    return load_f32(q_base + dd[None, :], row_ok[:, None] & (dd[None, :] < D), IN_BF16) * FACTOR
+
+
+@triton.jit
+def _smoothed_query(rec, q_model, LAYOUT: tl.constexpr):
+    """The score query of smoothed record ``rec``: ``(q_model * s) @ H_D`` (+-1 entries) in :func:`_load_query`'s form.
+
+    ``q_model: [BLOCK_M, D]`` already carries ``FACTOR`` (with the Hadamard's ``1 / sqrt(D)``);
+    ``s: [D]`` is the record's fp8 ``k_smooth``. Returns ``(q0, q1, q2, q3, rf)``.
+    """
+    BLOCK_M: tl.constexpr = q_model.shape[0]
+    D: tl.constexpr = LAYOUT.D
+    s = fp8e4m3_to_f32(tl.load(rec + LAYOUT.K_SMOOTH + tl.arange(0, D)))  # [D]
+    z = _unrotate(q_model * s[None, :], 1.0)  # [BLOCK_M, D]
+    e = frexp_exponent(tl.max(tl.abs(z), axis=1))
+    q0, q1, q2, q3 = _split_fields(z * pow2(-e)[:, None], BLOCK_M, LAYOUT.K_PER_BYTE, D // LAYOUT.K_PER_BYTE)
+    return q0, q1, q2, q3, pow2(e)
+
+
+@triton.jit
 def _quantized_tiles(
-    query, records, bt_row, u0, u1, pos_q, LAYOUT: tl.constexpr, MULTI_Q: tl.constexpr, USE_ASM: tl.constexpr, PAIR
+    query,
+    records,
+    bt_row,
+    u0,
+    u1,
+    pos_q,
+    LAYOUT: tl.constexpr,
+    MULTI_Q: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    PAIR,
+    q_model=None,
 ):
     """Online softmax over the quantized tiles ``u0 .. u1 - 1`` of one sequence.
 
-    ``query`` as returned by :func:`_load_query`; ``records = (cache, block_stride, head_stride,
+    ``query`` as returned by :func:`_load_query`; with smoothed records ``q_model`` (the
+    :func:`_model_query` rows) gives each tile its own score query (:func:`_smoothed_query`)
+    instead. ``records = (cache, block_stride, head_stride,
     kv_head)``; ``bt_row`` points at the sequence's block table row. Returns the running max
     ``m_i``, the sum ``l_i`` (``[BLOCK_M]``) and the unnormalized output ``acc: [BLOCK_M, D]``
     (rotated frame). With ``PAIR`` (constexpr) each step takes two tiles (one softmax step for
@@ -180,13 +223,19 @@ def _quantized_tiles(
     acc_o = tl.zeros([BLOCK_M, D // 2], tl.float32)  # odd output channels
     for u in range(u0, u1, 2 if PAIR else 1):
         rec = cache + tl.load(bt_row + u).to(tl.int64) * s_cb + kvh.to(tl.int64) * s_ch
-        s_e, s_o = _tile_scores(rec, query, LAYOUT, USE_ASM)  # [BLOCK_M, G // 2] each
+        if q_model is not None:
+            s_e, s_o = _tile_scores(rec, _smoothed_query(rec, q_model, LAYOUT), LAYOUT, USE_ASM)
+        else:
+            s_e, s_o = _tile_scores(rec, query, LAYOUT, USE_ASM)  # [BLOCK_M, G // 2] each
         if MULTI_Q:
             s_e, s_o = _causal(s_e, s_o, pos_q, u * G, G // 2)
         m_new = tl.maximum(m_i, tl.max(tl.maximum(s_e, s_o), axis=1))
         if PAIR:
             rec2 = cache + tl.load(bt_row + tl.minimum(u + 1, u1 - 1)).to(tl.int64) * s_cb + kvh.to(tl.int64) * s_ch
-            s2_e, s2_o = _tile_scores(rec2, query, LAYOUT, USE_ASM)
+            if q_model is not None:
+                s2_e, s2_o = _tile_scores(rec2, _smoothed_query(rec2, q_model, LAYOUT), LAYOUT, USE_ASM)
+            else:
+                s2_e, s2_o = _tile_scores(rec2, query, LAYOUT, USE_ASM)
             if MULTI_Q:
                 s2_e, s2_o = _causal(s2_e, s2_o, pos_q, (u + 1) * G, G // 2)
             s2_e = tl.where(u + 1 < u1, s2_e, float("-inf"))
@@ -251,6 +300,39 @@ def _quantized_tiles_t(query, records, bt_row, u0, u1, LAYOUT: tl.constexpr, USE
     l_i = tl.sum(l_e, axis=0)
     acc = tl.reshape(tl.permute(tl.join(acc_e, acc_o), (1, 0, 2)), (N, D))  # [N, D // 2, 2] -> [N, D]
     return m_i, l_i, acc
+
+
+@triton.jit
+def _record_tiles(
+    query,
+    walk,
+    q_base,
+    row_ok,
+    LAYOUT: tl.constexpr,
+    MULTI_Q: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    PAIR: tl.constexpr,
+    TOKENS_M: tl.constexpr,
+    FUSED_Q: tl.constexpr,
+    IN_BF16: tl.constexpr,
+    FACTOR: tl.constexpr,
+):
+    """The program's quantized tiles: :func:`_quantized_tiles_t` with ``TOKENS_M``, else :func:`_quantized_tiles`.
+
+    ``walk = (records, bt_row, u0, u1, pos_q)``; the raw queries at ``q_base`` (rows ``row_ok``)
+    are read for smoothed records (``LAYOUT.K_SMOOTH >= 0``, which need ``FUSED_Q`` and not ``TOKENS_M``).
+    """
+    records, bt_row, u0, u1, pos_q = walk
+    if TOKENS_M:
+        tl.static_assert(LAYOUT.K_SMOOTH < 0, "smoothed records are not implemented with TOKENS_M")
+        out = _quantized_tiles_t(query, records, bt_row, u0, u1, LAYOUT, USE_ASM, PAIR)
+    elif LAYOUT.K_SMOOTH >= 0:
+        tl.static_assert(FUSED_Q, "smoothed records need FUSED_Q (the raw queries at q)")
+        q_model = _model_query(q_base, row_ok, LAYOUT.D, IN_BF16, FACTOR)
+        out = _quantized_tiles(query, records, bt_row, u0, u1, pos_q, LAYOUT, MULTI_Q, USE_ASM, PAIR, q_model)
+    else:
+        out = _quantized_tiles(query, records, bt_row, u0, u1, pos_q, LAYOUT, MULTI_Q, USE_ASM, PAIR)
+    return out
 
 
 @triton.jit
@@ -323,6 +405,7 @@ def _attn_kernel(
     ``GQ`` query heads per KV head, padded to ``GQP`` (a power of two); row ``r`` of a block is
     query ``r // GQP``, head ``r % GQP``. ``FLAGS = (SPLIT, MERGE, ROTATE, OUT_BF16, INV_SQRT_D)``.
     ``TOKENS_M`` (decode only): the quantized tiles' dots put the tokens on M (:func:`_quantized_tiles_t`).
+    Smoothed records (``LAYOUT.K_SMOOTH >= 0``) need ``FUSED_Q`` and not ``TOKENS_M``.
     """
     G: tl.constexpr = LAYOUT.G
     ROTATE: tl.constexpr = FLAGS[2]
@@ -365,10 +448,10 @@ def _attn_kernel(
         bt_row = block_table + seq.to(tl.int64) * s_bt
         records = (cache, s_cb, s_ch, kvh)
         qt1 = tl.minimum(u1, n_full)
-        if TOKENS_M:
-            m_i, l_i, acc = _quantized_tiles_t(query, records, bt_row, qt0, qt1, LAYOUT, USE_ASM, PAIR)
-        else:
-            m_i, l_i, acc = _quantized_tiles(query, records, bt_row, qt0, qt1, pos_q, LAYOUT, MULTI_Q, USE_ASM, PAIR)
+        walk = (records, bt_row, qt0, qt1, pos_q)
+        m_i, l_i, acc = _record_tiles(
+            query, walk, q_base, row_ok, LAYOUT, MULTI_Q, USE_ASM, PAIR, TOKENS_M, FUSED_Q, IN_BF16, FACTOR
+        )
         sink_here = has_sink & (u0 == 0)
         tail_here = (rem > 0) & (u0 <= n_full) & (n_full < u1)
         if sink_here | tail_here:

@@ -4,6 +4,10 @@ Mirrors :func:`kvarn.reference.record.decode_records`: ``(code * scale + zero) *
 multiply and the add rounded separately (the kernel is compiled without FMA contraction), so the
 output equals the reference bit for bit. :mod:`kvarn.ops` dispatches ``decode_records`` here for
 records on a CUDA device; attention does not use it (it reads the codes itself).
+
+Smoothed records (``smooth_keys``): the K tile leaves the rotated frame, is multiplied by the
+stored ``s`` and rotated back (``kvarn.reference.smooth.unsmooth``) with the reference's own
+butterflies (:func:`~kvarn.kernels._common.fwht_rows`), so it too is equal bit for bit.
 """
 
 from __future__ import annotations
@@ -15,15 +19,12 @@ import triton
 import triton.language as tl
 
 from kvarn.config import KVarNConfig
-from kvarn.kernels._common import bf16_to_f32, record_layout
+from kvarn.kernels._common import bf16_to_f32, fp8e4m3_to_f32, fwht_rows, inv_sqrt, record_layout
 
 
 @triton.jit
-def _dequant_half(
+def _dequant_values(
     rec,
-    out,
-    s_row,
-    s_col,
     R: tl.constexpr,
     C: tl.constexpr,
     BITS: tl.constexpr,
@@ -32,7 +33,7 @@ def _dequant_half(
     ZERO_OFF: tl.constexpr,
     COL_OFF: tl.constexpr,
 ):
-    """One tile half ``[R, C]`` of record ``rec`` -> fp32 ``out[i * s_row + j * s_col]``."""
+    """One tile half ``[R, C]`` of record ``rec`` -> its fp32 values ``[R, C]``."""
     P: tl.constexpr = 8 // BITS
     RP: tl.constexpr = R // P
     rows = tl.arange(0, R)
@@ -42,22 +43,30 @@ def _dequant_half(
     scale = tl.load((rec + SCALE_OFF).to(tl.pointer_type(tl.float16)) + rows).to(tl.float32)  # [R]
     zero = tl.load((rec + ZERO_OFF).to(tl.pointer_type(tl.float16)) + rows).to(tl.float32)
     col = bf16_to_f32(tl.load((rec + COL_OFF).to(tl.pointer_type(tl.int16)) + cols))  # [C]
-    val = (code.to(tl.float32) * scale[:, None] + zero[:, None]) * col[None, :]
-    tl.store(out + rows[:, None] * s_row + cols[None, :] * s_col, val)
+    return (code.to(tl.float32) * scale[:, None] + zero[:, None]) * col[None, :]
 
 
 @triton.jit
-def _dequant_kernel(records, s_rec, k_out, v_out, s_out, LAYOUT: tl.constexpr):
+def _dequant_kernel(records, s_rec, k_out, v_out, s_out, LAYOUT: tl.constexpr, INV_SQRT_D: tl.constexpr):
     """Grid ``(N, 2)``: record ``i``, K (0) or V (1) -> ``out[i]: [G, D]`` fp32."""
     L: tl.constexpr = LAYOUT
     i = tl.program_id(0).to(tl.int64)
     half = tl.program_id(1)
     rec = records + i * s_rec
     base = i * s_out
+    tok = tl.arange(0, L.G)
+    ch = tl.arange(0, L.D)
     if half == 0:
-        _dequant_half(rec, k_out + base, 1, L.D, L.D, L.G, L.K_BITS, L.K_CODES, L.K_SCALE, L.K_ZERO, L.K_TOK)
+        k = _dequant_values(rec, L.D, L.G, L.K_BITS, L.K_CODES, L.K_SCALE, L.K_ZERO, L.K_TOK)  # [D, G]
+        if L.K_SMOOTH >= 0:
+            s = fp8e4m3_to_f32(tl.load(rec + L.K_SMOOTH + ch))  # [D]
+            k = fwht_rows(fwht_rows(tl.trans(k), INV_SQRT_D) * s[None, :], INV_SQRT_D)  # [G, D]
+            tl.store(k_out + base + tok[:, None] * L.D + ch[None, :], k)
+        else:
+            tl.store(k_out + base + ch[:, None] + tok[None, :] * L.D, k)
     else:
-        _dequant_half(rec, v_out + base, L.D, 1, L.G, L.D, L.V_BITS, L.V_CODES, L.V_SCALE, L.V_ZERO, L.V_CHAN)
+        v = _dequant_values(rec, L.G, L.D, L.V_BITS, L.V_CODES, L.V_SCALE, L.V_ZERO, L.V_CHAN)  # [G, D]
+        tl.store(v_out + base + tok[:, None] * L.D + ch[None, :], v)
 
 
 def decode_records(
@@ -81,6 +90,14 @@ def decode_records(
     v = empty(k.shape, dtype=k.dtype, device=k.device)
     if n:
         _dequant_kernel[(n, 2)](
-            flat, flat.stride(0), k, v, k.stride(0), LAYOUT=record_layout(cfg), num_warps=4, enable_fp_fusion=False
+            flat,
+            flat.stride(0),
+            k,
+            v,
+            k.stride(0),
+            LAYOUT=record_layout(cfg),
+            INV_SQRT_D=inv_sqrt(cfg.head_dim),
+            num_warps=4,
+            enable_fp_fusion=False,
         )
     return k.reshape(*lead, cfg.group_size, cfg.head_dim), v.reshape(*lead, cfg.group_size, cfg.head_dim)

@@ -13,6 +13,11 @@ straight into its record; a launch covers every (tile, head, half) of the call. 
   exponent from the fp32 bits (``frexp`` semantics), fp16 row parameters, bf16 column scales; a
   tiny tile half is rescaled by a power of two first, which its column scales take back.
 - Planar packing along rows (K: channels, V: tokens).
+- Key smoothing (``smooth_keys`` configs, :func:`_smooth_tile`): the K program leaves the rotated
+  frame with the reference's butterflies (:func:`~kvarn.kernels._common.fwht_rows`, exact in the
+  reference's op order), takes each channel's std over the tile's tokens (two-pass; the reference's
+  ``torch.std`` may differ by an fp32 ulp, which matters only at an fp8 rounding tie), rounds
+  ``s`` to fp8 e4m3 in fp32 bit arithmetic, stores it, and divides (``div_rn``) and rotates back.
 
 Results equal the reference's except where fp32 rounding differs (``exp``/``log`` approximations,
 summation order): a code can then move by one step at a rounding tie and a column scale by one
@@ -37,13 +42,17 @@ from kvarn.kernels._common import (
     MIN_STEP,
     ROW_EXP_HI,
     ROW_EXP_LO,
+    SMOOTH_MIN,
     STD_MAX,
     STD_MIN,
     bf16_bits,
     bf16_round,
     check_cache,
     check_dtype,
+    fp8e4m3_bits,
+    fp8e4m3_round,
     frexp_exponent,
+    fwht_rows,
     inv_sqrt,
     load_f32,
     pool_factor,
@@ -165,6 +174,26 @@ def _encode_half(
 
 
 @triton.jit
+def _smooth_tile(x, dst, INV_SQRT_D: tl.constexpr):
+    """Smooth one rotated K tile ``x: [G, D]`` fp32 (``kvarn.reference.smooth``); its ``s: [D]`` fp8 bytes to ``dst``.
+
+    ``s = fp8(clamp(sqrt(std / max std), SMOOTH_MIN, 1))`` with ``std`` over the tokens of the
+    model-frame channels (``rotate(x)``), and returns ``rotate(rotate(x) / s)``.
+    """
+    G: tl.constexpr = x.shape[0]
+    D: tl.constexpr = x.shape[1]
+    xm = fwht_rows(x, INV_SQRT_D)  # [G, D] model frame
+    mean = tl.sum(xm, axis=0) / G
+    dev = xm - mean[None, :]
+    std = tl.sqrt_rn(tl.sum(dev * dev, axis=0) / G)  # [D], correction 0
+    top = tl.max(std, axis=0)
+    rel = tl.where(top > 0.0, tl.div_rn(std, tl.where(top > 0.0, top, 1.0)), 1.0)
+    s = fp8e4m3_round(tl.minimum(tl.maximum(tl.sqrt_rn(rel), SMOOTH_MIN), 1.0))  # SMOOTH_EXP = 0.5
+    tl.store(dst + tl.arange(0, D), fp8e4m3_bits(s))
+    return fwht_rows(tl.div_rn(xm, s[None, :]), INV_SQRT_D)
+
+
+@triton.jit
 def _load_tile(base, s_tok, LAYOUT: tl.constexpr, IS_BF16: tl.constexpr):
     """Load one prepared tile ``[G, D]`` (tokens, channels, pool form) as the fp32 values it stands for."""
     tok = tl.arange(0, LAYOUT.G)
@@ -189,8 +218,12 @@ def _encode_kernel(
     IS_BF16: tl.constexpr,
     LAYOUT: tl.constexpr,
     ITERS: tl.constexpr,
+    INV_SQRT_D: tl.constexpr,
 ):
-    """Grid ``(N, Hkv, 2)``: tile ``i``, head ``h``, half (0 = K, 1 = V) -> its part of one record."""
+    """Grid ``(N, Hkv, 2)``: tile ``i``, head ``h``, half (0 = K, 1 = V) -> its part of one record.
+
+    With ``LAYOUT.K_SMOOTH >= 0`` the K program smooths its tile first and writes ``k_smooth``.
+    """
     L: tl.constexpr = LAYOUT
     i = tl.program_id(0)
     h = tl.program_id(1)
@@ -208,6 +241,8 @@ def _encode_kernel(
     if t >= 0:  # a negative source (padding of a fixed-size commit list) writes nothing
         if half == 0:
             x = _load_tile(k_src + off, s_tok, L, IS_BF16)  # [G, D]
+            if L.K_SMOOTH >= 0:
+                x = _smooth_tile(x, out + L.K_SMOOTH, INV_SQRT_D)
             _encode_half(tl.trans(x), out, L.D, L.G, L.K_BITS, ITERS, L.K_CODES, L.K_SCALE, L.K_ZERO, L.K_TOK)
         else:
             x = _load_tile(v_src + off, s_tok, L, IS_BF16)  # [G, D]
@@ -239,6 +274,7 @@ def _launch_encode(k, v, src_idx, n_tiles, n_heads, strides, dst, dst_idx, d_str
         IS_BF16=k.dtype == torch.bfloat16,
         LAYOUT=record_layout(cfg),
         ITERS=iters,
+        INV_SQRT_D=inv_sqrt(cfg.head_dim),
         num_warps=num_warps or default_encode_warps(cfg),
     )
 
