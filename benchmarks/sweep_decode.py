@@ -39,6 +39,7 @@ SHAPES = (
 VARIANTS = [(p, d, b, c, dict(tokens_m=t)) for p, d, b, c in SHAPES for t in (False, True)] + [
     (K42G64, 128, b, c, dict(tokens_m=True, num_warps=2)) for b, c in [(1, 4096), (1, 32768), (16, 32768), (64, 4096)]
 ]
+"""Launch keyword arguments of ``paged_attention`` timed beside the default (not with ``--base``)."""
 QUICK = [(p, 128, 16, 32768) for p in (K42, K22, K42G64, K44)] + [
     (K42, 64, 16, 32768),
     (K42, 256, 16, 32768),
@@ -50,7 +51,6 @@ RULE = [(K42, 128, b, c) for b, c in [(1, 4096), (8, 4096), (32, 4096), (64, 409
     (p, 128, 8, 4096) for p in (K22, K44)
 ]
 """``--rule``: the shapes that set ``tokens_m_default``, default and ``tokens_m`` off and on."""
-"""Launch keyword arguments of ``paged_attention`` timed beside the default (not with ``--base``)."""
 
 
 def _warm(jobs: list) -> int:

@@ -98,9 +98,16 @@ def pool_exponent(dtype: torch.dtype, head_dim: int) -> int:
     return reference.pool_exponent(dtype, head_dim)
 
 
-def hadamard_matrix(d: int, device="cpu") -> torch.Tensor:
-    """The normalized Hadamard matrix ``H: [d, d]`` fp32. See :func:`kvarn.reference.hadamard_matrix`."""
+@functools.cache
+def _hadamard_on(d: int, device: torch.device) -> torch.Tensor:
     return reference.hadamard_matrix(d, device)
+
+
+def hadamard_matrix(d: int, device="cpu") -> torch.Tensor:
+    """The normalized Hadamard matrix ``H: [d, d]`` fp32, cached per device (no copy per call): do not modify it.
+
+    See :func:`kvarn.reference.hadamard_matrix`."""
+    return _hadamard_on(d, torch.device(device))
 
 
 def rotate(x, *, impl: str = "auto") -> torch.Tensor:

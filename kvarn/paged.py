@@ -476,7 +476,7 @@ class PagedKV:
         ``plan`` and its first ``seq_len`` tokens, packed in that order. Full tiles are dequantized
         (a sink tile read from its slot), the last ``seq_len % G`` tokens come from the tail slot:
         the values :meth:`attend` reads for the same requests. The work is batched over all
-        requests (a constant number of launches however many there are), and the values leave the
+        requests (without sinks, a constant number of launches however many there are), and the values leave the
         rotated frame through one matrix product with ``H`` per tensor (the elementwise butterfly
         of :func:`kvarn.ops.rotate` would pass over them ``log2 D`` times), rounded once to ``dtype``.
         """
@@ -554,12 +554,25 @@ class PagedKV:
                 scale,
                 impl=self.impl,
             ).to(out.dtype)
-        keys, values = self.read_back(plan, block_table, [(row, n) for row, _, _, n in split.rows], query.dtype)
+        groups, size = [[]], 0
+        for item in split.rows:  # bounded read-back: at most PREFILL_READ_TOKENS tokens per group
+            if groups[-1] and size + item[3] > PREFILL_READ_TOKENS:
+                groups.append([])
+                size = 0
+            groups[-1].append(item)
+            size += item[3]
+        for group in groups:
+            self._attend_packed(plan, query, block_table, group, scale, varlen, out)
+        return out
+
+    def _attend_packed(self, plan, query, block_table, rows, scale, varlen, out) -> None:
+        """One varlen attention call over the prompt chunks ``rows`` (``split.rows`` entries), written into ``out``."""
+        keys, values = self.read_back(plan, block_table, [(row, n) for row, _, _, n in rows], query.dtype)
         cu_q, cu_k = [0], [0]
-        for _, first, end, seq_len in split.rows:
+        for _, first, end, seq_len in rows:
             cu_q.append(cu_q[-1] + end - first)
             cu_k.append(cu_k[-1] + seq_len)
-        spans = [(first, end) for _, first, end, _ in split.rows]
+        spans = [(first, end) for _, first, end, _ in rows]
         contiguous = all(a[1] == b[0] for a, b in itertools.pairwise(spans))
         if contiguous:
             q = query[spans[0][0] : spans[-1][1]]
@@ -571,7 +584,6 @@ class PagedKV:
         else:
             for (first, end), (a, b) in zip(spans, itertools.pairwise(cu_q), strict=True):
                 out[first:end] = att[a:b]
-        return out
 
     def read_tiles(self, blocks: torch.Tensor, sink_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """Full tiles read back in the model frame: ``blocks: [B, n]`` -> ``k, v: [B, n * G, Hkv, D]`` fp32.
@@ -616,6 +628,10 @@ class PagedKV:
 
 PREFILL_MIN_QUERIES = 64
 """A request with at least this many queries in a step attends through :meth:`PagedKV.attend_split`."""
+
+PREFILL_READ_TOKENS = 65536
+"""Most tokens :meth:`PagedKV.attend_split` reads back for one varlen call (its fp32 temporaries scale
+with it; a single longer request is read alone)."""
 
 VarlenAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[int], list[int], float], torch.Tensor]
 """``(q: [Tq, Hq, D], k, v: [Tk, Hkv, D], cu_q, cu_k, scale) -> [Tq, Hq, D]``: causal attention of

@@ -156,7 +156,7 @@ def test_dense_batch_reorder_moves_tails_and_sinks():
 @pytest.mark.parametrize("sink", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_prefill_split_attends_as_the_paged_path(sink, dtype):
-    """A prompt chunk read back whole (attend_prefill) gives what the paged attention gives, beside a decode row."""
+    """A prompt chunk read back whole (attend_split) gives what the paged attention gives, beside a decode row."""
     from kvarn.config import KVarNConfig
     from kvarn.paged import PagedKV, split_prefill
 
@@ -213,4 +213,14 @@ def test_prefill_split_packs_chunks_around_a_decode_row():
 
     got = kv.attend_split(step_plan, q, table, lens, split, varlen=spy)
     assert calls == [[220, 384, 384, [0, 90, 220], [0, 190, 384]]]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    calls.clear()
+    import kvarn.paged
+
+    old, kvarn.paged.PREFILL_READ_TOKENS = kvarn.paged.PREFILL_READ_TOKENS, 200  # one request per read-back
+    try:
+        got = kv.attend_split(step_plan, q, table, lens, split, varlen=spy)
+    finally:
+        kvarn.paged.PREFILL_READ_TOKENS = old
+    assert calls == [[90, 190, 190, [0, 90], [0, 190]], [130, 194, 194, [0, 130], [0, 194]]]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

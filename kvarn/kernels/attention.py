@@ -171,9 +171,11 @@ def tokens_m_default(cfg: KVarNConfig, multi_q: bool, programs: int, device: tor
     On for 128-token tiles in launches of more than ``TOKENS_M_MIN_WAVES`` waves, where it was
     measured faster on the H200 at every shape timed (k4v2 D=128: 8 x 4K 47.5 -> 44.1 us, 32 x 4K
     112.0 -> 98.1, 64 x 4K 171.3 -> 166.3, 8 x 32K 186.3 -> 156.4, 16 x 32K 303.0 -> 243.7; k2v2,
-    k4v4, D=64 and D=256 likewise; benchmarks/RESULTS.md). Off for batch-1-like launches (32K / B=1
-    was 4% slower), for 64-token tiles (no gain at 4 warps), for multi-query launches (not
-    implemented) and off CUDA (the interpreter tests pick the variant explicitly).
+    k4v4, D=64 and D=256 likewise; benchmarks/RESULTS.md). The rule counts programs only: off for
+    launches of at most 2 waves (batch 1 at 32K, 1.3 waves, was 4% slower; shapes just over 2 waves,
+    e.g. batch 2 at 32K, are on without having been timed), for 64-token tiles (no gain at 4 warps),
+    for multi-query launches (not implemented) and off CUDA (the interpreter tests pick the variant
+    explicitly).
     """
     if multi_q or cfg.group_size != 128 or device.type != "cuda":
         return False

@@ -556,6 +556,11 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
         return pool
 
     @staticmethod
+    def _varlen(dtype: torch.dtype) -> VarlenAttention | None:
+        """vLLM's flash attention for prompt chunks where it takes the dtype (fp16, bf16); else SDPA."""
+        return flash_varlen() if dtype in (torch.float16, torch.bfloat16) else None
+
+    @staticmethod
     def _records(kv_cache: torch.Tensor) -> torch.Tensor:
         """vLLM's ``[num_blocks, Hkv, G, C]`` page view as ``[num_blocks, Hkv, record_bytes]``."""
         return kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], -1)
@@ -608,7 +613,7 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
         q = query[:n].view(n, self.num_heads, self.head_size)
         if meta.prefill is not None and not capturing:
             out = paged.attend_split(
-                plan, q, meta.block_table, meta.seq_lens, meta.prefill, self.scale, varlen=flash_varlen()
+                plan, q, meta.block_table, meta.seq_lens, meta.prefill, self.scale, varlen=self._varlen(q.dtype)
             )
         else:
             qsl = None if meta.decode else meta.query_start_loc
