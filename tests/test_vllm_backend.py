@@ -74,6 +74,7 @@ class Sim:
         self.sink = preset.endswith("_sink")
         self.forgotten = set()
         self.block_pool = FakeBlockPool(self)
+        backend_mod._block_pools.clear()  # an earlier simulation's pool may not be collected yet
         backend_mod._block_pools.add(self.block_pool)
         self.g = self.cfg.group_size
         self.dtype = dtype
