@@ -458,7 +458,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             where,
             (
                 f" full-precision sink pool: {self.num_sink_slots} slots (first tiles keyed by block id), "
-                f"{sink_bytes / 2**20:.1f} MiB, the same way;"
+                f"{sink_bytes / 2**20:.1f} MiB, allocated with the tail pool;"
                 if self.num_sink_slots
                 else ""
             ),
