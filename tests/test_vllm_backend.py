@@ -610,6 +610,7 @@ def test_the_sink_pool_is_allocated_in_the_profiling_run_and_logged():
     from vllm.config import VllmConfig, set_current_vllm_config
 
     config = VllmConfig()
+    config.parallel_config.distributed_executor_backend = "uni"  # what VLLM_ENABLE_V1_MULTIPROCESSING=0 gives
     config.cache_config.cache_dtype = preset
     config.scheduler_config.max_num_seqs = 3
     with set_current_vllm_config(config):

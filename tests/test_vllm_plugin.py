@@ -58,6 +58,10 @@ def test_register_is_idempotent_and_every_preset_is_a_valid_cache_dtype():
 @pytest.mark.parametrize("preset", list(checks.CACHE_DTYPES))
 def test_the_dtype_flag_alone_selects_the_preset_backend_and_its_block_size(preset):
     config = VllmConfig()
+    if preset.endswith("_sink"):
+        with set_current_vllm_config(config), pytest.raises(ValueError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0"):
+            get_attn_backend(64, torch.bfloat16, preset)  # vLLM's CPU default runs the worker in its own process
+        config.parallel_config.distributed_executor_backend = "uni"
     with set_current_vllm_config(config):
         for head_size in (64, 128):
             assert get_attn_backend(head_size, torch.bfloat16, preset) is BACKENDS[preset]
@@ -119,6 +123,12 @@ def test_the_sink_is_refused_where_it_cannot_be_kept_exactly(monkeypatch):
     with pytest.raises(ValueError, match=r"--kv-cache-dtype kvarn_k4v2_g128_sink: .*one worker"):
         checks.check_run(run, "kvarn_k4v2_g128_sink")
     checks.check_run(run, "kvarn_k4v2_g128")  # without the sink several workers are fine
+    run = _run()
+    run.parallel_config.distributed_executor_backend = "mp"  # vLLM's CPU default: the worker in its own process
+    with pytest.raises(ValueError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0"):
+        checks.check_run(run, "kvarn_k4v2_g128_sink")
+    run.parallel_config.distributed_executor_backend = "uni"
+    checks.check_run(run, "kvarn_k4v2_g128_sink")
     run = _run()
     run.scheduler_config = SimpleNamespace(max_num_seqs=8)
     monkeypatch.setenv("KVARN_SINK_SLOTS", "4")

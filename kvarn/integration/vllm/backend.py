@@ -35,7 +35,8 @@ share its sink. A sink is freed when its block is written as another tile, and e
 recently used) only when vLLM's block pool says no request holds its block; the evicted block is
 dropped from vLLM's prefix cache in the same step (:func:`forget_cached_block`), so no later request
 can hit a first tile whose sink is gone. That needs the scheduler's block pool in the worker's
-process (:func:`install_block_pool_hook`; one worker, which the checks require). On the GPU model
+process (:func:`install_block_pool_hook`; vLLM's ``uni`` executor with one worker, which the checks
+require). On the GPU model
 runner (V2: request-index slots, CUDA-graph decode) the sink is refused at start-up
 (:func:`check_sink`). See ``docs/vllm.md``.
 """

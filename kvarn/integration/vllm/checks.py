@@ -186,11 +186,15 @@ def run_problems(vllm_config, preset: str) -> list[str]:
         except ValueError as exc:
             problems.append(str(exc))
     if has_sink(preset):
-        world = getattr(vllm_config.parallel_config, "world_size", 1) or 1
-        if world > 1:
+        parallel = vllm_config.parallel_config
+        world = getattr(parallel, "world_size", 1) or 1
+        executor = getattr(parallel, "distributed_executor_backend", "uni")
+        if world > 1 or executor not in ("uni", None):
             problems.append(
-                f"the full-precision sink needs vLLM's scheduler in the worker's process (one worker), "
-                f"this run has {world} workers: drop the {SINK_SUFFIX} suffix or run on one device"
+                "the full-precision sink needs vLLM's scheduler and its one worker in one process (the "
+                f"'uni' executor), this run has {world} worker(s) on the {executor!r} executor: on one device "
+                "set VLLM_ENABLE_V1_MULTIPROCESSING=0 (vLLM's CPU platform then keeps the 'uni' executor), "
+                f"or drop the {SINK_SUFFIX} suffix"
             )
     if not problems and not cache.user_specified_block_size:
         cache.block_size = group
