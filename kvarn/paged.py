@@ -40,8 +40,21 @@ evicted, and no block id is read on the host.
 
 Sink (optional, ``num_sink_slots > 0``): the tokens of a sequence's first tile also go to a
 *sink slot*, keyed by the block id of that first tile, and attention reads the first tile from
-the sink slot in full precision instead of from its record. Sink slots are held for the
-planner's life (the transformers cache's rows never change; vLLM keeps no sink yet).
+the sink slot in full precision instead of from its record (the record is written all the same).
+Requests whose first tiles share a block (a prefix-cache hit) share its sink. The planner sees
+every write, so the key stays true to the block's contents:
+
+- a request that writes its first tile from offset 0 claims the block's sink slot (a new one, or
+  the one the block had: it is overwritten before it is read);
+- a request that continues or reads a first tile (``start > 0``) must find its sink; if it is
+  gone, :class:`SinkLostError` is raised instead of reading another tile's values;
+- a sink slot is freed when its block is written as any tile other than a first one (the block
+  was recycled);
+- when no slot is free, the least recently used sink whose block ``sink_pinned(block)`` reports
+  unheld and that this step does not touch is evicted, and ``on_sink_evicted(block)`` is called
+  (the vLLM backend drops the block from vLLM's prefix cache there, so no later request can hit a
+  first tile whose sink is gone). Without ``sink_pinned`` nothing is evicted and a full pool
+  raises :class:`SinkLostError` (the transformers cache: one slot per row, held for the batch's life).
 
 Only committed tokens may be planned: speculative drafts would be frozen into a record.
 
@@ -72,6 +85,10 @@ from kvarn.config import KVarNConfig
 
 class TailLostError(RuntimeError):
     """A request continues a tile whose full-precision tail slot was recycled."""
+
+
+class SinkLostError(RuntimeError):
+    """A request continues or reads a first tile whose full-precision sink slot is gone, or none is free."""
 
 
 @dataclass
@@ -117,7 +134,14 @@ class TilePlanner:
     the ``num_slots`` tail slots.
     """
 
-    def __init__(self, num_slots: int, group_size: int, num_sink_slots: int = 0):
+    def __init__(
+        self,
+        num_slots: int,
+        group_size: int,
+        num_sink_slots: int = 0,
+        sink_pinned: Callable[[int], bool] | None = None,
+        on_sink_evicted: Callable[[int], None] | None = None,
+    ):
         if num_slots < 1:
             raise ValueError(f"num_slots must be at least 1, got {num_slots}")
         if num_sink_slots < 0:
@@ -126,7 +150,10 @@ class TilePlanner:
         self.num_sink_slots = num_sink_slots
         self.group_size = group_size
         self._sink_of: dict[int, int] = {}
+        self._sink_block: list[int | None] = [None] * num_sink_slots
         self._sink_free = list(range(num_sink_slots - 1, -1, -1))
+        self._sink_pinned = sink_pinned
+        self._on_sink_evicted = on_sink_evicted
         self._slot_of: dict[int, int] = {}
         self._tail_range = range(num_sink_slots, num_sink_slots + num_slots)
         self._block_of: list[int | None] = [None] * (num_sink_slots + num_slots)
@@ -137,8 +164,10 @@ class TilePlanner:
         """Counts since creation: ``steps``, ``stored_tiles``, ``committed_tiles``, ``tail_tokens``,
         ``chunks_starting_inside_a_tile`` (a chunk of more than one token that continues a tile),
         ``recycled_tails`` (slots freed because their block came back as a full tile),
-        ``released_tails`` (slots freed by :meth:`release_blocks`) and ``evicted_tails`` (slots
-        taken from an idle tail when the pool ran dry)."""
+        ``released_tails`` (slots freed by :meth:`release_blocks`), ``evicted_tails`` (slots
+        taken from an idle tail when the pool ran dry), and with a sink ``new_sinks`` (first tiles
+        written from offset 0), ``recycled_sinks`` (freed because their block was written as another
+        tile) and ``evicted_sinks`` (taken from an unheld block when the sink pool ran dry)."""
 
     @property
     def live_slots(self) -> dict[int, int]:
@@ -150,15 +179,50 @@ class TilePlanner:
         """A copy of the current ``first block id -> sink slot`` map."""
         return dict(self._sink_of)
 
-    def _claim_sink(self, block: int) -> int:
+    def _sink(self, block: int, start: int, touched: set[int]) -> int:
+        """The sink slot of the request whose first tile is ``block`` and whose step starts at ``start``."""
         slot = self._sink_of.get(block)
-        if slot is None:
-            if not self._sink_free:
-                raise TailLostError(
-                    f"more than {self.num_sink_slots} sequences keep a full-precision sink; raise num_sink_slots"
+        if slot is not None:
+            if start == 0:
+                self.stats["new_sinks"] += 1
+            touched.add(slot)
+            self._last_used[slot] = self._step
+            return slot
+        if start > 0:
+            raise SinkLostError(
+                f"the full-precision sink of block {block} (the first tile of a request, tokens "
+                f"0..{min(start, self.group_size) - 1}) is not held: its slot was recycled or never filled; "
+                "a request may not read a first tile without its sink"
+            )
+        if not self._sink_free:
+            idle = [
+                s
+                for s, b in enumerate(self._sink_block)
+                if b is not None and s not in touched and self._sink_pinned is not None and not self._sink_pinned(b)
+            ]
+            if not idle:
+                raise SinkLostError(
+                    f"all {self.num_sink_slots} full-precision sink slots hold first tiles of live requests; "
+                    "raise KVARN_SINK_SLOTS (at least --max-num-seqs) or lower --max-num-seqs"
                 )
-            slot = self._sink_of[block] = self._sink_free.pop()
+            victim = min(idle, key=self._last_used.__getitem__)
+            evicted = self._sink_block[victim]
+            self._drop_sink(evicted)
+            self.stats["evicted_sinks"] += 1
+            if self._on_sink_evicted is not None:
+                self._on_sink_evicted(evicted)
+        slot = self._sink_free.pop()
+        self._sink_of[block] = slot
+        self._sink_block[slot] = block
+        touched.add(slot)
+        self._last_used[slot] = self._step
+        self.stats["new_sinks"] += 1
         return slot
+
+    def _drop_sink(self, block: int) -> None:
+        slot = self._sink_of.pop(block)
+        self._sink_block[slot] = None
+        self._sink_free.append(slot)
 
     def _release(self, slot: int) -> None:
         block = self._block_of[slot]
@@ -217,6 +281,7 @@ class TilePlanner:
         commits: list[tuple[int, int]] = []
         stores: list[tuple[int, int]] = []
         touched: set[int] = set()
+        sink_touched: set[int] = set()
         full_rows: list[torch.Tensor] = []
         for r in range(batch):
             n = qsl[r + 1] - qsl[r]
@@ -231,7 +296,11 @@ class TilePlanner:
             row = block_table[r]
             full_rows.append(row[: length // g])
             if sink:
-                sink_slot = sink_slots[r] = self._claim_sink(int(row[0]))
+                for tile in range(max(1, start // g), (length - 1) // g + 1):
+                    if int(row[tile]) in self._sink_of:  # a block recycled as another tile
+                        self._drop_sink(int(row[tile]))
+                        self.stats["recycled_sinks"] += 1
+                sink_slot = sink_slots[r] = self._sink(int(row[0]), start, sink_touched)
                 if start < g:
                     hi = min(length, g)
                     sink_mapping[qsl[r] : qsl[r] + hi - start] = torch.arange(sink_slot * g + start, sink_slot * g + hi)

@@ -6,7 +6,7 @@ The planner imports torch only; these tests run without vLLM.
 import pytest
 import torch
 
-from kvarn.paged import TailLostError, TilePlanner
+from kvarn.paged import SinkLostError, TailLostError, TilePlanner
 
 G = 8
 
@@ -110,6 +110,56 @@ def test_request_slots_plan_without_block_ids_on_the_host():
     assert quiet.late_tail_slot_mapping is None and quiet.commit_slots.numel() == 0
     with pytest.raises(ValueError, match="new tokens"):
         plan_request_slots(torch.tensor([0, 4]), torch.tensor([3]), table[:1], 4, [0], G)
+
+
+def test_a_prefix_hit_reads_the_sink_of_the_first_tile_it_shares():
+    p = TilePlanner(4, G, num_sink_slots=2, sink_pinned=lambda block: False)
+    a = plan(p, [(20, 20)], [[5, 6, 7]])
+    sink = p.live_sinks[5]
+    assert a.sink_slots.tolist() == [sink]
+    assert a.sink_slot_mapping.tolist() == [sink * G + i for i in range(G)] + [-1] * 12
+    assert sorted(a.store_blocks.tolist()) == [5, 6], "the first tile's record is written all the same"
+    hit = plan(p, [(3, 19)], [[5, 6, 9]])  # tiles 0 and 1 from the prefix cache
+    assert hit.sink_slots.tolist() == [sink]
+    assert hit.sink_slot_mapping.tolist() == [-1] * 3, "a hit reads the sink and never writes it"
+    assert p.stats["new_sinks"] == 1
+
+
+def test_a_first_block_written_as_another_tile_loses_its_sink_and_cannot_be_read_as_a_first_tile():
+    p = TilePlanner(4, G, num_sink_slots=2, sink_pinned=lambda block: False)
+    plan(p, [(G, G)], [[5]])
+    plan(p, [(G + 2, G + 2)], [[3, 5]])  # block 5 recycled as tile 1
+    assert 5 not in p.live_sinks and p.stats["recycled_sinks"] == 1
+    with pytest.raises(SinkLostError, match="block 5"):
+        plan(p, [(1, G + 1)], [[5, 4]])
+    fresh = plan(p, [(3, 3)], [[5]])  # a new first tile in block 5 starts from offset 0: a new sink
+    assert fresh.sink_slots.tolist() == [p.live_sinks[5]]
+
+
+def test_sink_eviction_takes_only_unheld_blocks_and_reports_them():
+    held = {1, 2}
+    evicted = []
+    p = TilePlanner(4, G, num_sink_slots=2, sink_pinned=held.__contains__, on_sink_evicted=evicted.append)
+    plan(p, [(G, G), (3, 3)], [[1], [2]])
+    with pytest.raises(SinkLostError, match="KVARN_SINK_SLOTS"):
+        plan(p, [(2, 2)], [[3]])  # both sinks belong to blocks that requests hold
+    held.discard(1)
+    plan(p, [(2, 2)], [[3]])
+    assert evicted == [1] and set(p.live_sinks) == {2, 3} and p.stats["evicted_sinks"] == 1
+    with pytest.raises(SinkLostError, match="block 1"):
+        plan(p, [(1, G + 1)], [[1, 8]])  # a hit on the evicted first tile is refused, not read
+
+
+def test_a_first_tile_continued_without_its_sink_is_refused():
+    p = TilePlanner(4, G, num_sink_slots=1)
+    plan(p, [(3, 3)], [[1]])
+    with pytest.raises(SinkLostError):
+        plan(p, [(2, 2)], [[2]])  # no predicate: nothing is evictable
+    p = TilePlanner(4, G, num_sink_slots=1, sink_pinned=lambda block: False)
+    with pytest.raises(SinkLostError, match="slots"):
+        plan(p, [(3, 3), (2, 2)], [[1], [2]])  # a sink this step writes is never evicted in that step
+    with pytest.raises(SinkLostError, match="block 7"):
+        plan(p, [(2, 5)], [[7]])
 
 
 def test_dense_batch_rows_start_their_tiles_at_their_first_real_token():

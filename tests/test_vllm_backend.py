@@ -40,13 +40,42 @@ pytestmark = pytest.mark.vllm
 HQ, HKV, D = 4, 2, 64
 
 
+class FakeBlockPool:
+    """What the sink asks of vLLM's ``BlockPool``: each block's ``ref_cnt`` (the requests holding it)
+    and ``evict_blocks`` (drop blocks from the prefix cache)."""
+
+    def __init__(self, sim):
+        self.sim = sim
+        self.blocks = self
+
+    def __len__(self):
+        return self.sim.kv_cache.shape[0]
+
+    def __getitem__(self, block):
+        held = sum(block in req["blocks"] for req in self.sim.reqs.values())
+        return SimpleNamespace(ref_cnt=held)
+
+    def evict_blocks(self, blocks):
+        self.sim.forgotten.update(blocks)
+
+
 class Sim:
-    """Requests with a token history, a block table and a schedule; blocks from a shuffled pool."""
+    """Requests with a token history, a block table and a schedule; blocks from a shuffled pool.
+
+    A ``_sink`` preset keeps each request's first tile in full precision: the expected attention
+    reads it from the tokens, and a prefix whose first block the backend dropped from the prefix
+    cache (an evicted sink) is not hit again, as in vLLM.
+    """
 
     def __init__(self, preset, dtype, num_blocks=96, seed=0, max_num_seqs=8, tail_slots=None, request_slots=False):
         self.rng = random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed)
-        self.cfg = KVarNConfig.from_preset(preset, head_dim=D)
+        self.cfg = KVarNConfig.from_preset(preset.removesuffix("_sink"), head_dim=D)
+        self.sink = preset.endswith("_sink")
+        self.forgotten = set()
+        self.block_pool = FakeBlockPool(self)
+        backend_mod._block_pools.clear()  # an earlier simulation's pool may not be collected yet
+        backend_mod._block_pools.add(self.block_pool)
         self.g = self.cfg.group_size
         self.dtype = dtype
         self.backend = BACKENDS[preset]
@@ -100,6 +129,8 @@ class Sim:
         if share_from is not None:
             src = self.reqs.get(share_from) or self.prefix[share_from]
             hit = min(len(src["k"]) // self.g, (target_len - 1) // self.g)
+            if src["blocks"] and src["blocks"][0] in self.forgotten:
+                hit = 0  # vLLM no longer finds the prefix: its first block left the prefix cache
             req["k"] = list(src["k"][: hit * self.g])
             req["v"] = list(src["v"][: hit * self.g])
             req["blocks"] = list(src["blocks"][:hit])
@@ -194,8 +225,20 @@ class Sim:
             if rem:
                 tail_k[i, :rem] = reference.prepare(torch.stack(req["k"][full * self.g :]), self.dtype)
                 tail_v[i, :rem] = reference.prepare(torch.stack(req["v"][full * self.g :]), self.dtype)
+        sinks = None
+        if self.sink:  # the first tile of each request from its tokens, in full precision (pool rows B..2B-1)
+            batch = len(order)
+            tail_k = torch.cat([tail_k, torch.zeros_like(tail_k)])
+            tail_v = torch.cat([tail_v, torch.zeros_like(tail_v)])
+            sinks = torch.full((batch,), -1)
+            for i, rid in enumerate(order):
+                req = self.reqs[rid]
+                if req["len"] >= self.g:
+                    sinks[i] = batch + i
+                    tail_k[batch + i] = reference.prepare(torch.stack(req["k"][: self.g]), self.dtype)
+                    tail_v[batch + i] = reference.prepare(torch.stack(req["v"][: self.g]), self.dtype)
         want = reference.paged_attention(
-            query, expect, table, lens, tail_k, tail_v, torch.arange(len(order)), self.cfg, qsl, None, 0.125
+            query, expect, table, lens, tail_k, tail_v, torch.arange(len(order)), self.cfg, qsl, sinks, 0.125
         )
         assert not output.isnan().any(), "the backend left output rows unwritten"
         if self.builder.prefill_split:  # prompt chunks attend by another order of arithmetic
@@ -213,6 +256,8 @@ class Sim:
         ("kvarn_k2v2_g128", torch.bfloat16, False),
         ("kvarn_k4v2_g64", torch.bfloat16, True),
         ("kvarn_k4v4_g128", torch.float16, True),
+        ("kvarn_k4v2_g64_sink", torch.bfloat16, False),
+        ("kvarn_k4v2_g128_sink", torch.float16, False),
     ],
 )
 def test_backend_matches_reference_through_a_random_schedule(preset, dtype, request_slots):
@@ -478,3 +523,101 @@ def test_the_capacity_log_reports_records_and_pool_separately(explicit_bytes):
     assert f"tail pool: {builder.num_slots} slots (keyed by block id), {pool_mib:.1f} MiB" in line
     where = "on top of --kv-cache-memory-bytes" if explicit_bytes else "inside vLLM's KV budget"
     assert where in line
+
+
+def test_the_sink_is_shared_by_a_prefix_hit_freed_by_block_reuse_and_evicted_only_from_unheld_blocks():
+    """The full-precision sink through the backend (``_sink`` dtype): every attention output is checked
+    against the reference reading each request's first tile from its tokens in full precision."""
+    from kvarn.paged import SinkLostError
+
+    sim = Sim("kvarn_k4v2_g64_sink", torch.float32, seed=21, max_num_seqs=2)
+    planner = sim.builder.planner
+    assert planner.num_sink_slots == 2
+    a = sim.add(150)
+    sim.step({a: 70})
+    sim.step({a: 1})
+    sink_a = planner.live_sinks[sim.reqs[a]["blocks"][0]]
+    sim.free_req(a, keep_prefix=True)  # a's first block stays in the prefix cache, and so does its sink
+    b = sim.add(140, share_from=a)
+    assert sim.reqs[b]["shared"] == 1
+    sim.step({b: 5})
+    assert sim.last_meta.plan.sink_slots.tolist() == [sink_a], "the hit reads the sink of the shared first tile"
+    assert sim.last_meta.num_slots == 2 + planner.num_slots
+    sim.step({b: 1})
+    # a request whose tiles reuse a freed block recycles that block's sink
+    c = sim.add(100)
+    sim.step({c: 40})
+    first_c = sim.reqs[c]["blocks"][0]
+    sim.free_req(c)  # not cached: its blocks go back to the pool
+    sim.free.remove(first_c)
+    d = sim.add(150)
+    sim.reqs[d]["blocks"] = [sim.free.pop(), first_c]
+    sim.step({d: 100})
+    assert first_c not in planner.live_sinks and planner.stats["recycled_sinks"] == 1
+    # the pool (2 slots) is full of b's and d's first tiles, both held: a third first tile has no room
+    sim.free_req(d)
+    e = sim.add(100)
+    sim.step({e: 10})  # d's first block is no longer held: its sink is evicted for e
+    assert planner.stats["evicted_sinks"] == 1 and sim.forgotten
+    sim.free_req(b)  # a's prefix (shared by b) is now unheld
+    f = sim.add(100)
+    sim.step({f: 3})
+    assert planner.stats["evicted_sinks"] == 2 and sim.prefix[a]["blocks"][0] in sim.forgotten
+    sim.free_req(e)
+    g = sim.add(140, share_from=a)
+    assert not sim.reqs[g].get("shared"), "vLLM no longer hits a first tile whose sink was evicted"
+    sim.step({g: 140})
+    # had vLLM hit it anyway, the backend refuses instead of reading another tile's values
+    h = sim.add(140)
+    sim.reqs[h]["blocks"] = list(sim.prefix[a]["blocks"][:1])
+    sim.reqs[h]["len"] = 64
+    sim.reqs[h]["k"] = list(sim.prefix[a]["k"][:64])
+    sim.reqs[h]["v"] = list(sim.prefix[a]["v"][:64])
+    sim.reqs[h]["rec"] = list(sim.prefix[a]["rec"][:1])
+    sim.free_req(f)
+    with pytest.raises(SinkLostError, match="is not held"):
+        sim.step({h: 2})
+
+
+def test_the_sink_pool_is_allocated_in_the_profiling_run_and_logged():
+    import logging
+
+    preset = "kvarn_k4v2_g64_sink"
+    backend = BACKENDS[preset]
+    spec = backend.customize_spec(FullAttentionSpec(block_size=64, num_kv_heads=HKV, head_size=D, dtype=torch.uint8))
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(cache_dtype=preset, num_gpu_blocks=99, kv_cache_memory_bytes=None),
+        scheduler_config=SimpleNamespace(max_num_seqs=3),
+        model_config=SimpleNamespace(dtype=torch.float16),
+        parallel_config=SimpleNamespace(world_size=1),
+    )
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    log = logging.getLogger("vllm.kvarn")
+    log.addHandler(handler)
+    old_level, log.level = log.level, logging.INFO
+    try:
+        builder = backend.get_builder_cls()(spec, ["layer.0", "layer.1"], vllm_config, torch.device("cpu"))
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old_level)
+    (line,) = [r for r in records if "99 blocks" in r]
+    sink_mib = 3 * 64 * HKV * D * 2 * 2 * 2 / 2**20
+    assert builder.num_sink_slots == 3
+    assert f"sink pool: 3 slots (first tiles keyed by block id), {sink_mib:.1f} MiB" in line
+    assert line.startswith(f"KVarN {preset} KV cache")
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    config = VllmConfig()
+    config.parallel_config.distributed_executor_backend = "uni"  # what VLLM_ENABLE_V1_MULTIPROCESSING=0 gives
+    config.cache_config.cache_dtype = preset
+    config.scheduler_config.max_num_seqs = 3
+    with set_current_vllm_config(config):
+        impl = backend.get_impl_cls()(HQ, D, 0.125, HKV, kv_cache_dtype=preset)
+    layer = torch.nn.Module()
+    out = impl.forward(layer, torch.zeros(4, HQ * D), None, None, torch.zeros(0), None)
+    assert out.shape[0] == 4
+    tail_slots = impl.pool_slots - 3
+    assert layer._kvarn_tail[0].shape == (3 + tail_slots, 64, HKV, D), "sink slots come out of the profiled memory"
+    assert tail_slots >= 3

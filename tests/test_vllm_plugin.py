@@ -44,7 +44,8 @@ def test_register_is_idempotent_and_every_preset_is_a_valid_cache_dtype():
     expected_mode = "registry" if hasattr(cache_mod, "register_kv_cache_dtype") else "literal"
     assert kv.status()["mode"] == expected_mode
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
-    for preset in PRESETS:
+    assert set(checks.CACHE_DTYPES) == set(PRESETS) | {f"{p}_sink" for p in PRESETS}
+    for preset in checks.CACHE_DTYPES:
         assert CacheConfig(cache_dtype=preset).cache_dtype == preset
         assert STR_DTYPE_TO_TORCH_DTYPE[preset] is torch.uint8
         assert parser.parse_args(["--kv-cache-dtype", preset]).kv_cache_dtype == preset
@@ -54,13 +55,18 @@ def test_register_is_idempotent_and_every_preset_is_a_valid_cache_dtype():
         parser.parse_args(["--kv-cache-dtype", "kvarn_k3v3_g128"])
 
 
-@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("preset", list(checks.CACHE_DTYPES))
 def test_the_dtype_flag_alone_selects_the_preset_backend_and_its_block_size(preset):
     config = VllmConfig()
+    if preset.endswith("_sink"):
+        with set_current_vllm_config(config), pytest.raises(ValueError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0"):
+            get_attn_backend(64, torch.bfloat16, preset)  # vLLM's CPU default runs the worker in its own process
+        config.parallel_config.distributed_executor_backend = "uni"
     with set_current_vllm_config(config):
         for head_size in (64, 128):
             assert get_attn_backend(head_size, torch.bfloat16, preset) is BACKENDS[preset]
-        assert config.cache_config.block_size == PRESETS[preset].group_size
+        assert config.cache_config.block_size == checks.group_size(preset)
+        assert BACKENDS[preset].sink == preset.endswith("_sink")
         other = get_attn_backend(64, torch.bfloat16, "auto")
     assert not issubclass(other, BACKENDS[preset]), "other dtypes go to the platform's own backend"
 
@@ -109,6 +115,40 @@ def test_unservable_runs_are_refused_with_what_to_change(run, advice):
         checks.check_layer(_selector(), run)
 
 
+def test_the_sink_is_refused_where_it_cannot_be_kept_exactly(monkeypatch):
+    from kvarn.integration.vllm import backend as backend_mod
+
+    run = _run()
+    run.parallel_config.world_size = 2
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype kvarn_k4v2_g128_sink: .*one worker"):
+        checks.check_run(run, "kvarn_k4v2_g128_sink")
+    checks.check_run(run, "kvarn_k4v2_g128")  # without the sink several workers are fine
+    run = _run()
+    run.parallel_config.distributed_executor_backend = "mp"  # vLLM's CPU default: the worker in its own process
+    with pytest.raises(ValueError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0"):
+        checks.check_run(run, "kvarn_k4v2_g128_sink")
+    run.parallel_config.distributed_executor_backend = "uni"
+    checks.check_run(run, "kvarn_k4v2_g128_sink")
+    run = _run()
+    run.scheduler_config = SimpleNamespace(max_num_seqs=8)
+    monkeypatch.setenv("KVARN_SINK_SLOTS", "4")
+    with pytest.raises(ValueError, match="KVARN_SINK_SLOTS=4 is below --max-num-seqs 8"):
+        checks.check_run(run, "kvarn_k4v2_g64_sink")
+    monkeypatch.setenv("KVARN_SINK_SLOTS", "12")
+    checks.check_run(run, "kvarn_k4v2_g64_sink")
+    assert checks.sink_slot_count(run) == 12
+    monkeypatch.delenv("KVARN_SINK_SLOTS")
+    assert checks.sink_slot_count(run) == 8
+    # vLLM's GPU model runner (V2, request-index slots, CUDA graphs): refused at start-up
+    monkeypatch.setitem(backend_mod._step, "hooked", True)
+    gpu = SimpleNamespace(use_v2_model_runner=True, device_config=SimpleNamespace(device_type="cuda"))
+    with pytest.raises(ValueError, match=r"^--kv-cache-dtype kvarn_k4v2_g128_sink: .*GPU model runner"):
+        backend_mod.check_sink(gpu, "kvarn_k4v2_g128_sink")
+    backend_mod.check_sink(gpu, "kvarn_k4v2_g128")
+    with pytest.raises(ValueError, match="unknown KVarN cache dtype 'kvarn_k4v2_g128_snk'"):
+        checks.preset_config("kvarn_k4v2_g128_snk")
+
+
 def test_the_run_check_sets_the_block_size_unless_the_user_chose_it():
     run = _run(block_size=16)
     checks.check_run(run, "kvarn_k4v2_g64")
@@ -132,11 +172,11 @@ def test_where_vllm_has_a_dtype_registry_the_handlers_go_through_it(monkeypatch)
 
     monkeypatch.setattr(cache_mod, "register_kv_cache_dtype", register_kv_cache_dtype, raising=False)
     literal_before = cache_mod.CacheDType
-    for preset in PRESETS:
+    for preset in checks.CACHE_DTYPES:
         monkeypatch.delitem(STR_DTYPE_TO_TORCH_DTYPE, preset)
     assert plugin.install_dtypes() == "registry"
     assert cache_mod.CacheDType is literal_before, "the registry path leaves the Literal alone"
-    assert set(registered) == set(PRESETS)
+    assert set(registered) == set(checks.CACHE_DTYPES)
     from vllm.v1.kv_cache_interface import KVQuantMode
 
     for preset, handler in registered.items():
@@ -145,7 +185,7 @@ def test_where_vllm_has_a_dtype_registry_the_handlers_go_through_it(monkeypatch)
         assert isinstance(handler.quant_mode(), KVQuantMode)
         assert handler.supports_platform(current_platform)
     assert plugin.install_dtypes() == "registry"
-    assert len(registered) == len(PRESETS), "names already registered are not registered twice"
+    assert len(registered) == len(checks.CACHE_DTYPES), "names already registered are not registered twice"
 
 
 _ERROR_PATH = r"""

@@ -28,9 +28,17 @@ programs exit at once). The captured forward writes the tail, then commits under
 conditional node that runs only when the builder set its flag (a decode step commits a tile in
 one step of ``G``), then attends; nothing in it reads a value on the host.
 
-The first tile of a sequence is quantized like every other tile (no full-precision sink): a sink
-would be per-request state for the request's whole life, shared through the prefix cache and lost
-on preemption, and it would not be recoverable from its own page (see ``docs/vllm.md``).
+Sink (``--kv-cache-dtype kvarn_..._sink``, CPU runner only). The first tile of every sequence is
+also kept in full precision in a sink slot keyed by the block id of that first tile
+(:class:`kvarn.paged.TilePlanner`), so requests sharing a first tile through the prefix cache
+share its sink. A sink is freed when its block is written as another tile, and evicted (least
+recently used) only when vLLM's block pool says no request holds its block; the evicted block is
+dropped from vLLM's prefix cache in the same step (:func:`forget_cached_block`), so no later request
+can hit a first tile whose sink is gone. That needs the scheduler's block pool in the worker's
+process (:func:`install_block_pool_hook`; vLLM's ``uni`` executor with one worker, which the checks
+require). On the GPU model
+runner (V2: request-index slots, CUDA-graph decode) the sink is refused at start-up
+(:func:`check_sink`). See ``docs/vllm.md``.
 """
 
 from __future__ import annotations
@@ -61,8 +69,17 @@ try:
 except ImportError:  # vLLM 0.26: pages are laid out by get_kv_cache_shape
     KVCacheLayout = None
 
-from kvarn.config import PRESETS, SUPPORTED_HEAD_DIMS, KVarNConfig
-from kvarn.integration.vllm.checks import SUPPORTED_MODEL_DTYPES, check_run, preset_config, tail_slot_count
+from kvarn.config import SUPPORTED_HEAD_DIMS, KVarNConfig
+from kvarn.integration.vllm.checks import (
+    CACHE_DTYPES,
+    SINK_SUFFIX,
+    SUPPORTED_MODEL_DTYPES,
+    check_run,
+    has_sink,
+    preset_config,
+    sink_slot_count,
+    tail_slot_count,
+)
 from kvarn.paged import (
     PREFILL_MIN_QUERIES,
     PagedKV,
@@ -145,6 +162,73 @@ def install_release_hook(runner_cls=None) -> bool:
     return True
 
 
+_block_pools: weakref.WeakSet = weakref.WeakSet()
+"""vLLM's ``BlockPool`` objects created in this process (:func:`install_block_pool_hook`)."""
+
+
+def install_block_pool_hook(pool_cls=None) -> bool:
+    """Record every vLLM ``BlockPool`` this process creates; returns whether the hook is in place.
+
+    Wraps ``pool_cls.__init__`` (default ``vllm.v1.core.block_pool.BlockPool``). The sink asks the
+    pool whether a block is held (:func:`block_held`) and drops evicted sinks' blocks from the
+    prefix cache (:func:`forget_cached_block`); both need the scheduler in this process, which it
+    is with one worker (vLLM's engine core runs its single worker in-process).
+    """
+    if pool_cls is None:
+        try:
+            from vllm.v1.core.block_pool import BlockPool as pool_cls
+        except ImportError:
+            return False
+    original = pool_cls.__init__
+    if getattr(original, _HOOK_MARK, False):
+        return True
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _block_pools.add(self)
+
+    setattr(__init__, _HOOK_MARK, True)
+    __init__.__wrapped__ = original
+    pool_cls.__init__ = __init__
+    return True
+
+
+def _pools_with(block: int) -> list:
+    return [pool for pool in list(_block_pools) if block < len(getattr(pool, "blocks", ()))]
+
+
+def block_held(block: int) -> bool:
+    """Whether a request holds ``block`` (its ``ref_cnt`` in vLLM's block pool is positive).
+
+    Without a block pool in this process every block counts as held: no sink is ever evicted.
+    """
+    pools = _pools_with(block)
+    return not pools or any(pool.blocks[block].ref_cnt > 0 for pool in pools)
+
+
+def forget_cached_block(block: int) -> None:
+    """Drop ``block`` from vLLM's prefix cache (its sink was evicted): later requests recompute it."""
+    for pool in _pools_with(block):
+        pool.evict_blocks({block})
+
+
+def check_sink(vllm_config, preset: str) -> None:
+    """Refuse a ``_sink`` cache dtype where the sink cannot be kept exactly."""
+    if not has_sink(preset) or vllm_config is None:
+        return
+    if per_request_slots(vllm_config):
+        raise ValueError(
+            f"--kv-cache-dtype {preset}: the full-precision sink is not served on vLLM's GPU model runner "
+            f"(V2: request-index tail slots and CUDA-graph decode); use --kv-cache-dtype "
+            f"{preset.removesuffix(SINK_SUFFIX)}"
+        )
+    if not install_block_pool_hook():
+        raise ValueError(
+            f"--kv-cache-dtype {preset}: this vLLM has no vllm.v1.core.block_pool.BlockPool, which the sink "
+            f"needs to know which blocks are held; use --kv-cache-dtype {preset.removesuffix(SINK_SUFFIX)}"
+        )
+
+
 def per_request_slots(vllm_config) -> bool:
     """Whether tail slots follow vLLM's request indices: the GPU model runner (V2) with the step hook."""
     if not _step["hooked"] or not getattr(vllm_config, "use_v2_model_runner", False):
@@ -153,22 +237,26 @@ def per_request_slots(vllm_config) -> bool:
     return device in (None, "cuda")
 
 
-def pool_slots(vllm_config) -> int:
-    """Slots of each layer's full-precision pool: the tail slots, plus one scratch slot per request index mode."""
+def pool_slots(vllm_config, sink: bool = False) -> int:
+    """Slots of each layer's full-precision pool: the sink slots (with ``sink``), the tail slots, and
+    one scratch slot in request index mode."""
     per_request = per_request_slots(vllm_config)
     released = not per_request and install_release_hook()
-    return tail_slot_count(vllm_config, per_request=per_request, departures_reported=released) + int(per_request)
+    tails = tail_slot_count(vllm_config, per_request=per_request, departures_reported=released)
+    return (sink_slot_count(vllm_config) if sink else 0) + tails + int(per_request)
 
 
 class KVarNBackend(AttentionBackend):
     """Base of the per-preset KVarN backends; ``preset`` names the cache format."""
 
     preset: ClassVar[str] = ""
+    """The ``--kv-cache-dtype`` this backend serves (a preset, or a preset with ``_sink``)."""
+    sink: ClassVar[bool] = False
     registered_name: ClassVar[str] = BACKEND_NAME
     """The name vLLM's backend registry knows KVarN by (``CUSTOM`` where the registry takes no new names)."""
     forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = list(SUPPORTED_MODEL_DTYPES)
-    supported_kv_cache_dtypes: ClassVar[list[str]] = list(PRESETS)
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(CACHE_DTYPES)
 
     @classmethod
     def config(cls, head_size: int) -> KVarNConfig:
@@ -301,10 +389,20 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
                 f"{preset} needs kernel blocks of {self.cfg.group_size} tokens, vLLM gave {kv_cache_spec.block_size}"
             )
         self.per_request = per_request_slots(vllm_config) and torch.device(device).type == "cuda"
+        check_sink(vllm_config, self.backend.preset)
         released = not self.per_request and install_release_hook()
         self.num_slots = tail_slot_count(vllm_config, per_request=self.per_request, departures_reported=released)
+        self.num_sink_slots = sink_slot_count(vllm_config) if self.backend.sink else 0
         self.scratch_slot = self.num_slots
-        self.planner = None if self.per_request else TilePlanner(self.num_slots, self.cfg.group_size)
+        self.planner = None
+        if not self.per_request:
+            self.planner = TilePlanner(
+                self.num_slots,
+                self.cfg.group_size,
+                num_sink_slots=self.num_sink_slots,
+                sink_pinned=block_held,
+                on_sink_evicted=forget_cached_block,
+            )
         if self.planner is not None:
             _planners.add(self.planner)
         self.buffers = None
@@ -319,7 +417,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
 
     def _log_capacity(self, vllm_config, spec, num_layers: int) -> None:
         num_blocks = vllm_config.cache_config.num_gpu_blocks
-        key = (num_blocks, spec.num_kv_heads, spec.head_size, num_layers, self.cfg.name)
+        key = (num_blocks, spec.num_kv_heads, spec.head_size, num_layers, self.backend.preset)
         if not num_blocks or key in _logged_capacity:
             return
         _logged_capacity.add(key)
@@ -328,9 +426,11 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         cache_bytes = num_blocks * num_layers * spec.num_kv_heads * cfg.record_bytes
         dtype_bytes = torch.tensor([], dtype=vllm_config.model_config.dtype).element_size()
         pool = self.num_slots + int(self.per_request)
-        tail_bytes = pool * cfg.group_size * spec.num_kv_heads * cfg.head_dim * 2 * dtype_bytes * num_layers
+        slot_bytes = cfg.group_size * spec.num_kv_heads * cfg.head_dim * 2 * dtype_bytes * num_layers
+        tail_bytes = pool * slot_bytes
+        sink_bytes = self.num_sink_slots * slot_bytes
         fp16_tokens = cache_bytes // (num_layers * spec.num_kv_heads * 4 * cfg.head_dim)
-        fp16_all = (cache_bytes + tail_bytes) // (num_layers * spec.num_kv_heads * 4 * cfg.head_dim)
+        fp16_all = (cache_bytes + tail_bytes + sink_bytes) // (num_layers * spec.num_kv_heads * 4 * cfg.head_dim)
         # vLLM measures the memory its profiling (GPU) or warm-up run (CPU) leaves and sizes the KV
         # cache from it, pool included; an explicit --kv-cache-memory-bytes is taken as given
         where = (
@@ -341,9 +441,9 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         logger.info(
             "KVarN %s KV cache: %d blocks of %d tokens = %d tokens in %.1f MiB of records (%d layers, %d KV "
             "heads, %d B per record); an fp16 cache of the same size holds %d tokens: %.2fx the capacity. "
-            "Full-precision tail pool: %d slots (%s), %.1f MiB, %s; records and pool together hold %.2fx the "
+            "Full-precision tail pool: %d slots (%s), %.1f MiB, %s;%s records and pool together hold %.2fx the "
             "tokens of an fp16 cache of their size.",
-            cfg.name,
+            self.backend.preset,
             num_blocks,
             cfg.group_size,
             tokens,
@@ -357,6 +457,12 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             "one per request index + 1 scratch" if self.per_request else "keyed by block id",
             tail_bytes / 2**20,
             where,
+            (
+                f" full-precision sink pool: {self.num_sink_slots} slots (first tiles keyed by block id), "
+                f"{sink_bytes / 2**20:.1f} MiB, allocated with the tail pool;"
+                if self.num_sink_slots
+                else ""
+            ),
             tokens / max(fp16_all, 1),
         )
 
@@ -389,7 +495,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             seq_lens=cam.seq_lens[:batch],
             block_table=block_table,
             plan=None,
-            num_slots=self.num_slots + int(self.per_request),
+            num_slots=self.num_sink_slots + self.num_slots + int(self.per_request),
         )
         if self.prefill_split and cam.max_query_len >= PREFILL_MIN_QUERIES:
             # eager prompt chunks: exact lengths (one host sync per such step)
@@ -544,7 +650,9 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
         config = get_current_vllm_config_or_none()
         if config is not None:
             check_run(config, preset)
-        self.pool_slots = pool_slots(config) if config is not None else 1
+            check_sink(config, preset)
+        self.num_sink_slots = sink_slot_count(config) if config is not None and self.backend.sink else 0
+        self.pool_slots = pool_slots(config, self.backend.sink) if config is not None else 1
 
     def _pool(self, layer, num_slots: int, dtype: torch.dtype, device: torch.device):
         """The layer's ``tail_k, tail_v: [num_slots, G, Hkv, D]``, allocated in vLLM's profiling run."""
@@ -598,7 +706,7 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
                 raise RuntimeError("the KVarN backend captures CUDA graphs of single-token decode batches only")
             plan = meta.graph_plan
         tail_k, tail_v = self._pool(layer, meta.num_slots, query.dtype, query.device)
-        paged = PagedKV(self.cfg, self._records(kv_cache), tail_k, tail_v)
+        paged = PagedKV(self.cfg, self._records(kv_cache), tail_k, tail_v, num_sink_slots=self.num_sink_slots)
         if kv_cache.numel() and key is not None and value is not None:
             k = key[:n].view(n, self.num_kv_heads, self.head_size)
             v = value[:n].view(n, self.num_kv_heads, self.head_size)
@@ -623,13 +731,15 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
 
 
 def _backend_for(preset: str) -> type[KVarNBackend]:
+    """The backend, builder and impl classes of one ``--kv-cache-dtype`` name (:data:`CACHE_DTYPES`)."""
     short = preset.removeprefix("kvarn_")
     names = {
         "backend": f"KVarNBackend_{short}",
         "builder": f"KVarNMetadataBuilder_{short}",
         "impl": f"KVarNAttentionImpl_{short}",
     }
-    backend = type(names["backend"], (KVarNBackend,), {"preset": preset, "__module__": __name__})
+    attrs = {"preset": preset, "sink": has_sink(preset), "__module__": __name__}
+    backend = type(names["backend"], (KVarNBackend,), attrs)
     builder = type(names["builder"], (KVarNMetadataBuilder,), {"backend": backend, "__module__": __name__})
     impl = type(names["impl"], (KVarNAttentionImpl,), {"backend": backend, "__module__": __name__})
     backend.builder_cls, backend.impl_cls = builder, impl
@@ -638,7 +748,7 @@ def _backend_for(preset: str) -> type[KVarNBackend]:
     return backend
 
 
-BACKENDS: dict[str, type[KVarNBackend]] = {preset: _backend_for(preset) for preset in PRESETS}
+BACKENDS: dict[str, type[KVarNBackend]] = {name: _backend_for(name) for name in CACHE_DTYPES}
 for _cls in BACKENDS.values():
     globals().update({c.__name__: c for c in (_cls, _cls.builder_cls, _cls.impl_cls)})
 

@@ -15,20 +15,59 @@ import torch
 from kvarn.config import PRESETS, SUPPORTED_HEAD_DIMS, KVarNConfig
 
 TAIL_SLOTS_ENV = "KVARN_TAIL_SLOTS"
+SINK_SLOTS_ENV = "KVARN_SINK_SLOTS"
+SINK_SUFFIX = "_sink"
 SUPPORTED_MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+CACHE_DTYPES: tuple[str, ...] = (*PRESETS, *(preset + SINK_SUFFIX for preset in PRESETS))
+"""Every ``--kv-cache-dtype`` kvarn adds: each preset, and each preset with ``_sink`` (the first
+tile of every sequence also kept in full precision, see ``docs/vllm.md``)."""
+
+
+def has_sink(cache_dtype: str) -> bool:
+    """Whether ``cache_dtype`` (a :data:`CACHE_DTYPES` name) keeps a full-precision sink."""
+    return cache_dtype.endswith(SINK_SUFFIX)
 
 
 @functools.cache
 def preset_config(preset: str, head_dim: int = 128) -> KVarNConfig:
-    """The format of ``preset`` at ``head_dim``, parsed once per process and shared by every user."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown KVarN preset {preset!r}; valid: {', '.join(PRESETS)}")
-    return KVarNConfig.from_preset(preset, head_dim=head_dim)
+    """The format of ``preset`` (a :data:`CACHE_DTYPES` name) at ``head_dim``, parsed once per process.
+
+    The ``_sink`` suffix does not change the record format: ``kvarn_k4v2_g128_sink`` stores the
+    records of ``kvarn_k4v2_g128``.
+    """
+    if preset not in CACHE_DTYPES:
+        raise ValueError(f"unknown KVarN cache dtype {preset!r}; valid: {', '.join(CACHE_DTYPES)}")
+    return KVarNConfig.from_preset(preset.removesuffix(SINK_SUFFIX), head_dim=head_dim)
 
 
 def group_size(preset: str) -> int:
     """The tile length ``G`` of ``preset`` (one vLLM block per tile)."""
     return preset_config(preset).group_size
+
+
+def sink_slot_count(vllm_config) -> int:
+    """Full-precision sink slots per layer for a ``_sink`` cache dtype.
+
+    One per request the scheduler may run (``max_num_seqs``) is always enough: a sink is evicted
+    only when no request holds its block, and the requests that hold blocks are the running ones.
+    ``$KVARN_SINK_SLOTS`` above that keeps the sinks of more prefix-cached first tiles (a cached
+    first tile whose sink is evicted is dropped from the prefix cache); below it is refused.
+    """
+    max_seqs = int(vllm_config.scheduler_config.max_num_seqs)
+    env = os.environ.get(SINK_SLOTS_ENV)
+    if not env:
+        return max_seqs
+    try:
+        value = int(env)
+    except ValueError:
+        raise ValueError(f"{SINK_SLOTS_ENV} must be a positive integer, got {env!r}") from None
+    if value < max_seqs:
+        raise ValueError(
+            f"{SINK_SLOTS_ENV}={value} is below --max-num-seqs {max_seqs}: every running request holds "
+            f"the sink of its first tile; set {SINK_SLOTS_ENV} to at least {max_seqs} (or unset it), "
+            "or lower --max-num-seqs"
+        )
+    return value
 
 
 def tail_slot_count(vllm_config, per_request: bool = False, departures_reported: bool = False) -> int:
@@ -142,8 +181,21 @@ def run_problems(vllm_config, preset: str) -> list[str]:
     if scheduler is not None and getattr(scheduler, "max_num_seqs", None) is not None:
         try:
             tail_slot_count(vllm_config)
+            if has_sink(preset):
+                sink_slot_count(vllm_config)
         except ValueError as exc:
             problems.append(str(exc))
+    if has_sink(preset):
+        parallel = vllm_config.parallel_config
+        world = getattr(parallel, "world_size", 1) or 1
+        executor = getattr(parallel, "distributed_executor_backend", "uni")
+        if world > 1 or executor not in ("uni", None):
+            problems.append(
+                "the full-precision sink needs vLLM's scheduler and its one worker in one process (the "
+                f"'uni' executor), this run has {world} worker(s) on the {executor!r} executor: on one device "
+                "set VLLM_ENABLE_V1_MULTIPROCESSING=0 (vLLM's CPU platform then keeps the 'uni' executor), "
+                f"or drop the {SINK_SUFFIX} suffix"
+            )
     if not problems and not cache.user_specified_block_size:
         cache.block_size = group
     return problems

@@ -30,8 +30,7 @@ import typing
 
 import torch
 
-from kvarn.config import PRESETS
-from kvarn.integration.vllm.checks import check_layer, check_run, run_problems
+from kvarn.integration.vllm.checks import CACHE_DTYPES, check_layer, check_run, run_problems
 
 __all__ = ["check_layer", "check_run", "install", "run_problems"]
 
@@ -79,7 +78,7 @@ def install_dtypes() -> str:
     if register is not None:
         from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
 
-        for preset in PRESETS:
+        for preset in CACHE_DTYPES:
             if STR_DTYPE_TO_TORCH_DTYPE.get(preset) is not torch.uint8:
                 register(preset)(_handler(preset))
         return "registry"
@@ -96,8 +95,8 @@ def _widen_cache_dtype_literal(cache_mod) -> None:
     from vllm.v1.attention import selector
 
     names = list(typing.get_args(cache_mod.CacheDType))
-    missing = [p for p in PRESETS if p not in names]
-    for preset in PRESETS:
+    missing = [p for p in CACHE_DTYPES if p not in names]
+    for preset in CACHE_DTYPES:
         torch_utils.STR_DTYPE_TO_TORCH_DTYPE[preset] = torch.uint8
     if not missing:
         return
@@ -232,7 +231,7 @@ def install_selection_hook(platform=None) -> bool:
     def get_attn_backend_cls(cls, *args, **kwargs):
         selected_backend = kwargs.get("selected_backend", args[0] if args else None)
         selector_config = kwargs.get("attn_selector_config", args[1] if len(args) > 1 else None)
-        if getattr(selector_config, "kv_cache_dtype", None) not in PRESETS:
+        if getattr(selector_config, "kv_cache_dtype", None) not in CACHE_DTYPES:
             return original(*args, **kwargs)
         from vllm.config import get_current_vllm_config_or_none
 
@@ -273,8 +272,11 @@ def install() -> str:
     """
     from vllm.platforms import current_platform
 
+    from kvarn.integration.vllm.backend import install_block_pool_hook
+
     install_backend_name()
     install_spec_hook()
+    install_block_pool_hook()
     if current_platform.is_cuda_alike():
         install_runner_hook()
     hooked = install_selection_hook(current_platform)
