@@ -90,6 +90,9 @@ class KVarNConfig:
     each K tile by a per-channel vector before the rotation (an option measured in
     ``docs/fidelity.md``; it adds ``D`` bytes per record; the kernels implement it, interpreter-tested and
     not yet GPU-validated, so ``kvarn.ops`` runs it on the reference unless asked for ``impl="triton"``).
+    ``clip_keys`` (on by default) lets 2-bit K rows pick a clipped RTN range by squared error
+    (:func:`kvarn.reference.rtn.choose_qparams`; same bytes; no effect at 4-bit K, where it was
+    measured to cost accuracy, see ``docs/fidelity.md``).
 
     Example:
         >>> cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
@@ -105,6 +108,7 @@ class KVarNConfig:
     rotate: bool = True
     normalize: bool = True
     smooth_keys: bool = False
+    clip_keys: bool = True
 
     def __post_init__(self) -> None:
         for name in ("k_bits", "v_bits"):
@@ -136,6 +140,11 @@ class KVarNConfig:
             return dataclasses.replace(name, **overrides)
         fields = {**PRESETS[name]._asdict(), "head_dim": DEFAULT_HEAD_DIM}
         return cls(**{**fields, **overrides})
+
+    @property
+    def k_clip(self) -> bool:
+        """Whether K rows search a clipped range: ``clip_keys`` and 2-bit K."""
+        return self.clip_keys and self.k_bits == 2
 
     @property
     def name(self) -> str:

@@ -45,6 +45,12 @@ ROW_REL = 2.0**-6
 """Row parameters (fp16), gauge factor divided out, relative to the half's largest: a one-ulp
 column-scale change moves ``lo``/``step`` of the rows that touch it by up to ~2^-7."""
 
+CLIP_PICK_MISMATCH_MAX = 0.02
+"""Clipped ranges (2-bit K, ``KVarNConfig.clip_keys``): largest fraction of rows allowed to pick
+another shrink than the reference. Two shrinks of near-equal squared error (fp32 sums in another
+order, or B moved by a Sinkhorn gauge re-rounding) are both right; those rows are then held only to
+the reconstruction check (``QUALITY_REL``), every other row to the code and parameter checks."""
+
 QUALITY_REL = 0.01
 """The kernel's reconstruction error (Frobenius, against the prepared tiles) may exceed the
 reference's by at most 1%: a code that moves at a rounding tie is as far from the value as the

@@ -14,8 +14,10 @@ name                       what a full tile becomes                             
                            amax / 448 of that layer on the evaluated text (calibrated)
 ``kvarn_k{K}v{V}_g{G}``    a KVarN record (Hadamard + Sinkhorn + RTN), the preset       KVarN
 ``kivi_k{K}v{V}_g{G}``     the same record layout, ``rotate=False, normalize=False``:   KVarN
-                           per-channel K, per-token V asymmetric RTN (KIVI-style)
-``hadrtn_k{K}v{V}_g{G}``   ``normalize=False``: Hadamard then RTN (QuaRot-style)        KVarN
+                           per-channel K, per-token V asymmetric RTN (KIVI-style),
+                           min/max ranges (``clip_keys=False``)
+``hadrtn_k{K}v{V}_g{G}``   ``normalize=False, clip_keys=False``: Hadamard then          KVarN
+                           min/max RTN (QuaRot-style)
 ``sinkhorn_k{K}v{V}_g{G}`` ``rotate=False``: variance normalization without Hadamard    KVarN
 ``smooth_k{K}v{V}_g{G}``   ``smooth_keys=True``: KVarN with key smoothing (D bytes      KVarN
                            more per record; ``kvarn/reference/smooth.py``)
@@ -50,8 +52,8 @@ FP8_MAX = 448.0
 
 FAMILIES = {
     "kvarn": ("KVarN", {}),
-    "kivi": ("KIVI-style RTN", {"rotate": False, "normalize": False}),
-    "hadrtn": ("Hadamard + RTN", {"normalize": False}),
+    "kivi": ("KIVI-style RTN", {"rotate": False, "normalize": False, "clip_keys": False}),
+    "hadrtn": ("Hadamard + RTN", {"normalize": False, "clip_keys": False}),
     "sinkhorn": ("Sinkhorn w/o Hadamard", {"rotate": False}),
     "smooth": ("KVarN + key smoothing", {"smooth_keys": True}),
 }

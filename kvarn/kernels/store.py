@@ -36,6 +36,8 @@ import triton.language as tl
 
 from kvarn.config import KVarNConfig
 from kvarn.kernels._common import (
+    CLIP_STEPS,
+    CLIP_STEPS_PER_UNIT,
     IMBALANCE_EPS,
     LOG_SCALE_MAX,
     LOG_SCALE_MIN,
@@ -104,6 +106,21 @@ def _imbalance(col_std, row_std):
 
 
 @triton.jit
+def _rtn_codes(b, lo, step, QMAX: tl.constexpr):
+    """Codes (fp32 integers in ``[0, QMAX]``) of rows ``b: [R, C]`` with row parameters ``lo, step: [R]``."""
+    q = (b - lo[:, None]) / step[:, None]
+    q = (q + 12582912.0) - 12582912.0  # round half to even (|q| < 2^22)
+    return tl.minimum(tl.maximum(q, 0.0), QMAX)
+
+
+@triton.jit
+def _row_sq_error(b, lo, step, QMAX: tl.constexpr):
+    """Squared error ``[R]`` of rows ``b: [R, C]`` rounded with ``(lo, step)``."""
+    d = _rtn_codes(b, lo, step, QMAX) * step[:, None] + lo[:, None] - b
+    return tl.sum(d * d, axis=1)
+
+
+@triton.jit
 def _encode_half(
     m,
     out,
@@ -115,8 +132,12 @@ def _encode_half(
     SCALE_OFF: tl.constexpr,
     ZERO_OFF: tl.constexpr,
     COL_OFF: tl.constexpr,
+    CLIP: tl.constexpr,
 ):
-    """Quantize one oriented tile half ``m: [R, C]`` fp32 and write its fields at record ``out``."""
+    """Quantize one oriented tile half ``m: [R, C]`` fp32 and write its fields at record ``out``.
+
+    ``CLIP``: each row picks the clipped range of smallest squared error (``rtn.choose_qparams``).
+    """
     QMAX: tl.constexpr = (1 << BITS) - 1
     P: tl.constexpr = 8 // BITS
     amax_m = tl.max(tl.max(tl.abs(m), axis=1), axis=0)  # tiny tiles: rescaled, 2^p folded into col
@@ -148,9 +169,22 @@ def _encode_half(
     lo = tl.min(b, axis=1)
     hi = tl.max(b, axis=1)
     step = tl.maximum((hi - lo) / QMAX, MIN_STEP)
-    q = (b - lo[:, None]) / step[:, None]
-    q = (q + 12582912.0) - 12582912.0  # round half to even (|q| < 2^22)
-    codes = tl.minimum(tl.maximum(q, 0.0), QMAX).to(tl.int32)
+    if CLIP:
+        width = hi - lo
+        best = _row_sq_error(b, lo, step, QMAX)
+        best_lo = lo
+        best_step = step
+        for i in tl.static_range(1, CLIP_STEPS):
+            lo_s = lo + width * (i / (2 * CLIP_STEPS_PER_UNIT))
+            step_s = tl.maximum(width * ((1 - i / CLIP_STEPS_PER_UNIT) / QMAX), MIN_STEP)
+            err = _row_sq_error(b, lo_s, step_s, QMAX)
+            take = err < best
+            best = tl.where(take, err, best)
+            best_lo = tl.where(take, lo_s, best_lo)
+            best_step = tl.where(take, step_s, best_step)
+        lo = best_lo
+        step = best_step
+    codes = _rtn_codes(b, lo, step, QMAX).to(tl.int32)
 
     scale = r * step
     zero = r * lo
@@ -219,6 +253,7 @@ def _encode_kernel(
     LAYOUT: tl.constexpr,
     ITERS: tl.constexpr,
     INV_SQRT_D: tl.constexpr,
+    K_CLIP: tl.constexpr,
 ):
     """Grid ``(N, Hkv, 2)``: tile ``i``, head ``h``, half (0 = K, 1 = V) -> its part of one record.
 
@@ -243,10 +278,10 @@ def _encode_kernel(
             x = _load_tile(k_src + off, s_tok, L, IS_BF16)  # [G, D]
             if L.K_SMOOTH >= 0:
                 x = _smooth_tile(x, out + L.K_SMOOTH, INV_SQRT_D)
-            _encode_half(tl.trans(x), out, L.D, L.G, L.K_BITS, ITERS, L.K_CODES, L.K_SCALE, L.K_ZERO, L.K_TOK)
+            _encode_half(tl.trans(x), out, L.D, L.G, L.K_BITS, ITERS, L.K_CODES, L.K_SCALE, L.K_ZERO, L.K_TOK, K_CLIP)
         else:
             x = _load_tile(v_src + off, s_tok, L, IS_BF16)  # [G, D]
-            _encode_half(x, out, L.G, L.D, L.V_BITS, ITERS, L.V_CODES, L.V_SCALE, L.V_ZERO, L.V_CHAN)
+            _encode_half(x, out, L.G, L.D, L.V_BITS, ITERS, L.V_CODES, L.V_SCALE, L.V_ZERO, L.V_CHAN, False)
 
 
 def default_encode_warps(cfg: KVarNConfig) -> int:
@@ -275,6 +310,7 @@ def _launch_encode(k, v, src_idx, n_tiles, n_heads, strides, dst, dst_idx, d_str
         LAYOUT=record_layout(cfg),
         ITERS=iters,
         INV_SQRT_D=inv_sqrt(cfg.head_dim),
+        K_CLIP=cfg.k_clip,
         num_warps=num_warps or default_encode_warps(cfg),
     )
 

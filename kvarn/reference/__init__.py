@@ -31,10 +31,11 @@ from kvarn.reference.record import (
     scale_records,
     unpack_record,
 )
-from kvarn.reference.rtn import choose_qparams, quantize_rows
+from kvarn.reference.rtn import CLIP_SHRINKS, choose_qparams, quantize_rows
 from kvarn.reference.tiling import merge_tiles, split_tiles
 
 __all__ = [
+    "CLIP_SHRINKS",
     "TileHalf",
     "attend",
     "choose_qparams",

@@ -9,7 +9,7 @@ pair of RTN parameters: ``M: [..., R, C]`` with ``R = D, C = G`` for K (rows are
     (r, c)      = sinkhorn(M, iters)                      normalize.py
     c           = bf16(c)                                 rounded first, so its rounding is exact
     B           = M / (r c^T)
-    (lo, step)  = choose_qparams(B, bits)                 rtn.py
+    (lo, step)  = choose_qparams(B, bits, clip)           rtn.py (clip: 2-bit K, see KVarNConfig)
     codes       = quantize_rows(B, lo, step, bits)        rtn.py
     scale, zero = r * step, r * lo                        folded into one pair per row
     e           = range guard (see below)
@@ -139,10 +139,11 @@ def tiny_exponent(m: torch.Tensor) -> torch.Tensor:
     return torch.where(tiny, (exp - TINY_TARGET_EXP).clamp_min(MIN_EXP), torch.zeros_like(exp))
 
 
-def quantize_half(m: torch.Tensor, bits: int, iters: int = 8, normalize: bool = True) -> TileHalf:
+def quantize_half(m: torch.Tensor, bits: int, iters: int = 8, normalize: bool = True, clip: bool = False) -> TileHalf:
     """Quantize tile halves ``m: [..., R, C]`` (rotated and oriented) with ``bits`` per code.
 
-    ``normalize=False`` skips the Sinkhorn stage (all scales 1): plain per-row RTN.
+    ``normalize=False`` skips the Sinkhorn stage (all scales 1): plain per-row RTN. ``clip=True``
+    lets each row pick a clipped range (:func:`~kvarn.reference.rtn.choose_qparams`).
     """
     m = m.to(torch.float32)
     if m.numel() == 0:  # no tiles: empty outputs of the right shapes
@@ -162,7 +163,7 @@ def quantize_half(m: torch.Tensor, bits: int, iters: int = 8, normalize: bool = 
         c = m.new_ones(m.shape[:-2] + m.shape[-1:])
     c = c.to(COL_DTYPE).to(torch.float32)
     b = m / (r[..., :, None] * c[..., None, :])
-    lo, step = choose_qparams(b, bits)
+    lo, step = choose_qparams(b, bits, clip)
     codes = quantize_rows(b, lo, step, bits)
     scale, zero = r * step, r * lo
     e = range_exponent(scale, zero)[..., None].float()

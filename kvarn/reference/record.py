@@ -54,9 +54,11 @@ def encode_half(tiles: torch.Tensor, role: str, cfg: KVarNConfig) -> TileHalf:
     tiles = from_pool(tiles)
     if role == "key":
         if not cfg.smooth_keys:
-            return quantize_half(tiles.transpose(-1, -2), cfg.k_bits, cfg.sinkhorn_iters, cfg.normalize)
+            return quantize_half(tiles.transpose(-1, -2), cfg.k_bits, cfg.sinkhorn_iters, cfg.normalize, cfg.k_clip)
         s = smoothing_vector(tiles)
-        half = quantize_half(smooth(tiles, s).transpose(-1, -2), cfg.k_bits, cfg.sinkhorn_iters, cfg.normalize)
+        half = quantize_half(
+            smooth(tiles, s).transpose(-1, -2), cfg.k_bits, cfg.sinkhorn_iters, cfg.normalize, cfg.k_clip
+        )
         return half._replace(smooth=s.to(SMOOTH_DTYPE))
     return quantize_half(tiles, cfg.v_bits, cfg.sinkhorn_iters, cfg.normalize)
 
