@@ -74,6 +74,14 @@ SUPPORTED_BITS = (2, 4)
 SUPPORTED_GROUP_SIZES = (64, 128)
 DEFAULT_SINKHORN_ITERS = 8
 
+KEY_CLIP = (20, 10)
+"""Clipped-range grid of 2-bit K rows, ``(unit, count)``: a row may give up ``k / 20`` of its width,
+``k = 0 .. 9`` (up to 45%), whichever rounds it with the smallest squared error (``rtn.choose_qparams``)."""
+VALUE_CLIP = (40, 9)
+"""Clipped-range grid of 2-bit V rows: up to ``8 / 40`` (20%) of the width. V rows stop short of the
+squared-error optimum (about 40% on Gaussian rows): attention averages V over tokens, where rounding
+errors cancel and a clipping bias does not; measured in ``docs/fidelity.md``."""
+
 SCALE_FIELDS = ("k_scale", "k_zero", "k_tok", "v_scale", "v_zero", "v_chan")
 SMOOTH_FIELD = "k_smooth"
 """The optional per-channel key smoothing vector (one fp8 byte per channel), last in the record."""
@@ -90,9 +98,9 @@ class KVarNConfig:
     each K tile by a per-channel vector before the rotation (an option measured in
     ``docs/fidelity.md``; it adds ``D`` bytes per record; the kernels implement it, interpreter-tested and
     not yet GPU-validated, so ``kvarn.ops`` runs it on the reference unless asked for ``impl="triton"``).
-    ``clip_keys`` (on by default) lets 2-bit K rows pick a clipped RTN range by squared error
-    (:func:`kvarn.reference.rtn.choose_qparams`; same bytes; no effect at 4-bit K, where it was
-    measured to cost accuracy, see ``docs/fidelity.md``).
+    ``clip`` (on by default) lets the rows of a 2-bit half pick a clipped RTN range by squared
+    error (:func:`kvarn.reference.rtn.choose_qparams`, grids :data:`KEY_CLIP` and
+    :data:`VALUE_CLIP`; same bytes and decoder; no effect on 4-bit halves; ``docs/fidelity.md``).
 
     Example:
         >>> cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
@@ -108,7 +116,7 @@ class KVarNConfig:
     rotate: bool = True
     normalize: bool = True
     smooth_keys: bool = False
-    clip_keys: bool = True
+    clip: bool = True
 
     def __post_init__(self) -> None:
         for name in ("k_bits", "v_bits"):
@@ -142,9 +150,14 @@ class KVarNConfig:
         return cls(**{**fields, **overrides})
 
     @property
-    def k_clip(self) -> bool:
-        """Whether K rows search a clipped range: ``clip_keys`` and 2-bit K."""
-        return self.clip_keys and self.k_bits == 2
+    def k_clip(self) -> tuple[int, int] | None:
+        """The K half's clipped-range grid ``(unit, count)``: :data:`KEY_CLIP` at 2 bits with ``clip``, else None."""
+        return KEY_CLIP if self.clip and self.k_bits == 2 else None
+
+    @property
+    def v_clip(self) -> tuple[int, int] | None:
+        """The V half's clipped-range grid: :data:`VALUE_CLIP` at 2 bits with ``clip``, else None."""
+        return VALUE_CLIP if self.clip and self.v_bits == 2 else None
 
     @property
     def name(self) -> str:

@@ -7,10 +7,10 @@ from hypothesis import strategies as st
 from strategies import make_tile, tiles
 from tolerances import ROTATE_ROUNDTRIP, ROUNDTRIP_REL
 
-from kvarn.config import KVarNConfig
+from kvarn.config import KEY_CLIP, VALUE_CLIP, KVarNConfig
 from kvarn.reference import (
-    CLIP_SHRINKS,
     choose_qparams,
+    clip_shrinks,
     decode_half,
     decode_records,
     dequantize_half,
@@ -158,50 +158,58 @@ def _row_error(b, lo, step, bits):
     return (codes * step[..., None] + lo[..., None] - b).square().sum(-1)
 
 
-@given(tiles(), st.sampled_from([2, 4]))
-def test_clipped_range_never_rounds_worse(tile_kind, bits):
+@given(tiles(), st.sampled_from([2, 4]), st.sampled_from([KEY_CLIP, VALUE_CLIP, (7, 3)]))
+def test_clipped_range_never_rounds_worse(tile_kind, bits, clip):
     b, _ = tile_kind
     b = b.float()
     lo0, step0 = choose_qparams(b, bits)
-    lo, step = choose_qparams(b, bits, clip=True)
+    lo, step = choose_qparams(b, bits, clip)
     assert torch.isfinite(lo).all() and (step >= 1e-10).all()
     assert (_row_error(b, lo, step, bits) <= _row_error(b, lo0, step0, bits)).all()
-    # the clipped range is one of the listed shrinks of the min/max range
+    # each row's range is the min/max range shrunk by one of the grid's fractions, half at each end
     width = b.amax(-1) - b.amin(-1)
-    assert (lo >= lo0).all() and (lo - lo0 <= width * (max(CLIP_SHRINKS) / 2) * (1 + 1e-6) + 1e-30).all()
+    shrinks = torch.tensor(clip_shrinks(clip))
+    got = (lo - lo0) * 2 / width.clamp_min(1e-30)
+    near = (got[..., None] - shrinks).abs().amin(-1)
+    assert bool(((near <= 1e-4) | (width < 1e-20)).all())
+
+
+def test_clip_grid_is_checked():
+    assert clip_shrinks(None) == (0.0,)
+    assert clip_shrinks((20, 10))[-1] == 0.45
+    for bad in ((0, 1), (4, 0), (4, 5)):
+        with pytest.raises(ValueError, match="clip must be"):
+            clip_shrinks(bad)
 
 
 def test_clipped_range_keeps_min_max_on_ties_and_shrinks_gaussian_rows():
     # a row the min/max range rounds exactly keeps it (shrink 0 comes first)
     b = torch.tensor([[0.0, 1.0, 2.0, 3.0], [-2.0, -2.0, -2.0, -2.0]])
-    assert [t.tolist() for t in choose_qparams(b, 2, clip=True)] == [t.tolist() for t in choose_qparams(b, 2)]
-    # Gaussian rows of 128 at 2 bits: the min/max range spans ~5 std, the best range less; the
-    # squared error falls by about a third or more (this is what lowers 2-bit keys' KL, docs/fidelity.md)
+    plain = [t.tolist() for t in choose_qparams(b, 2)]
+    assert [t.tolist() for t in choose_qparams(b, 2, KEY_CLIP)] == plain
+    # Gaussian rows of 128 at 2 bits: the min/max range spans ~5 std, four levels do best with ~3;
+    # the key grid (up to 45%) about halves the squared error, the value grid (up to 20%) less
     g = torch.randn(256, 128, generator=torch.Generator().manual_seed(0))
-    lo0, step0 = choose_qparams(g, 2)
-    lo, step = choose_qparams(g, 2, clip=True)
-    before, after = _row_error(g, lo0, step0, 2).sum(), _row_error(g, lo, step, 2).sum()
-    assert after < 0.7 * before
-    assert (step < step0).float().mean() > 0.9
+    before = _row_error(g, *choose_qparams(g, 2), 2).sum()
+    after_k = _row_error(g, *choose_qparams(g, 2, KEY_CLIP), 2).sum()
+    after_v = _row_error(g, *choose_qparams(g, 2, VALUE_CLIP), 2).sum()
+    assert after_k < 0.6 * before and after_k < after_v < 0.85 * before
 
 
 @pytest.mark.parametrize("preset", ["kvarn_k2v2_g128", "kvarn_k4v2_g128", "kvarn_k4v4_g64"])
-def test_keys_clip_only_at_two_bits(preset):
+def test_only_two_bit_halves_clip(preset):
     cfg = KVarNConfig.from_preset(preset, head_dim=64)
-    assert cfg.k_clip == (cfg.k_bits == 2)
-    assert not KVarNConfig.from_preset(preset, clip_keys=False).k_clip
-    tiles_ = torch.randn(3, cfg.group_size, 64, generator=torch.Generator().manual_seed(1))
-    tiles_[..., 5] += 40 * torch.randn(3, cfg.group_size, generator=torch.Generator().manual_seed(2))
+    assert cfg.k_clip == (KEY_CLIP if cfg.k_bits == 2 else None)
+    assert cfg.v_clip == (VALUE_CLIP if cfg.v_bits == 2 else None)
+    plain = KVarNConfig.from_preset(cfg, clip=False)
+    assert plain.k_clip is None and plain.v_clip is None
+    gen = torch.Generator().manual_seed(1)
+    tiles_ = torch.randn(3, cfg.group_size, 64, generator=gen)
+    tiles_[..., 5] += 40 * torch.randn(3, cfg.group_size, generator=gen)
     prepared = prepare(tiles_, torch.float32)
-    clipped = encode_half(prepared, "key", cfg)
-    plain = encode_half(prepared, "key", plain_cfg(cfg))
-    assert torch.equal(clipped.codes, plain.codes) != cfg.k_clip
-    # values are never clipped: only keys
-    assert torch.equal(encode_half(prepared, "value", cfg).codes, encode_half(prepared, "value", plain_cfg(cfg)).codes)
-
-
-def plain_cfg(cfg):
-    return KVarNConfig.from_preset(cfg, clip_keys=False)
+    for role, bits in (("key", cfg.k_bits), ("value", cfg.v_bits)):
+        same = torch.equal(encode_half(prepared, role, cfg).codes, encode_half(prepared, role, plain).codes)
+        assert same == (bits == 4), role
 
 
 @given(tiles(), st.sampled_from([2, 4]))

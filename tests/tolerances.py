@@ -46,7 +46,7 @@ ROW_REL = 2.0**-6
 column-scale change moves ``lo``/``step`` of the rows that touch it by up to ~2^-7."""
 
 CLIP_PICK_MISMATCH_MAX = 0.02
-"""Clipped ranges (2-bit K, ``KVarNConfig.clip_keys``): largest fraction of rows allowed to pick
+"""Clipped ranges (2-bit halves, ``KVarNConfig.clip``): largest fraction of rows allowed to pick
 another shrink than the reference. Two shrinks of near-equal squared error (fp32 sums in another
 order, or B moved by a Sinkhorn gauge re-rounding) are both right; those rows are then held only to
 the reconstruction check (``QUALITY_REL``), every other row to the code and parameter checks."""

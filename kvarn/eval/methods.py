@@ -15,8 +15,8 @@ name                       what a full tile becomes                             
 ``kvarn_k{K}v{V}_g{G}``    a KVarN record (Hadamard + Sinkhorn + RTN), the preset       KVarN
 ``kivi_k{K}v{V}_g{G}``     the same record layout, ``rotate=False, normalize=False``:   KVarN
                            per-channel K, per-token V asymmetric RTN (KIVI-style),
-                           min/max ranges (``clip_keys=False``)
-``hadrtn_k{K}v{V}_g{G}``   ``normalize=False, clip_keys=False``: Hadamard then          KVarN
+                           min/max ranges (``clip=False``)
+``hadrtn_k{K}v{V}_g{G}``   ``normalize=False, clip=False``: Hadamard then               KVarN
                            min/max RTN (QuaRot-style)
 ``sinkhorn_k{K}v{V}_g{G}`` ``rotate=False``: variance normalization without Hadamard    KVarN
 ``smooth_k{K}v{V}_g{G}``   ``smooth_keys=True``: KVarN with key smoothing (D bytes      KVarN
@@ -52,8 +52,8 @@ FP8_MAX = 448.0
 
 FAMILIES = {
     "kvarn": ("KVarN", {}),
-    "kivi": ("KIVI-style RTN", {"rotate": False, "normalize": False, "clip_keys": False}),
-    "hadrtn": ("Hadamard + RTN", {"normalize": False, "clip_keys": False}),
+    "kivi": ("KIVI-style RTN", {"rotate": False, "normalize": False, "clip": False}),
+    "hadrtn": ("Hadamard + RTN", {"normalize": False, "clip": False}),
     "sinkhorn": ("Sinkhorn w/o Hadamard", {"rotate": False}),
     "smooth": ("KVarN + key smoothing", {"smooth_keys": True}),
 }

@@ -29,10 +29,6 @@ LOG_SCALE_MIN = tl.constexpr(-0.3)
 LOG_SCALE_MAX = tl.constexpr(10.0)
 IMBALANCE_EPS = tl.constexpr(1e-8)
 MIN_STEP = tl.constexpr(1e-10)
-CLIP_STEPS = tl.constexpr(10)
-CLIP_STEPS_PER_UNIT = tl.constexpr(20)
-"""A clipped RTN range gives up ``i / CLIP_STEPS_PER_UNIT`` of the row's width, ``i < CLIP_STEPS``
-(``kvarn.reference.rtn.CLIP_SHRINKS``)."""
 MAX_ABS = tl.constexpr(2.0**24)
 ROW_EXP_LO = tl.constexpr(-8)
 ROW_EXP_HI = tl.constexpr(15)

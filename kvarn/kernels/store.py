@@ -36,8 +36,6 @@ import triton.language as tl
 
 from kvarn.config import KVarNConfig
 from kvarn.kernels._common import (
-    CLIP_STEPS,
-    CLIP_STEPS_PER_UNIT,
     IMBALANCE_EPS,
     LOG_SCALE_MAX,
     LOG_SCALE_MIN,
@@ -132,11 +130,13 @@ def _encode_half(
     SCALE_OFF: tl.constexpr,
     ZERO_OFF: tl.constexpr,
     COL_OFF: tl.constexpr,
-    CLIP: tl.constexpr,
+    CLIP_UNIT: tl.constexpr,
+    CLIP_COUNT: tl.constexpr,
 ):
     """Quantize one oriented tile half ``m: [R, C]`` fp32 and write its fields at record ``out``.
 
-    ``CLIP``: each row picks the clipped range of smallest squared error (``rtn.choose_qparams``).
+    ``CLIP_COUNT > 1``: each row tries the ranges shrunk by ``k / CLIP_UNIT`` of its width
+    (``k < CLIP_COUNT``) and keeps the smallest squared error (``rtn.choose_qparams(clip=...)``).
     """
     QMAX: tl.constexpr = (1 << BITS) - 1
     P: tl.constexpr = 8 // BITS
@@ -169,14 +169,14 @@ def _encode_half(
     lo = tl.min(b, axis=1)
     hi = tl.max(b, axis=1)
     step = tl.maximum((hi - lo) / QMAX, MIN_STEP)
-    if CLIP:
+    if CLIP_COUNT > 1:
         width = hi - lo
         best = _row_sq_error(b, lo, step, QMAX)
         best_lo = lo
         best_step = step
-        for i in tl.static_range(1, CLIP_STEPS):
-            lo_s = lo + width * (i / (2 * CLIP_STEPS_PER_UNIT))
-            step_s = tl.maximum(width * ((1 - i / CLIP_STEPS_PER_UNIT) / QMAX), MIN_STEP)
+        for k in tl.static_range(1, CLIP_COUNT):
+            lo_s = lo + width * (k / CLIP_UNIT / 2)
+            step_s = tl.maximum(width * ((1 - k / CLIP_UNIT) / QMAX), MIN_STEP)
             err = _row_sq_error(b, lo_s, step_s, QMAX)
             take = err < best
             best = tl.where(take, err, best)
@@ -253,7 +253,10 @@ def _encode_kernel(
     LAYOUT: tl.constexpr,
     ITERS: tl.constexpr,
     INV_SQRT_D: tl.constexpr,
-    K_CLIP: tl.constexpr,
+    K_CLIP_UNIT: tl.constexpr,
+    K_CLIP_COUNT: tl.constexpr,
+    V_CLIP_UNIT: tl.constexpr,
+    V_CLIP_COUNT: tl.constexpr,
 ):
     """Grid ``(N, Hkv, 2)``: tile ``i``, head ``h``, half (0 = K, 1 = V) -> its part of one record.
 
@@ -278,10 +281,25 @@ def _encode_kernel(
             x = _load_tile(k_src + off, s_tok, L, IS_BF16)  # [G, D]
             if L.K_SMOOTH >= 0:
                 x = _smooth_tile(x, out + L.K_SMOOTH, INV_SQRT_D)
-            _encode_half(tl.trans(x), out, L.D, L.G, L.K_BITS, ITERS, L.K_CODES, L.K_SCALE, L.K_ZERO, L.K_TOK, K_CLIP)
+            _encode_half(
+                tl.trans(x),
+                out,
+                L.D,
+                L.G,
+                L.K_BITS,
+                ITERS,
+                L.K_CODES,
+                L.K_SCALE,
+                L.K_ZERO,
+                L.K_TOK,
+                K_CLIP_UNIT,
+                K_CLIP_COUNT,
+            )
         else:
             x = _load_tile(v_src + off, s_tok, L, IS_BF16)  # [G, D]
-            _encode_half(x, out, L.G, L.D, L.V_BITS, ITERS, L.V_CODES, L.V_SCALE, L.V_ZERO, L.V_CHAN, False)
+            _encode_half(
+                x, out, L.G, L.D, L.V_BITS, ITERS, L.V_CODES, L.V_SCALE, L.V_ZERO, L.V_CHAN, V_CLIP_UNIT, V_CLIP_COUNT
+            )
 
 
 def default_encode_warps(cfg: KVarNConfig) -> int:
@@ -310,7 +328,10 @@ def _launch_encode(k, v, src_idx, n_tiles, n_heads, strides, dst, dst_idx, d_str
         LAYOUT=record_layout(cfg),
         ITERS=iters,
         INV_SQRT_D=inv_sqrt(cfg.head_dim),
-        K_CLIP=cfg.k_clip,
+        K_CLIP_UNIT=(cfg.k_clip or (1, 1))[0],
+        K_CLIP_COUNT=(cfg.k_clip or (1, 1))[1],
+        V_CLIP_UNIT=(cfg.v_clip or (1, 1))[0],
+        V_CLIP_COUNT=(cfg.v_clip or (1, 1))[1],
         num_warps=num_warps or default_encode_warps(cfg),
     )
 

@@ -31,14 +31,14 @@ from kvarn.reference.record import (
     scale_records,
     unpack_record,
 )
-from kvarn.reference.rtn import CLIP_SHRINKS, choose_qparams, quantize_rows
+from kvarn.reference.rtn import choose_qparams, clip_shrinks, quantize_rows
 from kvarn.reference.tiling import merge_tiles, split_tiles
 
 __all__ = [
-    "CLIP_SHRINKS",
     "TileHalf",
     "attend",
     "choose_qparams",
+    "clip_shrinks",
     "commit_tiles",
     "decode_half",
     "decode_records",

@@ -9,7 +9,7 @@ pair of RTN parameters: ``M: [..., R, C]`` with ``R = D, C = G`` for K (rows are
     (r, c)      = sinkhorn(M, iters)                      normalize.py
     c           = bf16(c)                                 rounded first, so its rounding is exact
     B           = M / (r c^T)
-    (lo, step)  = choose_qparams(B, bits, clip)           rtn.py (clip: 2-bit K, see KVarNConfig)
+    (lo, step)  = choose_qparams(B, bits, clip)           rtn.py (clip: 2-bit halves, KVarNConfig.clip)
     codes       = quantize_rows(B, lo, step, bits)        rtn.py
     scale, zero = r * step, r * lo                        folded into one pair per row
     e           = range guard (see below)
@@ -139,10 +139,12 @@ def tiny_exponent(m: torch.Tensor) -> torch.Tensor:
     return torch.where(tiny, (exp - TINY_TARGET_EXP).clamp_min(MIN_EXP), torch.zeros_like(exp))
 
 
-def quantize_half(m: torch.Tensor, bits: int, iters: int = 8, normalize: bool = True, clip: bool = False) -> TileHalf:
+def quantize_half(
+    m: torch.Tensor, bits: int, iters: int = 8, normalize: bool = True, clip: tuple[int, int] | None = None
+) -> TileHalf:
     """Quantize tile halves ``m: [..., R, C]`` (rotated and oriented) with ``bits`` per code.
 
-    ``normalize=False`` skips the Sinkhorn stage (all scales 1): plain per-row RTN. ``clip=True``
+    ``normalize=False`` skips the Sinkhorn stage (all scales 1): plain per-row RTN. ``clip=(unit, count)``
     lets each row pick a clipped range (:func:`~kvarn.reference.rtn.choose_qparams`).
     """
     m = m.to(torch.float32)

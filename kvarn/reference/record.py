@@ -60,7 +60,7 @@ def encode_half(tiles: torch.Tensor, role: str, cfg: KVarNConfig) -> TileHalf:
             smooth(tiles, s).transpose(-1, -2), cfg.k_bits, cfg.sinkhorn_iters, cfg.normalize, cfg.k_clip
         )
         return half._replace(smooth=s.to(SMOOTH_DTYPE))
-    return quantize_half(tiles, cfg.v_bits, cfg.sinkhorn_iters, cfg.normalize)
+    return quantize_half(tiles, cfg.v_bits, cfg.sinkhorn_iters, cfg.normalize, cfg.v_clip)
 
 
 def decode_half(half: TileHalf, role: str) -> torch.Tensor:

@@ -6,9 +6,9 @@ For each row ``i`` of a balanced tile ``B: [..., R, C]`` and ``b`` bits (``qmax 
     step_i = max((max_j B_ij - lo_i) / qmax, 1e-10)
     code_ij = clamp(round_half_even((B_ij - lo_i) / step_i), 0, qmax)
 
-Clipped range (``clip=True``; KVarN uses it for 2-bit keys, ``KVarNConfig.clip_keys``). The
-range ``[lo_i, lo_i + qmax step_i]`` may shrink symmetrically by a fraction ``s`` of the row's width
-``w_i = hi_i - lo_i``, for ``s`` in :data:`CLIP_SHRINKS`::
+Clipped range (``clip=(unit, count)``; KVarN uses it at 2 bits, see ``KVarNConfig.clip``). The
+range ``[lo_i, lo_i + qmax step_i]`` may shrink symmetrically by a fraction ``s = k / unit``
+(``k = 1 .. count - 1``) of the row's width ``w_i = hi_i - lo_i``::
 
     lo_i(s)   = lo_i + (s / 2) w_i
     step_i(s) = max(w_i ((1 - s) / qmax), 1e-10)        s > 0; s = 0 is the unclipped pair
@@ -29,14 +29,23 @@ MIN_STEP = 1e-10
 """Floor of the quantization step: a constant row gets step 1e-10 and codes 0."""
 
 
-CLIP_SHRINKS = tuple(i / 20 for i in range(10))
-"""Fractions of a row's width a clipped range may give up: 0, 0.05, ..., 0.45 (0 first: ties keep it)."""
+def clip_shrinks(clip: tuple[int, int] | None) -> tuple[float, ...]:
+    """The fractions of a row's width a ``clip=(unit, count)`` search tries: ``k / unit``, ``k < count``."""
+    if clip is None:
+        return (0.0,)
+    unit, count = clip
+    if unit < 1 or not 1 <= count <= unit:
+        raise ValueError(f"clip must be (unit, count) with 1 <= count <= unit, got {clip!r}")
+    return tuple(k / unit for k in range(count))
 
 
-def choose_qparams(b: torch.Tensor, bits: int, clip: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def choose_qparams(
+    b: torch.Tensor, bits: int, clip: tuple[int, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row ``(lo: [..., R], step: [..., R])`` in fp32 for tiles ``b: [..., R, C]``.
 
-    ``clip=True`` searches :data:`CLIP_SHRINKS` for the range with the smallest squared error.
+    ``clip=(unit, count)`` tries the ranges shrunk by :func:`clip_shrinks` and keeps, per row, the
+    one of smallest squared error (the first on a tie); ``None``: the min/max range.
     """
     b = b.to(torch.float32)
     qmax = 2**bits - 1
@@ -44,11 +53,12 @@ def choose_qparams(b: torch.Tensor, bits: int, clip: bool = False) -> tuple[torc
     hi = b.amax(dim=-1)
     width = hi - lo
     step = (width / qmax).clamp_min(MIN_STEP)
-    if not clip:
+    shrinks = clip_shrinks(clip)
+    if len(shrinks) == 1:
         return lo, step
     best = _row_sq_error(b, lo, step, bits)
     best_lo, best_step = lo, step
-    for s in CLIP_SHRINKS[1:]:
+    for s in shrinks[1:]:
         lo_s = lo + width * (s / 2)
         step_s = (width * ((1 - s) / qmax)).clamp_min(MIN_STEP)
         err = _row_sq_error(b, lo_s, step_s, bits)
