@@ -285,6 +285,7 @@ def paged_attention(
     fuse_merge: bool | None = None,
     pair_tiles: bool | None = None,
     tokens_m: bool | None = None,
+    fold_offsets: bool = True,
     counters: torch.Tensor | None = None,
     empty: Callable[..., torch.Tensor] = torch.empty,
 ) -> torch.Tensor:
@@ -302,7 +303,10 @@ def paged_attention(
     ``counters`` (int32 zeros, at least query blocks x Hkv entries; left zero) replaces the
     device's :func:`merge_counters`; ``pair_tiles`` walks two tiles per loop step (default
     :func:`pair_tiles_default`); ``tokens_m`` (decode only) puts the tokens on the M side of the
-    score and value dots, the query heads on N (default :func:`tokens_m_default`); ``empty``
+    score and value dots, the query heads on N (default :func:`tokens_m_default`);
+    ``fold_offsets`` unpacks the codes with one shift per code word and no subtraction
+    (:func:`~kvarn.kernels.attention_tiles._unpack_raw`) and takes their offsets out of the
+    zero-point terms instead (default on; ``False`` is the per-field shift-mask-subtract unpack); ``empty``
     allocates the output and the workspaces (``torch.empty``'s signature; tests pass one that fills with NaN).
 
     A ``smooth_keys`` config (records with a key smoothing vector) rotates each record tile's
@@ -364,6 +368,7 @@ def paged_attention(
     if tokens_m is None:
         tokens_m = tokens_m_default(cfg, multi_q, n_blocks * hkv * splits, dev)
     launch["TOKENS_M"] = not multi_q and tokens_m
+    launch["FOLD"] = fold_offsets
     _launch_attention(grid, q, query, cache, block_table, seq_lens, query_start_loc, pool, ws, cfg, flags, launch)
     if merge:
         return final
