@@ -226,14 +226,14 @@ def test_paged_attention_decode(preset, d, dtype, hq, hkv, sink, splits, fuse, m
 
 
 @pytest.mark.parametrize("preset,d,dtype,hq,hkv,sink,splits", [ATTN_CASES[0], ATTN_CASES[4]])
-def test_paged_attention_unfolded(preset, d, dtype, hq, hkv, sink, splits):
-    """``fold_offsets=False``: the shift-mask-subtract unpack of the codes (the default folds the offsets)."""
+def test_paged_attention_fold_rows(preset, d, dtype, hq, hkv, sink, splits):
+    """``fold_offsets=True`` on the row path (without ``tokens_m``, where the default does not fold)."""
     cfg = KVarNConfig.from_preset(preset, head_dim=d)
     lengths = ragged_lengths(cfg.group_size, 12, seed=d + hq + 2)
     state = build_cache(cfg, lengths, hkv, dtype, seed=3)
     query = torch.randn(len(lengths), hq, d).to(dtype)
     args = attention_args(state, query, cfg, sink=sink)
-    out = attention.paged_attention(*args, num_splits=splits, fold_offsets=False, empty=poisoned_empty)
+    out = attention.paged_attention(*args, num_splits=splits, fold_offsets=True, empty=poisoned_empty)
     check_attention(out, args)
 
 
@@ -272,6 +272,15 @@ def test_tokens_m_default_rule(monkeypatch):
     assert not attention.tokens_m_default(k4v2, True, 10 * wave2, cuda)
     assert not attention.tokens_m_default(g64, False, 10 * wave2, cuda)
     assert not attention.tokens_m_default(k4v2, False, 10 * wave2, cpu)
+
+
+def test_fold_offsets_default_rule():
+    """``fold_offsets`` by default only with ``tokens_m`` at ``D = 128`` (measured faster only there)."""
+    for preset in ("kvarn_k4v2_g128", "kvarn_k2v2_g128", "kvarn_k4v4_g128"):
+        assert attention.fold_offsets_default(KVarNConfig.from_preset(preset, head_dim=128), True)
+        assert not attention.fold_offsets_default(KVarNConfig.from_preset(preset, head_dim=128), False)
+    for d in (64, 256):
+        assert not attention.fold_offsets_default(KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=d), True)
 
 
 def test_paged_attention_merge_counters():
@@ -319,7 +328,7 @@ def test_paged_attention_multi_query(splits, fuse, merge, pair):
     )
     check_attention(out, args)
     if splits == 2 and pair:
-        out = attention.paged_attention(*args, num_splits=splits, pair_tiles=pair, fold_offsets=False)
+        out = attention.paged_attention(*args, num_splits=splits, pair_tiles=pair, fold_offsets=True)
         check_attention(out, args)
 
 

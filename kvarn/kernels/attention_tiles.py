@@ -15,6 +15,8 @@ field is a block of channels (the score dot's reduction axis), a V field a block
 value dot's reduction axis). Codes are read as 16-bit words: K words pair two neighbouring tokens
 (the score dot runs on even and odd tokens), V words two neighbouring channels (the value dot
 fills even and odd output channels), so one 32-bit mask unpacks two codes on the GPU.
+With ``FOLD`` (:func:`_unpack_raw`) the fields are not shifted down nor centered per code: each
+becomes ``2^(10 - S) + code`` in place, and the offsets leave the zero-point terms instead.
 
 Tail and sink tiles (full precision in the pool) use tf32 dots: fp16/bf16 keys and values are
 exact in tf32.
