@@ -413,9 +413,7 @@ def _attn_kernel(
     ``s_o, s_oh``), ``counters: [query blocks * Hkv]`` int32 zeros (with ``MERGE``).
     ``GQ`` query heads per KV head, padded to ``GQP`` (a power of two); row ``r`` of a block is
     query ``r // GQP``, head ``r % GQP``. ``FLAGS = (SPLIT, MERGE, ROTATE, OUT_BF16, INV_SQRT_D)``.
-    ``TOKENS_M`` (decode only): the quantized tiles' dots put the tokens on M (:func:`_quantized_tiles_t`);
-    ``FOLD``: the codes' offsets are folded into the zero-point terms (:func:`_quantized_tiles`).
-    Smoothed records (``LAYOUT.K_SMOOTH >= 0``) need ``FUSED_Q`` and not ``TOKENS_M``.
+    ``TOKENS_M`` (decode only): tokens on the dots' M (:func:`_quantized_tiles_t`); ``FOLD``: :func:`_quantized_tiles`.
     """
     G: tl.constexpr = LAYOUT.G
     ROTATE: tl.constexpr = FLAGS[2]
