@@ -6,7 +6,7 @@ replays, L2 flushed, correctness check against the reference first) and then eac
 spills of every attention kernel compiled. ``--base`` times only the default rows (for an older
 tree). One JSON file per run.
 
-    PYTHONPATH=. python benchmarks/sweep_decode.py --out sweep.json [--base] [--checks] [--warm 16]
+    PYTHONPATH=. python benchmarks/sweep_decode.py --out sweep.json [--base] [--checks] [--warm 16] [--fold]
 
 ``--warm N`` compiles every launch first in N processes (Triton's disk cache is shared), so the
 device time goes to timing. Run from an older tree's root with this file's path, ``--base`` times
@@ -51,6 +51,15 @@ RULE = [(K42, 128, b, c) for b, c in [(1, 4096), (8, 4096), (32, 4096), (64, 409
     (p, 128, 8, 4096) for p in (K22, K44)
 ]
 """``--rule``: the shapes that set ``tokens_m_default``, default and ``tokens_m`` off and on."""
+FOLD = [(p, 128, 16, 32768) for p in (K42, K22, K42G64, K44)] + [
+    (K42, 64, 16, 32768),
+    (K42, 256, 16, 32768),
+    (K42, 128, 8, 4096),
+    (K42, 128, 1, 4096),
+    (K42G64, 128, 1, 4096),
+    (K44, 128, 1, 32768),
+]
+"""``--fold``: these shapes, default (codes' offsets folded) and ``fold_offsets=False``."""
 
 
 def _warm(jobs: list) -> int:
@@ -94,6 +103,7 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=0, help="compile every launch first in this many processes")
     ap.add_argument("--quick", action="store_true", help="the QUICK shapes only, default and tokens_m off / on")
     ap.add_argument("--rule", action="store_true", help="the RULE shapes only, default and tokens_m off / on")
+    ap.add_argument("--fold", action="store_true", help="the FOLD shapes only, default and fold_offsets=False")
     ap.add_argument("--warm-only", action="store_true", help="compile (with --warm), time nothing")
     args = ap.parse_args()
     jobs = [(p, d, b, c, {}) for p, d, b, c in SHAPES] + ([] if args.base else VARIANTS)
@@ -103,6 +113,8 @@ def main() -> None:
             (p, d, b, c, launch) for p, d, b, c in shapes for launch in ({}, dict(tokens_m=False), dict(tokens_m=True))
         ]
         jobs += [(p, d, b, c, dict(tokens_m=True, num_warps=2)) for p, d, b, c in shapes if p == K42G64]
+    if args.fold:
+        jobs = [(p, d, b, c, launch) for p, d, b, c in FOLD for launch in ({}, dict(fold_offsets=False))]
     if args.warm:
         t0 = time.time()
         warm(jobs, args.warm)

@@ -170,6 +170,23 @@ def test_paged_attention_tokens_m_gpu(preset, d, dtype, hq, hkv, sink, splits, w
     print(f"STATS attention tokens_m {preset} d={d} {dtype} hq={hq} hkv={hkv} warps={warps} rel_err={err:.2e}")
 
 
+@pytest.mark.parametrize("fold", [False, True], ids=["nofold", "fold"])
+@pytest.mark.parametrize("tokens_m", [False, True])
+@pytest.mark.parametrize("preset,d,dtype,hq,hkv,sink,splits", [ATTN_CASES[0], ATTN_CASES[8]])
+def test_paged_attention_fold_gpu(preset, d, dtype, hq, hkv, sink, splits, tokens_m, fold):
+    """Both unpacks of the codes on both paths: ``fold_offsets`` (offsets folded) and the shift-mask-subtract one."""
+    cfg = KVarNConfig.from_preset(preset, head_dim=d)
+    lengths = ragged_lengths(cfg.group_size, cfg.group_size, seed=d + hq, max_tiles=12)
+    state = build_cache(cfg, lengths, hkv, dtype, seed=5, device=DEV)
+    query = (torch.randn(len(lengths), hq, d) * 2).to(dtype).to(DEV)
+    args = attention_args(state, query, cfg, sink=sink)
+    out = attention.paged_attention(
+        *args, num_splits=splits, tokens_m=tokens_m, fold_offsets=fold, empty=poisoned_empty
+    )
+    err = check_attention(out, args)
+    print(f"STATS attention {preset} d={d} {dtype} tokens_m={tokens_m} fold={fold} rel_err={err:.2e}")
+
+
 @pytest.mark.parametrize("preset,splits", [("kvarn_k4v2_g128", None), ("kvarn_k4v2_g64", 64), ("kvarn_k2v2_g128", 37)])
 def test_paged_attention_merge_in_graph(preset, splits):
     """Batch 1, many splits, replayed from a CUDA graph: every replay merges right, counters end at zero."""

@@ -225,6 +225,19 @@ def test_paged_attention_decode(preset, d, dtype, hq, hkv, sink, splits, fuse, m
     check_attention(out, args)
 
 
+@pytest.mark.parametrize("preset,d,dtype,hq,hkv,sink,splits", [ATTN_CASES[0], ATTN_CASES[4]])
+def test_paged_attention_fold_rows(preset, d, dtype, hq, hkv, sink, splits):
+    """``fold_offsets=True`` on the row path (without ``tokens_m``, where the default does not fold)."""
+    cfg = KVarNConfig.from_preset(preset, head_dim=d)
+    lengths = ragged_lengths(cfg.group_size, 12, seed=d + hq + 2)
+    state = build_cache(cfg, lengths, hkv, dtype, seed=3)
+    query = torch.randn(len(lengths), hq, d).to(dtype)
+    args = attention_args(state, query, cfg, sink=sink)
+    out = attention.paged_attention(*args, num_splits=splits, fold_offsets=True, empty=poisoned_empty)
+    check_attention(out, args)
+
+
+@pytest.mark.parametrize("fold", [True, False], ids=["fold", "nofold"])
 @pytest.mark.parametrize(
     "preset,d,hq,hkv,splits,pair",
     [
@@ -234,14 +247,16 @@ def test_paged_attention_decode(preset, d, dtype, hq, hkv, sink, splits, fuse, m
         ("kvarn_k4v2_g128", 64, 2, 2, 1, False),
     ],
 )
-def test_paged_attention_tokens_m(preset, d, hq, hkv, splits, pair):
-    """The tokens-as-M variant of the quantized tiles (``tokens_m=True``) against the reference."""
+def test_paged_attention_tokens_m(preset, d, hq, hkv, splits, pair, fold):
+    """The tokens-as-M quantized tiles (``tokens_m=True``), offsets folded or not, against the reference."""
     cfg = KVarNConfig.from_preset(preset, head_dim=d)
     lengths = ragged_lengths(cfg.group_size, 12, seed=d + hq + 1)
     state = build_cache(cfg, lengths, hkv, torch.float16, seed=2)
     query = torch.randn(len(lengths), hq, d).to(torch.float16)
     args = attention_args(state, query, cfg, sink=hq % 4 == 0)
-    out = attention.paged_attention(*args, num_splits=splits, tokens_m=True, pair_tiles=pair, empty=poisoned_empty)
+    out = attention.paged_attention(
+        *args, num_splits=splits, tokens_m=True, pair_tiles=pair, fold_offsets=fold, empty=poisoned_empty
+    )
     check_attention(out, args)
 
 
@@ -257,6 +272,15 @@ def test_tokens_m_default_rule(monkeypatch):
     assert not attention.tokens_m_default(k4v2, True, 10 * wave2, cuda)
     assert not attention.tokens_m_default(g64, False, 10 * wave2, cuda)
     assert not attention.tokens_m_default(k4v2, False, 10 * wave2, cpu)
+
+
+def test_fold_offsets_default_rule():
+    """``fold_offsets`` by default only with ``tokens_m`` at ``D = 128`` (measured faster only there)."""
+    for preset in ("kvarn_k4v2_g128", "kvarn_k2v2_g128", "kvarn_k4v4_g128"):
+        assert attention.fold_offsets_default(KVarNConfig.from_preset(preset, head_dim=128), True)
+        assert not attention.fold_offsets_default(KVarNConfig.from_preset(preset, head_dim=128), False)
+    for d in (64, 256):
+        assert not attention.fold_offsets_default(KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=d), True)
 
 
 def test_paged_attention_merge_counters():
@@ -303,6 +327,9 @@ def test_paged_attention_multi_query(splits, fuse, merge, pair):
         *args, num_splits=splits, fuse_query=fuse, fuse_merge=merge, pair_tiles=pair, empty=poisoned_empty
     )
     check_attention(out, args)
+    if splits == 2 and pair:
+        out = attention.paged_attention(*args, num_splits=splits, pair_tiles=pair, fold_offsets=True)
+        check_attention(out, args)
 
 
 def test_kernels_reject_bad_input():

@@ -182,6 +182,18 @@ def tokens_m_default(cfg: KVarNConfig, multi_q: bool, programs: int, device: tor
     return programs > TOKENS_M_MIN_WAVES * PROGRAMS_PER_SM * _num_sms(device.index or 0)
 
 
+def fold_offsets_default(cfg: KVarNConfig, tokens_m: bool) -> bool:
+    """Default of ``fold_offsets``: on for ``tokens_m`` launches at ``D = 128``, off elsewhere.
+
+    Measured on the H200 (``benchmarks/RESULTS.md``, issue 9 round 4; ``tokens_m``, batch 16, 32K):
+    k4v2 247.2 -> 231.5 us, k2v2 254.4 -> 242.1, k4v4 261.6 -> 254.5. Off where it was not faster:
+    ``D = 256`` (226 registers instead of 162, 2 programs per SM instead of 3: 496.6 -> 629.3 us),
+    ``D = 64`` (2 spills under the 96-register cap: 186.0 -> 190.7 us) and the row path without
+    ``tokens_m`` (k4v4 batch 1 / 32K 59.6 -> 62.1 us; g64 and batch 1-8 at 4K unchanged).
+    """
+    return tokens_m and cfg.head_dim == 128
+
+
 def _check_args(query, cache, block_table, seq_lens, tail_k, tail_v, cfg, query_start_loc) -> None:
     check_dtype("query", query)
     check_cache(cache, cfg)
@@ -285,6 +297,7 @@ def paged_attention(
     fuse_merge: bool | None = None,
     pair_tiles: bool | None = None,
     tokens_m: bool | None = None,
+    fold_offsets: bool | None = None,
     counters: torch.Tensor | None = None,
     empty: Callable[..., torch.Tensor] = torch.empty,
 ) -> torch.Tensor:
@@ -302,7 +315,11 @@ def paged_attention(
     ``counters`` (int32 zeros, at least query blocks x Hkv entries; left zero) replaces the
     device's :func:`merge_counters`; ``pair_tiles`` walks two tiles per loop step (default
     :func:`pair_tiles_default`); ``tokens_m`` (decode only) puts the tokens on the M side of the
-    score and value dots, the query heads on N (default :func:`tokens_m_default`); ``empty``
+    score and value dots, the query heads on N (default :func:`tokens_m_default`);
+    ``fold_offsets`` unpacks the codes with one shift per code word and no subtraction
+    (:func:`~kvarn.kernels.attention_tiles._unpack_raw`) and takes their offsets out of the
+    zero-point terms instead (default :func:`fold_offsets_default`; ``False`` is the per-field
+    shift-mask-subtract unpack); ``empty``
     allocates the output and the workspaces (``torch.empty``'s signature; tests pass one that fills with NaN).
 
     A ``smooth_keys`` config (records with a key smoothing vector) rotates each record tile's
@@ -364,6 +381,7 @@ def paged_attention(
     if tokens_m is None:
         tokens_m = tokens_m_default(cfg, multi_q, n_blocks * hkv * splits, dev)
     launch["TOKENS_M"] = not multi_q and tokens_m
+    launch["FOLD"] = fold_offsets_default(cfg, launch["TOKENS_M"]) if fold_offsets is None else fold_offsets
     _launch_attention(grid, q, query, cache, block_table, seq_lens, query_start_loc, pool, ws, cfg, flags, launch)
     if merge:
         return final

@@ -202,6 +202,7 @@ def _quantized_tiles(
     USE_ASM: tl.constexpr,
     PAIR,
     q_model=None,
+    FOLD: tl.constexpr = False,
 ):
     """Online softmax over the quantized tiles ``u0 .. u1 - 1`` of one sequence.
 
@@ -212,6 +213,8 @@ def _quantized_tiles(
     ``m_i``, the sum ``l_i`` (``[BLOCK_M]``) and the unnormalized output ``acc: [BLOCK_M, D]``
     (rotated frame). With ``PAIR`` (constexpr) each step takes two tiles (one softmax step for
     both, two independent score chains); an odd last tile is read twice, the copy masked out.
+    ``FOLD``: the codes are unpacked without removing their offsets, which leave the zero-point
+    terms instead (:func:`_tile_scores`).
     """
     BLOCK_M: tl.constexpr = query[4].shape[0]
     G: tl.constexpr = LAYOUT.G
@@ -224,18 +227,18 @@ def _quantized_tiles(
     for u in range(u0, u1, 2 if PAIR else 1):
         rec = cache + tl.load(bt_row + u).to(tl.int64) * s_cb + kvh.to(tl.int64) * s_ch
         if q_model is not None:
-            s_e, s_o = _tile_scores(rec, _smoothed_query(rec, q_model, LAYOUT), LAYOUT, USE_ASM)
+            s_e, s_o = _tile_scores(rec, _smoothed_query(rec, q_model, LAYOUT), LAYOUT, USE_ASM, FOLD)
         else:
-            s_e, s_o = _tile_scores(rec, query, LAYOUT, USE_ASM)  # [BLOCK_M, G // 2] each
+            s_e, s_o = _tile_scores(rec, query, LAYOUT, USE_ASM, FOLD)  # [BLOCK_M, G // 2] each
         if MULTI_Q:
             s_e, s_o = _causal(s_e, s_o, pos_q, u * G, G // 2)
         m_new = tl.maximum(m_i, tl.max(tl.maximum(s_e, s_o), axis=1))
         if PAIR:
             rec2 = cache + tl.load(bt_row + tl.minimum(u + 1, u1 - 1)).to(tl.int64) * s_cb + kvh.to(tl.int64) * s_ch
             if q_model is not None:
-                s2_e, s2_o = _tile_scores(rec2, _smoothed_query(rec2, q_model, LAYOUT), LAYOUT, USE_ASM)
+                s2_e, s2_o = _tile_scores(rec2, _smoothed_query(rec2, q_model, LAYOUT), LAYOUT, USE_ASM, FOLD)
             else:
-                s2_e, s2_o = _tile_scores(rec2, query, LAYOUT, USE_ASM)
+                s2_e, s2_o = _tile_scores(rec2, query, LAYOUT, USE_ASM, FOLD)
             if MULTI_Q:
                 s2_e, s2_o = _causal(s2_e, s2_o, pos_q, (u + 1) * G, G // 2)
             s2_e = tl.where(u + 1 < u1, s2_e, float("-inf"))
@@ -245,12 +248,12 @@ def _quantized_tiles(
         p_e = tl.exp2(s_e - m_new[:, None])
         p_o = tl.exp2(s_o - m_new[:, None])
         l_e = l_e * alpha[:, None] + (p_e + p_o)
-        acc_e, acc_o = _tile_values(rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT, USE_ASM)
+        acc_e, acc_o = _tile_values(rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT, USE_ASM, FOLD)
         if PAIR:
             p2_e = tl.exp2(s2_e - m_new[:, None])
             p2_o = tl.exp2(s2_o - m_new[:, None])
             l_e += p2_e + p2_o
-            acc_e, acc_o = _tile_values(rec2, p2_e, p2_o, None, acc_e, acc_o, LAYOUT, USE_ASM)
+            acc_e, acc_o = _tile_values(rec2, p2_e, p2_o, None, acc_e, acc_o, LAYOUT, USE_ASM, FOLD)
         m_i = m_new
     l_i = tl.sum(l_e, axis=1)
     acc = tl.reshape(tl.join(acc_e, acc_o), (BLOCK_M, D))
@@ -258,13 +261,16 @@ def _quantized_tiles(
 
 
 @triton.jit
-def _quantized_tiles_t(query, records, bt_row, u0, u1, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, PAIR):
+def _quantized_tiles_t(
+    query, records, bt_row, u0, u1, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, PAIR, FOLD: tl.constexpr = False
+):
     """:func:`_quantized_tiles` with the tokens as the M of both dots (decode only, no causal mask).
 
     The score dot is ``codes^T @ (q k_scale)^T: [G // 2, N]`` and the value dot ``V^T @ p: [D // 2, N]``,
     so the ``N = BLOCK_M`` query rows (the heads of one KV head) are the MMA's columns: the
     per-token and per-channel work runs on ``G x N`` and ``D x N`` blocks, not on 16 padded rows.
-    Same returns as :func:`_quantized_tiles`.
+    Same returns as :func:`_quantized_tiles`. ``FOLD``: the codes are unpacked without removing
+    their offsets, which leave the zero-point terms instead (:func:`_tile_scores_t`).
     """
     q0, q1, q2, q3, rf = query
     query_t = (tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3), rf)  # [DK, N] each
@@ -278,11 +284,11 @@ def _quantized_tiles_t(query, records, bt_row, u0, u1, LAYOUT: tl.constexpr, USE
     acc_o = tl.zeros([D // 2, N], tl.float32)
     for u in range(u0, u1, 2 if PAIR else 1):
         rec = cache + tl.load(bt_row + u).to(tl.int64) * s_cb + kvh.to(tl.int64) * s_ch
-        s_e, s_o = _tile_scores_t(rec, query_t, LAYOUT, USE_ASM)  # [G // 2, N] each
+        s_e, s_o = _tile_scores_t(rec, query_t, LAYOUT, USE_ASM, FOLD)  # [G // 2, N] each
         m_new = tl.maximum(m_i, tl.max(tl.maximum(s_e, s_o), axis=0))
         if PAIR:
             rec2 = cache + tl.load(bt_row + tl.minimum(u + 1, u1 - 1)).to(tl.int64) * s_cb + kvh.to(tl.int64) * s_ch
-            s2_e, s2_o = _tile_scores_t(rec2, query_t, LAYOUT, USE_ASM)
+            s2_e, s2_o = _tile_scores_t(rec2, query_t, LAYOUT, USE_ASM, FOLD)
             s2_e = tl.where(u + 1 < u1, s2_e, float("-inf"))
             s2_o = tl.where(u + 1 < u1, s2_o, float("-inf"))
             m_new = tl.maximum(m_new, tl.max(tl.maximum(s2_e, s2_o), axis=0))
@@ -290,12 +296,12 @@ def _quantized_tiles_t(query, records, bt_row, u0, u1, LAYOUT: tl.constexpr, USE
         p_e = tl.exp2(s_e - m_new[None, :])
         p_o = tl.exp2(s_o - m_new[None, :])
         l_e = l_e * alpha[None, :] + (p_e + p_o)
-        acc_e, acc_o = _tile_values_t(rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT, USE_ASM)
+        acc_e, acc_o = _tile_values_t(rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT, USE_ASM, FOLD)
         if PAIR:
             p2_e = tl.exp2(s2_e - m_new[None, :])
             p2_o = tl.exp2(s2_o - m_new[None, :])
             l_e += p2_e + p2_o
-            acc_e, acc_o = _tile_values_t(rec2, p2_e, p2_o, None, acc_e, acc_o, LAYOUT, USE_ASM)
+            acc_e, acc_o = _tile_values_t(rec2, p2_e, p2_o, None, acc_e, acc_o, LAYOUT, USE_ASM, FOLD)
         m_i = m_new
     l_i = tl.sum(l_e, axis=0)
     acc = tl.reshape(tl.permute(tl.join(acc_e, acc_o), (1, 0, 2)), (N, D))  # [N, D // 2, 2] -> [N, D]
@@ -316,22 +322,24 @@ def _record_tiles(
     FUSED_Q: tl.constexpr,
     IN_BF16: tl.constexpr,
     FACTOR: tl.constexpr,
+    FOLD: tl.constexpr,
 ):
     """The program's quantized tiles: :func:`_quantized_tiles_t` with ``TOKENS_M``, else :func:`_quantized_tiles`.
 
-    ``walk = (records, bt_row, u0, u1, pos_q)``; the raw queries at ``q_base`` (rows ``row_ok``)
+    ``walk = (records, bt_row, u0, u1, pos_q)``; ``FOLD`` as in :func:`_quantized_tiles`; the raw queries
+    at ``q_base`` (rows ``row_ok``)
     are read for smoothed records (``LAYOUT.K_SMOOTH >= 0``, which need ``FUSED_Q`` and not ``TOKENS_M``).
     """
     records, bt_row, u0, u1, pos_q = walk
     if TOKENS_M:
         tl.static_assert(LAYOUT.K_SMOOTH < 0, "smoothed records are not implemented with TOKENS_M")
-        out = _quantized_tiles_t(query, records, bt_row, u0, u1, LAYOUT, USE_ASM, PAIR)
+        out = _quantized_tiles_t(query, records, bt_row, u0, u1, LAYOUT, USE_ASM, PAIR, FOLD)
     elif LAYOUT.K_SMOOTH >= 0:
         tl.static_assert(FUSED_Q, "smoothed records need FUSED_Q (the raw queries at q)")
         q_model = _model_query(q_base, row_ok, LAYOUT.D, IN_BF16, FACTOR)
-        out = _quantized_tiles(query, records, bt_row, u0, u1, pos_q, LAYOUT, MULTI_Q, USE_ASM, PAIR, q_model)
+        out = _quantized_tiles(query, records, bt_row, u0, u1, pos_q, LAYOUT, MULTI_Q, USE_ASM, PAIR, q_model, FOLD)
     else:
-        out = _quantized_tiles(query, records, bt_row, u0, u1, pos_q, LAYOUT, MULTI_Q, USE_ASM, PAIR)
+        out = _quantized_tiles(query, records, bt_row, u0, u1, pos_q, LAYOUT, MULTI_Q, USE_ASM, PAIR, None, FOLD)
     return out
 
 
@@ -393,6 +401,7 @@ def _attn_kernel(
     FUSED_Q: tl.constexpr,
     PAIR: tl.constexpr,
     TOKENS_M: tl.constexpr,
+    FOLD: tl.constexpr,
     MERGE_CH: tl.constexpr,
     FLAGS: tl.constexpr,
 ):
@@ -404,8 +413,7 @@ def _attn_kernel(
     ``s_o, s_oh``), ``counters: [query blocks * Hkv]`` int32 zeros (with ``MERGE``).
     ``GQ`` query heads per KV head, padded to ``GQP`` (a power of two); row ``r`` of a block is
     query ``r // GQP``, head ``r % GQP``. ``FLAGS = (SPLIT, MERGE, ROTATE, OUT_BF16, INV_SQRT_D)``.
-    ``TOKENS_M`` (decode only): the quantized tiles' dots put the tokens on M (:func:`_quantized_tiles_t`).
-    Smoothed records (``LAYOUT.K_SMOOTH >= 0``) need ``FUSED_Q`` and not ``TOKENS_M``.
+    ``TOKENS_M`` (decode only): tokens on the dots' M (:func:`_quantized_tiles_t`); ``FOLD``: :func:`_quantized_tiles`.
     """
     G: tl.constexpr = LAYOUT.G
     ROTATE: tl.constexpr = FLAGS[2]
@@ -450,7 +458,7 @@ def _attn_kernel(
         qt1 = tl.minimum(u1, n_full)
         walk = (records, bt_row, qt0, qt1, pos_q)
         m_i, l_i, acc = _record_tiles(
-            query, walk, q_base, row_ok, LAYOUT, MULTI_Q, USE_ASM, PAIR, TOKENS_M, FUSED_Q, IN_BF16, FACTOR
+            query, walk, q_base, row_ok, LAYOUT, MULTI_Q, USE_ASM, PAIR, TOKENS_M, FUSED_Q, IN_BF16, FACTOR, FOLD
         )
         sink_here = has_sink & (u0 == 0)
         tail_here = (rem > 0) & (u0 <= n_full) & (n_full < u1)

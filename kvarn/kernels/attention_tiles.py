@@ -15,6 +15,8 @@ field is a block of channels (the score dot's reduction axis), a V field a block
 value dot's reduction axis). Codes are read as 16-bit words: K words pair two neighbouring tokens
 (the score dot runs on even and odd tokens), V words two neighbouring channels (the value dot
 fills even and odd output channels), so one 32-bit mask unpacks two codes on the GPU.
+With ``FOLD`` (:func:`_unpack_raw`) the fields are not shifted down nor centered per code: each
+becomes ``2^(10 - S) + code`` in place, and the offsets leave the zero-point terms instead.
 
 Tail and sink tiles (full precision in the pool) use tf32 dots: fp16/bf16 keys and values are
 exact in tf32.
@@ -97,6 +99,87 @@ def _field_dot(
 
 
 @triton.jit
+def _high_bytes(w, USE_ASM: tl.constexpr):
+    """The high byte of each 16-bit word of ``w`` in its low byte (bits 8-15 are left undefined).
+
+    On the GPU one ``shr.b32`` moves the high bytes of two words in a 32-bit register at once.
+    """
+    if USE_ASM:
+        x = tl.inline_asm_elementwise("shr.b32 $0, $1, 8;", "=r,r", [w], dtype=tl.int16, is_pure=True, pack=2)
+    else:
+        x = w >> 8
+    return x
+
+
+@triton.jit
+def _unpack_raw(w, f: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr):
+    """Bit field ``f`` of the low byte of 16-bit words ``w`` as fp16 ``2^(10 - f * BITS) + code``, in place.
+
+    The field sits at bits ``S = f * BITS``; OR-ing it into an fp16 of exponent ``2^(10 - S)``
+    (mantissa unit ``2^-S`` of it) gives ``2^(10 - S) + code`` exactly, with no shift and no
+    subtraction: one ``lop3`` per two codes on the GPU. The offset ``2^(10 - S)`` is folded into
+    the zero-point term by the caller (:func:`_raw_offset`).
+    """
+    S: tl.constexpr = f * BITS
+    MASK: tl.constexpr = ((1 << BITS) - 1) << S
+    EXP: tl.constexpr = (25 - S) << 10
+    if USE_ASM:
+        x = tl.inline_asm_elementwise(
+            f"lop3.b32 $0, $1, {MASK | (MASK << 16)}, {EXP | (EXP << 16)}, {LOP3_AND_OR};",
+            "=r,r",
+            [w],
+            dtype=tl.int16,
+            is_pure=True,
+            pack=2,
+        )
+    else:
+        x = (w & MASK) | EXP
+    return x.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _raw_offset(f, BITS: tl.constexpr):
+    """What :func:`_unpack_raw` adds to the centered code ``code - 2^(BITS-1)`` of field ``f``.
+
+    ``2^(10 - f * BITS) + 2^(BITS-1)``, fp32, for ``f`` an int32 tensor of field indices.
+    """
+    return ((1024 >> (f * BITS)) + (1 << (BITS - 1))).to(tl.float32)
+
+
+@triton.jit
+def _raw_dot(a, w, wh, f: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr, even, odd, CODES_LEFT: tl.constexpr):
+    """:func:`_field_dot` on :func:`_unpack_raw`'s codes; ``wh`` is :func:`_high_bytes` of ``w``."""
+    if CODES_LEFT:
+        even = tl.dot(_unpack_raw(w, f, BITS, USE_ASM), a, even)
+        odd = tl.dot(_unpack_raw(wh, f, BITS, USE_ASM), a, odd)
+    else:
+        even = tl.dot(a, _unpack_raw(w, f, BITS, USE_ASM), even)
+        odd = tl.dot(a, _unpack_raw(wh, f, BITS, USE_ASM), odd)
+    return even, odd
+
+
+@triton.jit
+def _packed_dot_raw(
+    w, a0, a1, a2, a3, P: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr, CODES_LEFT: tl.constexpr = True
+):
+    """:func:`_packed_dot` with the fields unpacked by :func:`_unpack_raw` (their offsets not removed).
+
+    With ``CODES_LEFT`` ``sum_f field_f(w) @ a_f`` (``w: [M, K]`` int16, ``a_f: [K, N]`` fp16),
+    else ``sum_f a_f @ field_f(w)`` (``a_f: [M, K]``, ``w: [K, N]``). Returns ``(even, odd)`` (codes
+    of the low and of the high byte of each word), ``[M, N]`` fp32 each; each carries
+    ``sum_f off_f sum_k a_f`` on top of the centered product, which the caller subtracts
+    (``off_f`` = :func:`_raw_offset`).
+    """
+    wh = _high_bytes(w, USE_ASM)  # one shift for all the fields of the high bytes
+    even, odd = _raw_dot(a0, w, wh, 0, BITS, USE_ASM, None, None, CODES_LEFT)
+    even, odd = _raw_dot(a1, w, wh, 1, BITS, USE_ASM, even, odd, CODES_LEFT)
+    if P == 4:
+        even, odd = _raw_dot(a2, w, wh, 2, BITS, USE_ASM, even, odd, CODES_LEFT)
+        even, odd = _raw_dot(a3, w, wh, 3, BITS, USE_ASM, even, odd, CODES_LEFT)
+    return even, odd
+
+
+@triton.jit
 def _packed_dot(
     a0, a1, a2, a3, w, P: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr, CODES_LEFT: tl.constexpr = False
 ):
@@ -126,49 +209,60 @@ def _load_bf16(ptr):
 
 
 @triton.jit
-def _k_operands(q_f, rec, f: tl.constexpr, LAYOUT: tl.constexpr):
+def _k_operands(q_f, rec, f: tl.constexpr, LAYOUT: tl.constexpr, FOLD: tl.constexpr = False):
     """Query block ``q_f: [BLOCK_M, DK]`` of K field ``f`` (channels ``f * DK ..``) against record ``rec``.
 
     Returns the score dot's fp16 operand ``q * k_scale`` and the fp32 zero-point term
     ``q * (k_zero + 2^(K_BITS-1) k_scale)`` (the centering of :func:`_unpack`), ``[BLOCK_M, DK]`` each.
+    ``FOLD``: the zero-point term also subtracts :func:`_unpack_raw`'s offset times the fp16
+    operand (the very values the dot multiplies, so the offset cancels up to fp32 rounding).
     """
     DK: tl.constexpr = LAYOUT.D // LAYOUT.K_PER_BYTE
     KC: tl.constexpr = 1 << (LAYOUT.K_BITS - 1)
     ch = f * DK + tl.arange(0, DK)
     ks = _load_f16(rec + LAYOUT.K_SCALE + 2 * ch)  # [DK]
     kz = _load_f16(rec + LAYOUT.K_ZERO + 2 * ch) + KC * ks
-    return (q_f * ks[None, :]).to(tl.float16), q_f * kz[None, :]
+    qs = (q_f * ks[None, :]).to(tl.float16)
+    qz = q_f * kz[None, :]
+    if FOLD:
+        OFF: tl.constexpr = (1024 >> (f * LAYOUT.K_BITS)) + KC
+        qz -= OFF * qs.to(tl.float32)
+    return qs, qz
 
 
 @triton.jit
-def _tile_scores(rec, query, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr):
+def _tile_scores(rec, query, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr = False):
     """Scores of one quantized tile: ``(even, odd)`` tokens, each ``[BLOCK_M, G // 2]`` fp32.
 
     ``query = (q0, q1, q2, q3, rf)``: ``q0 .. q3: [BLOCK_M, DK]`` are the query's channel blocks of
     the K fields, divided by ``rf: [BLOCK_M]`` (a power of two) so ``|q| < 1`` (``q2, q3`` unused
     with two fields). The K code bytes are read as 16-bit words ``[DK, G // 2]`` (two neighbouring
     tokens), so a 32-bit register of the dot operand holds two channels' words and one mask
-    unpacks two codes.
+    unpacks two codes. ``FOLD``: unpack with :func:`_packed_dot_raw` (one shift per word, no
+    subtraction) and take the codes' offsets out of the zero-point term instead.
     """
     q0, q1, q2, q3, rf = query
     PK: tl.constexpr = LAYOUT.K_PER_BYTE
     DK: tl.constexpr = LAYOUT.D // PK
     GH: tl.constexpr = LAYOUT.G // 2
-    qs0, qz = _k_operands(q0, rec, 0, LAYOUT)  # [BLOCK_M, DK] fp16, fp32
-    qs1, qz1 = _k_operands(q1, rec, 1, LAYOUT)
+    qs0, qz = _k_operands(q0, rec, 0, LAYOUT, FOLD)  # [BLOCK_M, DK] fp16, fp32
+    qs1, qz1 = _k_operands(q1, rec, 1, LAYOUT, FOLD)
     qz += qz1
     qs2 = qs0
     qs3 = qs0
     if PK == 4:
-        qs2, qz2 = _k_operands(q2, rec, 2, LAYOUT)
+        qs2, qz2 = _k_operands(q2, rec, 2, LAYOUT, FOLD)
         qz += qz2
-        qs3, qz3 = _k_operands(q3, rec, 3, LAYOUT)
+        qs3, qz3 = _k_operands(q3, rec, 3, LAYOUT, FOLD)
         qz += qz3
     qz = tl.sum(qz, axis=1)  # [BLOCK_M]
     jk = tl.arange(0, DK)
     ti = tl.arange(0, GH)
     kw = tl.load((rec + LAYOUT.K_CODES).to(tl.pointer_type(tl.int16)) + jk[:, None] * GH + ti[None, :])  # [DK, GH]
-    s_e, s_o = _packed_dot(qs0, qs1, qs2, qs3, kw, PK, LAYOUT.K_BITS, USE_ASM)  # [BLOCK_M, GH] each
+    if FOLD:
+        s_e, s_o = _packed_dot_raw(kw, qs0, qs1, qs2, qs3, PK, LAYOUT.K_BITS, USE_ASM, False)  # [BLOCK_M, GH] each
+    else:
+        s_e, s_o = _packed_dot(qs0, qs1, qs2, qs3, kw, PK, LAYOUT.K_BITS, USE_ASM)
     kt_e = _load_bf16(rec + LAYOUT.K_TOK + 4 * ti)  # [GH] k_tok of even tokens
     kt_o = _load_bf16(rec + LAYOUT.K_TOK + 4 * ti + 2)
     s_e = (s_e + qz[:, None]) * (rf[:, None] * kt_e[None, :])
@@ -194,13 +288,16 @@ def _split_fields(x, BM: tl.constexpr, PV: tl.constexpr, CT: tl.constexpr):
 
 
 @triton.jit
-def _tile_values(rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr):
+def _tile_values(
+    rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr = False
+):
     """Online-softmax value step of one quantized tile: ``acc * alpha + p @ V~``.
 
     ``p_e, p_o: [BLOCK_M, G // 2]`` are the probabilities of the even and odd tokens, ``alpha:
     [BLOCK_M]`` the rescale of the running accumulators ``acc_e, acc_o: [BLOCK_M, D // 2]`` (even
     and odd output channels; ``None``: no rescale). The V code bytes are read as 16-bit words ``[G // PV, D // 2]`` (two
-    neighbouring channels).
+    neighbouring channels). ``FOLD`` as in :func:`_tile_scores`: token ``t`` belongs to field
+    ``t // (G // PV)``, whose offset times the fp16 ``p v_scale`` leaves the zero-point sum.
     """
     BLOCK_M: tl.constexpr = p_e.shape[0]
     G: tl.constexpr = LAYOUT.G
@@ -213,16 +310,23 @@ def _tile_values(rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT: tl.constexpr, USE_A
     vs_o = _load_f16(rec + LAYOUT.V_SCALE + 4 * th + 2)
     vz_e = _load_f16(rec + LAYOUT.V_ZERO + 4 * th) + VC * vs_e
     vz_o = _load_f16(rec + LAYOUT.V_ZERO + 4 * th + 2) + VC * vs_o
-    z = tl.sum(p_e * vz_e[None, :] + p_o * vz_o[None, :], axis=1)  # [BLOCK_M]
     pv_e = (p_e * vs_e[None, :]).to(tl.float16)
     pv_o = (p_o * vs_o[None, :]).to(tl.float16)
+    zt = p_e * vz_e[None, :] + p_o * vz_o[None, :]  # [BLOCK_M, G // 2]
+    if FOLD:
+        off = _raw_offset((2 * th) // CT, LAYOUT.V_BITS)  # [G // 2]: both tokens of a pair share a field
+        zt -= off[None, :] * (pv_e.to(tl.float32) + pv_o.to(tl.float32))
+    z = tl.sum(zt, axis=1)  # [BLOCK_M]
     pv = tl.reshape(tl.join(pv_e, pv_o), (BLOCK_M, G))  # tokens in order
     pv0, pv1, pv2, pv3 = _split_fields(pv, BLOCK_M, PV, CT)  # [BLOCK_M, CT] each
 
     jv = tl.arange(0, CT)
     dh = tl.arange(0, DH)
     vw = tl.load((rec + LAYOUT.V_CODES).to(tl.pointer_type(tl.int16)) + jv[:, None] * DH + dh[None, :])  # [CT, DH]
-    o_e, o_o = _packed_dot(pv0, pv1, pv2, pv3, vw, PV, LAYOUT.V_BITS, USE_ASM)  # [BLOCK_M, DH] each
+    if FOLD:
+        o_e, o_o = _packed_dot_raw(vw, pv0, pv1, pv2, pv3, PV, LAYOUT.V_BITS, USE_ASM, False)  # [BLOCK_M, DH] each
+    else:
+        o_e, o_o = _packed_dot(pv0, pv1, pv2, pv3, vw, PV, LAYOUT.V_BITS, USE_ASM)
     vc_e = _load_bf16(rec + LAYOUT.V_CHAN + 4 * dh)  # [DH] v_chan of even channels
     vc_o = _load_bf16(rec + LAYOUT.V_CHAN + 4 * dh + 2)
     if alpha is not None:
@@ -234,43 +338,58 @@ def _tile_values(rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT: tl.constexpr, USE_A
 
 
 @triton.jit
-def _tile_scores_t(rec, query_t, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr):
+def _k_operands_t(q_f, rec, f: tl.constexpr, LAYOUT: tl.constexpr, FOLD: tl.constexpr):
+    """:func:`_k_operands` transposed: ``q_f: [DK, N]`` -> ``(q k_scale)`` fp16 and the zero-point term, ``[DK, N]``.
+
+    ``FOLD``: the zero-point term also subtracts :func:`_unpack_raw`'s offset times the fp16
+    operand (the very values the dot multiplies, so the offset cancels up to fp32 rounding).
+    """
+    DK: tl.constexpr = LAYOUT.D // LAYOUT.K_PER_BYTE
+    KC: tl.constexpr = 1 << (LAYOUT.K_BITS - 1)
+    ch = f * DK + tl.arange(0, DK)
+    ks = _load_f16(rec + LAYOUT.K_SCALE + 2 * ch)  # [DK]
+    kz = _load_f16(rec + LAYOUT.K_ZERO + 2 * ch) + KC * ks
+    qs = (q_f * ks[:, None]).to(tl.float16)  # [DK, N]
+    qz = q_f * kz[:, None]
+    if FOLD:
+        OFF: tl.constexpr = (1024 >> (f * LAYOUT.K_BITS)) + KC
+        qz -= OFF * qs.to(tl.float32)
+    return qs, qz
+
+
+@triton.jit
+def _tile_scores_t(rec, query_t, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr = False):
     """:func:`_tile_scores` with the tokens as the dot's M: ``(even, odd)`` tokens, ``[G // 2, N]`` fp32 each.
 
     ``query_t = (q0, q1, q2, q3, rf)``: ``q_f: [DK, N]`` are the K fields' channel blocks of the
     ``N`` query rows, transposed (``rf: [N]`` as in :func:`_tile_scores`). The code words are read
     ``[G // 2, DK]`` (token pairs x channels) and are the left operand, so the 64 token pairs fill
     the MMA's rows and the query heads are its columns: no padded rows in the per-token work.
+    ``FOLD``: unpack with :func:`_packed_dot_raw` (no shifts but one per word, no subtraction) and
+    take the codes' offsets out of the zero-point term instead.
     """
     q0, q1, q2, q3, rf = query_t
     PK: tl.constexpr = LAYOUT.K_PER_BYTE
     DK: tl.constexpr = LAYOUT.D // PK
     GH: tl.constexpr = LAYOUT.G // 2
-    KC: tl.constexpr = 1 << (LAYOUT.K_BITS - 1)
-    jk = tl.arange(0, DK)
-    ks = _load_f16(rec + LAYOUT.K_SCALE + 2 * jk)  # [DK] field 0
-    kz = _load_f16(rec + LAYOUT.K_ZERO + 2 * jk) + KC * ks
-    qs0 = (q0 * ks[:, None]).to(tl.float16)  # [DK, N]
-    qz = q0 * kz[:, None]  # [DK, N]
-    ks = _load_f16(rec + LAYOUT.K_SCALE + 2 * (DK + jk))
-    kz = _load_f16(rec + LAYOUT.K_ZERO + 2 * (DK + jk)) + KC * ks
-    qs1 = (q1 * ks[:, None]).to(tl.float16)
-    qz += q1 * kz[:, None]
+    qs0, qz = _k_operands_t(q0, rec, 0, LAYOUT, FOLD)  # [DK, N] fp16, fp32
+    qs1, qz1 = _k_operands_t(q1, rec, 1, LAYOUT, FOLD)
+    qz += qz1
     qs2 = qs0
     qs3 = qs0
     if PK == 4:
-        ks = _load_f16(rec + LAYOUT.K_SCALE + 2 * (2 * DK + jk))
-        kz = _load_f16(rec + LAYOUT.K_ZERO + 2 * (2 * DK + jk)) + KC * ks
-        qs2 = (q2 * ks[:, None]).to(tl.float16)
-        qz += q2 * kz[:, None]
-        ks = _load_f16(rec + LAYOUT.K_SCALE + 2 * (3 * DK + jk))
-        kz = _load_f16(rec + LAYOUT.K_ZERO + 2 * (3 * DK + jk)) + KC * ks
-        qs3 = (q3 * ks[:, None]).to(tl.float16)
-        qz += q3 * kz[:, None]
+        qs2, qz2 = _k_operands_t(q2, rec, 2, LAYOUT, FOLD)
+        qz += qz2
+        qs3, qz3 = _k_operands_t(q3, rec, 3, LAYOUT, FOLD)
+        qz += qz3
     qz = tl.sum(qz, axis=0)  # [N]
+    jk = tl.arange(0, DK)
     ti = tl.arange(0, GH)
     kw = tl.load((rec + LAYOUT.K_CODES).to(tl.pointer_type(tl.int16)) + jk[None, :] * GH + ti[:, None])  # [GH, DK]
-    s_e, s_o = _packed_dot(qs0, qs1, qs2, qs3, kw, PK, LAYOUT.K_BITS, USE_ASM, True)  # [GH, N] each
+    if FOLD:
+        s_e, s_o = _packed_dot_raw(kw, qs0, qs1, qs2, qs3, PK, LAYOUT.K_BITS, USE_ASM)  # [GH, N] each
+    else:
+        s_e, s_o = _packed_dot(qs0, qs1, qs2, qs3, kw, PK, LAYOUT.K_BITS, USE_ASM, True)
     kt_e = _load_bf16(rec + LAYOUT.K_TOK + 4 * ti)  # [GH]
     kt_o = _load_bf16(rec + LAYOUT.K_TOK + 4 * ti + 2)
     s_e = (s_e + qz[None, :]) * (kt_e[:, None] * rf[None, :])
@@ -293,11 +412,15 @@ def _split_fields_t(x, PV: tl.constexpr, CT: tl.constexpr):
 
 
 @triton.jit
-def _tile_values_t(rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr):
+def _tile_values_t(
+    rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr = False
+):
     """:func:`_tile_values` transposed: ``p_e, p_o: [G // 2, N]``, ``acc_e, acc_o: [D // 2, N]``, ``alpha: [N]``.
 
     The value dot is ``V^T @ p``: the V code words ``[D // 2, G // PV]`` (channel pairs x tokens)
-    are the left operand, the ``N`` query rows its columns.
+    are the left operand, the ``N`` query rows its columns. ``FOLD`` as in :func:`_tile_scores_t`:
+    token ``t`` belongs to field ``t // (G // PV)``, whose offset times the fp16 ``p v_scale``
+    leaves the zero-point sum.
     """
     N: tl.constexpr = p_e.shape[1]
     G: tl.constexpr = LAYOUT.G
@@ -310,15 +433,22 @@ def _tile_values_t(rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT: tl.constexpr, USE
     vs_o = _load_f16(rec + LAYOUT.V_SCALE + 4 * th + 2)
     vz_e = _load_f16(rec + LAYOUT.V_ZERO + 4 * th) + VC * vs_e
     vz_o = _load_f16(rec + LAYOUT.V_ZERO + 4 * th + 2) + VC * vs_o
-    z = tl.sum(p_e * vz_e[:, None] + p_o * vz_o[:, None], axis=0)  # [N]
     pv_e = (p_e * vs_e[:, None]).to(tl.float16)
     pv_o = (p_o * vs_o[:, None]).to(tl.float16)
+    zt = p_e * vz_e[:, None] + p_o * vz_o[:, None]  # [G // 2, N]
+    if FOLD:
+        off = _raw_offset((2 * th) // CT, LAYOUT.V_BITS)  # [G // 2]: both tokens of a pair share a field
+        zt -= off[:, None] * (pv_e.to(tl.float32) + pv_o.to(tl.float32))
+    z = tl.sum(zt, axis=0)  # [N]
     pv = tl.reshape(tl.permute(tl.join(pv_e, pv_o), (0, 2, 1)), (G, N))  # tokens in order
     pv0, pv1, pv2, pv3 = _split_fields_t(pv, PV, CT)  # [CT, N] each
     jv = tl.arange(0, CT)
     dh = tl.arange(0, DH)
     vw = tl.load((rec + LAYOUT.V_CODES).to(tl.pointer_type(tl.int16)) + jv[None, :] * DH + dh[:, None])  # [DH, CT]
-    o_e, o_o = _packed_dot(pv0, pv1, pv2, pv3, vw, PV, LAYOUT.V_BITS, USE_ASM, True)  # [DH, N] each
+    if FOLD:
+        o_e, o_o = _packed_dot_raw(vw, pv0, pv1, pv2, pv3, PV, LAYOUT.V_BITS, USE_ASM)  # [DH, N] each
+    else:
+        o_e, o_o = _packed_dot(pv0, pv1, pv2, pv3, vw, PV, LAYOUT.V_BITS, USE_ASM, True)
     vc_e = _load_bf16(rec + LAYOUT.V_CHAN + 4 * dh)  # [DH]
     vc_o = _load_bf16(rec + LAYOUT.V_CHAN + 4 * dh + 2)
     if alpha is not None:

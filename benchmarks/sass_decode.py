@@ -1,0 +1,115 @@
+"""Offline SASS of the decode attention kernel: registers, stack and main-loop instruction counts, no GPU.
+
+Compiles ``_attn_kernel`` for sm_90 with an explicit target (Triton's bundled ptxas, nvdisasm and
+cuobjdump) and counts the opcodes of the loop with the most ``LOP3`` (the quantized-tile loop).
+Counts depend on the local Triton version; compare variants compiled by the same one.
+
+    PYTHONPATH=. python benchmarks/sass_decode.py kvarn_k4v2_g128 --d 128 --tokens-m 1 --fold 0 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kvarn.config import KVarNConfig
+from kvarn.kernels._common import record_layout
+from kvarn.kernels.attention import DECODE_MAX_REGS
+from kvarn.kernels.attention_decode import _attn_kernel
+
+OPS = ["LOP3", "HADD2", "SHF", "LDG", "LDL", "STL", "BAR", "FFMA", "FMUL", "FADD", "PRMT", "SHFL", "IMAD"]
+INTS = [
+    "num_seqs",
+    "hq",
+    "s_iq",
+    "s_iqh",
+    "s_o",
+    "s_oh",
+    "s_cb",
+    "s_ch",
+    "s_bt",
+    "p_slot",
+    "p_tok",
+    "p_head",
+    "s_ws",
+    "num_splits",
+]
+
+
+def compile_decode(preset: str, d: int, tokens_m: bool, fold: bool, fused_q: bool, pair: bool, gq: int = 4):
+    """The decode launch of ``bench_decode`` (32 / 8 heads, fp16, splits merged in the kernel), compiled for sm_90."""
+    cfg = KVarNConfig.from_preset(preset, head_dim=d)
+    ptrs = dict(q="*fp16" if fused_q else "*fp32", cache="*u8", part="*fp32", ws_m="*fp32", ws_l="*fp32")
+    ptrs.update(tail_k="*fp16", tail_v="*fp16", final="*fp16")
+    names = _attn_kernel.arg_names
+    const = dict(GQ=gq, GQP=gq, BLOCK_Q=1, BLOCK_M=max(8 if tokens_m else 16, gq), LAYOUT=record_layout(cfg))
+    const.update(MULTI_Q=False, HAS_SINK=False, POOL_BF16=False, USE_ASM=True, IN_BF16=False, FACTOR=0.1275)
+    const.update(FUSED_Q=fused_q, PAIR=pair, TOKENS_M=tokens_m, FOLD=fold, MERGE_CH=max(1, 4096 // (gq * d)))
+    const["FLAGS"] = (True, True, True, False, d**-0.5)
+    sig = {n: ptrs.get(n, "i32" if n in INTS else "*i32") for n in names if n not in const}
+    sig.update({n: "constexpr" for n in const})
+    aligned = set(ptrs) | {"s_cb", "s_ch", "s_iq", "s_o", "p_slot", "p_head", "s_ws"}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    opts = {"num_warps": 4, "num_stages": 2, "maxnreg": DECODE_MAX_REGS.get(d)}
+    return triton.compile(ASTSource(_attn_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def sass_and_resources(kernel) -> tuple[str, str]:
+    """``nvdisasm`` text and ``cuobjdump -res-usage`` of a compiled kernel's cubin."""
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
+        res = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True)
+    return sass, res.stdout
+
+
+def main_loop(sass: str) -> collections.Counter:
+    """Opcode counts of the backward-branch loop with the most ``LOP3`` (the quantized tiles)."""
+    labels, instrs, loops = {}, [], []
+    for line in sass.splitlines():
+        m = re.match(r"^\.(L_x_\d+):", line.strip())
+        if m:
+            labels[m.group(1)] = len(instrs)
+            continue
+        m = re.match(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+        if m:
+            instrs.append(re.sub(r"^@!?U?P\w+\s+", "", m.group(1)))
+    for i, ins in enumerate(instrs):
+        m = re.search(r"BRA\s+(?:`\()?\.?(L_x_\d+)", ins)
+        if m and labels.get(m.group(1), i + 1) <= i:
+            loops.append(collections.Counter(x.split()[0].split(".")[0] for x in instrs[labels[m.group(1)] : i + 1]))
+    return max(loops, key=lambda c: c["LOP3"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("preset")
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--tokens-m", type=int, default=1)
+    ap.add_argument("--fused-q", type=int, default=0)
+    ap.add_argument("--pair", type=int, default=0)
+    ap.add_argument("--fold", type=int, nargs="+", default=[0, 1])
+    args = ap.parse_args()
+    for fold in args.fold:
+        k = compile_decode(args.preset, args.d, bool(args.tokens_m), bool(fold), bool(args.fused_q), bool(args.pair))
+        sass, res = sass_and_resources(k)
+        loop = main_loop(sass)
+        usage = re.findall(r"REG:\d+ STACK:\d+", res)
+        counts = " ".join(f"{op} {loop[op]}" for op in OPS)
+        print(
+            f"{args.preset} D={args.d} tokens_m={args.tokens_m} fold={fold} {usage} loop {sum(loop.values())}: {counts}"
+        )
+
+
+if __name__ == "__main__":
+    main()
