@@ -185,7 +185,8 @@ def install_block_pool_hook(pool_cls=None) -> bool:
 
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        _block_pools.add(self)
+        with contextlib.suppress(TypeError):  # never break vLLM's own start-up (e.g. a pool without weakrefs)
+            _block_pools.add(self)
 
     setattr(__init__, _HOOK_MARK, True)
     __init__.__wrapped__ = original
