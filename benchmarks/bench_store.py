@@ -35,9 +35,11 @@ def check(got: torch.Tensor, want: torch.Tensor, cfg: KVarNConfig, what: str) ->
     return worst
 
 
-def bench(preset: str, d: int, dtype: torch.dtype, n_tiles: int, hkv: int, iters: int, num_warps=None) -> dict:
+def bench(
+    preset: str, d: int, dtype: torch.dtype, n_tiles: int, hkv: int, iters: int, smooth: bool = False, num_warps=None
+) -> dict:
     """Time one configuration; ``num_warps`` of the encode kernel (``None``: its default)."""
-    cfg = KVarNConfig.from_preset(preset, head_dim=d, sinkhorn_iters=iters)
+    cfg = KVarNConfig.from_preset(preset, head_dim=d, sinkhorn_iters=iters, smooth_keys=smooth)
     g = cfg.group_size
     k = (torch.randn(n_tiles, g, hkv, d, device="cuda") * torch.rand(1, 1, hkv, d, device="cuda") * 4).to(dtype)
     v = torch.randn(n_tiles, g, hkv, d, device="cuda").to(dtype)
@@ -64,6 +66,7 @@ def bench(preset: str, d: int, dtype: torch.dtype, n_tiles: int, hkv: int, iters
         "tiles": n_tiles,
         "hkv": hkv,
         "iters": iters,
+        "smooth_keys": smooth,
         "input_GB": in_bytes / 1e9,
         "store_us": t_store,
         "store_GBps": in_bytes / t_store / 1e3,
@@ -89,6 +92,8 @@ def main() -> None:
         ("kvarn_k4v2_g64", 128, torch.float16, 2048, 8, 8),
         ("kvarn_k4v4_g128", 128, torch.float16, 1024, 8, 8),
         ("kvarn_k2v2_g128", 128, torch.float16, 1024, 8, 8),
+        ("kvarn_k4v2_g128", 128, torch.float16, 1024, 8, 8, True),
+        ("kvarn_k2v2_g128", 128, torch.float16, 1024, 8, 8, True),
     ]
     sweep = []
     for warps in (4, 8, 16):
@@ -99,14 +104,14 @@ def main() -> None:
         )
     rows = []
     print(
-        "| preset | D | dtype | iters | input GB | store_tiles GB/s | commit_tiles GB/s | reference GB/s "
+        "| preset | D | dtype | iters | smooth | input GB | store_tiles GB/s | commit_tiles GB/s | reference GB/s "
         "| code mismatch |"
     )
     for c in cases:
         r = bench(*c)
         rows.append(r)
         print(
-            f"| {r['preset']} | {r['d']} | {r['dtype']} | {r['iters']} | {r['input_GB']:.2f} | {r['store_GBps']:.0f} | "
+            f"| {r['preset']} | {r['d']} | {r['dtype']} | {r['iters']} | {r['smooth_keys']} | {r['input_GB']:.2f} | {r['store_GBps']:.0f} | "
             f"{r['commit_GBps']:.0f} | {r['reference_GBps']:.1f} | {r['code_mismatch']:.5f} |",
             flush=True,
         )
