@@ -111,8 +111,8 @@ def main() -> None:
         r = bench(*c)
         rows.append(r)
         print(
-            f"| {r['preset']} | {r['d']} | {r['dtype']} | {r['iters']} | {r['smooth_keys']} | {r['input_GB']:.2f} | {r['store_GBps']:.0f} | "
-            f"{r['commit_GBps']:.0f} | {r['reference_GBps']:.1f} | {r['code_mismatch']:.5f} |",
+            f"| {r['preset']} | {r['d']} | {r['dtype']} | {r['iters']} | {r['smooth_keys']} | {r['input_GB']:.2f} | "
+            f"{r['store_GBps']:.0f} | {r['commit_GBps']:.0f} | {r['reference_GBps']:.1f} | {r['code_mismatch']:.5f} |",
             flush=True,
         )
     with open(args.out, "w") as f:

@@ -25,6 +25,7 @@ from kernel_oracle import (  # noqa: E402
     check_records,
     make_kv,
     poisoned_empty,
+    query_sensitivity,
     ragged_lengths,
 )
 
@@ -321,9 +322,9 @@ def test_paged_attention_smooth_gpu(preset, d, dtype, hq, hkv, sink, splits, mer
     query[..., 3] *= 10  # a large query channel where the keys' channel 3 is smoothed (make_kv's outlier)
     args = attention_args(state, query.to(dtype).to(DEV), cfg, sink=sink)
     out = attention.paged_attention(*args, num_splits=splits, fuse_merge=merge, empty=poisoned_empty)
-    err = check_attention(out, args)
+    err = check_attention(out, args, conditioned=True)
     tag = f"{preset} d={d} {dtype} hq={hq} hkv={hkv} sink={sink} splits={splits} merge={merge}"
-    print(f"STATS attention smooth {tag} rel_err={err:.2e}")
+    print(f"STATS attention smooth {tag} rel_err={err:.2e} sensitivity={query_sensitivity(args):.2e}")
 
 
 @pytest.mark.parametrize("splits", [None, 1, 4])
@@ -336,8 +337,9 @@ def test_paged_attention_multi_query_smooth_gpu(preset, splits):
     qsl = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
     query = torch.randn(int(qsl[-1]), 32, 128, device=DEV).half()
     args = attention_args(state, query, cfg, qsl=qsl, sink=True)
-    err = check_attention(attention.paged_attention(*args, num_splits=splits, empty=poisoned_empty), args)
-    print(f"STATS multi_query smooth {preset} splits={splits} rel_err={err:.2e}")
+    err = check_attention(attention.paged_attention(*args, num_splits=splits, empty=poisoned_empty), args, True)
+    sens = query_sensitivity(args)
+    print(f"STATS multi_query smooth {preset} splits={splits} rel_err={err:.2e} sensitivity={sens:.2e}")
 
 
 def test_ops_smooth_runs_the_kernels_only_when_asked():
