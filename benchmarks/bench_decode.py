@@ -47,6 +47,10 @@ def synthetic_cache(cfg: KVarNConfig, batch: int, ctx: int, hkv: int, dtype: tor
     field("v_scale", torch.float16).uniform_(0.1, 0.6, generator=gen)
     field("v_zero", torch.float16).copy_(-1.5 * field("v_scale", torch.float16))
     field("v_chan", torch.bfloat16).uniform_(0.5, 2.0, generator=gen)
+    if cfg.smooth_keys:  # plausible smoothing factors (random bytes may be fp8 NaN)
+        smooth = cache[..., cfg.offsets["k_smooth"] : cfg.offsets["k_smooth"] + d]
+        vals = torch.empty(smooth.shape, device="cuda").uniform_(0.1, 1.0, generator=gen)
+        smooth.copy_(vals.to(torch.float8_e4m3fn).view(torch.uint8))
     perm = torch.randperm(num_blocks - 1, device="cuda", generator=gen) + 1
     block_table = perm.reshape(batch, n_full).to(torch.int32)
     tail_k = torch.randn(batch, g, hkv, d, device="cuda", generator=gen).to(dtype)
@@ -120,9 +124,11 @@ def sdpa_flash(q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
 
 
-def bench_shape(preset, d, hq, hkv, batch, ctx, dtype, copy_bw, launch: dict, sdpa: bool = True) -> dict:
+def bench_shape(
+    preset, d, hq, hkv, batch, ctx, dtype, copy_bw, launch: dict, sdpa: bool = True, smooth: bool = False
+) -> dict:
     """Time one shape; ``launch`` holds the attention kernel's ``num_warps`` and ``num_stages``."""
-    cfg = KVarNConfig.from_preset(preset, head_dim=d)
+    cfg = KVarNConfig.from_preset(preset, head_dim=d, smooth_keys=smooth)
     st = synthetic_cache(cfg, batch, ctx, hkv, dtype, seed=batch * 7 + ctx)
     q = torch.randn(batch, hq, d, device="cuda").to(dtype)
     out = A.paged_attention(*args_of(st, q, cfg), **launch)
@@ -147,6 +153,7 @@ def bench_shape(preset, d, hq, hkv, batch, ctx, dtype, copy_bw, launch: dict, sd
         "batch": batch,
         "ctx": ctx,
         "dtype": str(dtype).replace("torch.", ""),
+        "smooth_keys": smooth,
         "kvarn_us": t_kv,
         "sdpa_us": t_sd,
         "speedup": t_sd / t_kv,
@@ -160,10 +167,10 @@ def bench_shape(preset, d, hq, hkv, batch, ctx, dtype, copy_bw, launch: dict, sd
     }
 
 
-def correctness_suite(configs) -> list[dict]:
+def correctness_suite(configs, smooth: bool = False) -> list[dict]:
     out = []
     for preset, d, dtype, hq, hkv in configs:
-        cfg = KVarNConfig.from_preset(preset, head_dim=d)
+        cfg = KVarNConfig.from_preset(preset, head_dim=d, smooth_keys=smooth)
         g = cfg.group_size
         lengths = [3 * g + 5, 40 * g + g - 1, g, 17 * g + 64]
         st = stored_cache(cfg, lengths, hkv, dtype, seed=d + hq)
@@ -179,10 +186,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="decode.json")
     ap.add_argument("--quick", action="store_true", help="a handful of shapes only")
+    ap.add_argument("--smooth", action="store_true", help="key smoothing: a few shapes, smoothed and not")
     args = ap.parse_args()
     env = environment()
     copy_bw = copy_bandwidth()
     print(f"{env} copy bandwidth {copy_bw:.0f} GB/s", flush=True)
+    if args.smooth:
+        smooth_main(args.out, env, copy_bw)
+        return
     checks = correctness_suite(
         [
             ("kvarn_k4v2_g128", 128, torch.float16, 32, 8),
@@ -252,6 +263,32 @@ def main() -> None:
             indent=1,
         )
     assert all(math.isfinite(r["kvarn_us"]) for r in rows)
+
+
+def smooth_main(out: str, env: dict, copy_bw: float) -> None:
+    """``--smooth``: the cost of key smoothing (one query rotation per tile) at the default launch."""
+    presets = [("kvarn_k4v2_g128", 128), ("kvarn_k4v2_g128", 64), ("kvarn_k2v2_g128", 128)]
+    checks = correctness_suite([(p, d, torch.float16, 32, 8) for p, d in presets], smooth=True)
+    rows = []
+    print("| preset | D | B | ctx | kvarn us | smoothed us | SDPA us | speedup | smoothed speedup |")
+    for preset, d, batch, ctx in [
+        ("kvarn_k4v2_g128", 128, 16, 32768),
+        ("kvarn_k4v2_g128", 128, 64, 4096),
+        ("kvarn_k4v2_g128", 128, 8, 1024),
+        ("kvarn_k4v2_g128", 64, 16, 32768),
+        ("kvarn_k2v2_g128", 128, 16, 32768),
+    ]:
+        plain = bench_shape(preset, d, 32, 8, batch, ctx, torch.float16, copy_bw, {})
+        smoothed = bench_shape(preset, d, 32, 8, batch, ctx, torch.float16, copy_bw, {}, sdpa=False, smooth=True)
+        torch.cuda.empty_cache()
+        rows.append({**plain, "smoothed_us": smoothed["kvarn_us"]})
+        print(
+            f"| {preset} | {d} | {batch} | {ctx} | {plain['kvarn_us']:.1f} | {smoothed['kvarn_us']:.1f} | "
+            f"{plain['sdpa_us']:.1f} | {plain['speedup']:.2f}x | {plain['sdpa_us'] / smoothed['kvarn_us']:.2f}x |",
+            flush=True,
+        )
+    with open(out, "w") as f:
+        json.dump({"env": env, "copy_GBps": copy_bw, "checks": checks, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
