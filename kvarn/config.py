@@ -96,8 +96,8 @@ class KVarNConfig:
     switches exist for ablations and baselines (with both off the format is KIVI-style RTN:
     per-channel K, per-token V). The byte layout does not depend on them. ``smooth_keys`` divides
     each K tile by a per-channel vector before the rotation (an option measured in
-    ``docs/fidelity.md``; it adds ``D`` bytes per record; the kernels implement it, interpreter-tested and
-    not yet GPU-validated, so ``kvarn.ops`` runs it on the reference unless asked for ``impl="triton"``).
+    ``docs/fidelity.md``; it adds ``D`` bytes per record; the kernels implement it, GPU-validated, with
+    decode 2-3x slower than unsmoothed, ``docs/kernels.md``).
     ``clip`` (on by default) lets the rows of a 2-bit half pick a clipped RTN range by squared
     error (:func:`kvarn.reference.rtn.choose_qparams`, grids :data:`KEY_CLIP` and
     :data:`VALUE_CLIP`; same bytes and decoder; no effect on 4-bit halves; ``docs/fidelity.md``).

@@ -6,9 +6,8 @@ reference otherwise (CPU, fp32, or no Triton). Integrations call
 these functions only, never a kernel or a reference module directly.
 
 Key smoothing (``KVarNConfig(smooth_keys=True)``): the kernels of :data:`SMOOTH_KERNEL_OPS` implement
-it, interpreter-tested against the reference but not yet GPU-validated, so ``"auto"`` keeps every
-smoothed format on the reference and only an explicit ``impl="triton"`` runs those kernels; the
-other ops refuse ``impl="triton"`` for it.
+it (tested against the reference under the interpreter and on an H200), and ``"auto"`` picks them as
+for any format; the other ops run the reference for a smoothed format and refuse ``impl="triton"``.
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.uint8)
 REFERENCE_ONLY = frozenset({"prepare", "rotate", "from_pool"})
 """Ops with no kernel of their own (cheap elementwise or small-matrix work): every ``impl`` runs the reference."""
 SMOOTH_KERNEL_OPS = frozenset({"encode_records", "store_tiles", "commit_tiles", "decode_records", "paged_attention"})
-"""Ops whose kernels implement ``smooth_keys`` records. Interpreter-tested, not yet GPU-validated:
-``impl="triton"`` runs them, ``"auto"`` stays on the reference for a smoothed format."""
+"""Ops whose kernels implement ``smooth_keys`` records; for a smoothed format every other op runs the reference."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -58,18 +56,17 @@ def _smoothed_half(half) -> bool:
 def _pick(name: str, impl: str, like: torch.Tensor, smoothed: bool = False) -> Callable:
     """The implementation of op ``name`` for ``impl``, deciding ``auto`` by ``like``'s device and dtype.
 
-    ``smoothed=True`` (a ``smooth_keys`` format) makes ``auto`` pick the reference, and ``triton``
-    raise unless the op is in :data:`SMOOTH_KERNEL_OPS`.
+    ``smoothed=True`` (a ``smooth_keys`` format): an op outside :data:`SMOOTH_KERNEL_OPS` runs the
+    reference under ``auto`` and raises under ``triton``.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if name in REFERENCE_ONLY:
         return getattr(reference, name)
-    if smoothed:
+    if smoothed and name not in SMOOTH_KERNEL_OPS:
         if impl != "triton":
-            return getattr(reference, name)  # not yet GPU-validated: never the default
-        if name not in SMOOTH_KERNEL_OPS:
-            raise ValueError(f"impl='triton' asked for {name}, but its kernel does not implement smooth_keys")
+            return getattr(reference, name)
+        raise ValueError(f"impl='triton' asked for {name}, but its kernel does not implement smooth_keys")
     if impl == "triton":
         ops = _triton_ops()
         if ops is None or name not in ops:

@@ -342,17 +342,16 @@ def test_paged_attention_multi_query_smooth_gpu(preset, splits):
     print(f"STATS multi_query smooth {preset} splits={splits} rel_err={err:.2e} sensitivity={sens:.2e}")
 
 
-def test_ops_smooth_runs_the_kernels_only_when_asked():
-    """``auto`` keeps a smoothed format on the reference (kernels not yet GPU-validated); ``triton`` runs them."""
+def test_ops_smooth_runs_the_kernels():
+    """``auto`` runs the smoothed kernels on CUDA, as ``triton`` does."""
     cfg = _smooth_cfg("kvarn_k4v2_g128", 128)
     k, v = make_kv(2, 128, 1, 128, torch.float16, seed=0)
     kr, vr = R.prepare(k[:, :, 0].to(DEV)), R.prepare(v[:, :, 0].to(DEV))
-    assert ops._pick("encode_records", "auto", kr, smoothed=True) is R.encode_records
-    assert ops._pick("paged_attention", "auto", kr, smoothed=True) is R.paged_attention
-    want = ops.encode_records(kr, vr, cfg)
-    assert torch.equal(want, R.encode_records(kr, vr, cfg))
-    got = ops.encode_records(kr, vr, cfg, impl="triton")
+    assert ops._pick("encode_records", "auto", kr, smoothed=True) is ops._pick("encode_records", "triton", kr)
+    assert ops._pick("paged_attention", "auto", kr, smoothed=True) is ops._pick("paged_attention", "triton", kr)
+    want = ops.encode_records(kr, vr, cfg, impl="reference")
+    got = ops.encode_records(kr, vr, cfg)
     check_records(got, want, kr, vr, cfg)
-    gk, gv = ops.decode_records(want, cfg, impl="triton")
-    wk, wv = ops.decode_records(want, cfg)
+    gk, gv = ops.decode_records(want, cfg)
+    wk, wv = ops.decode_records(want, cfg, impl="reference")
     assert torch.equal(gk, wk) and torch.equal(gv, wv)

@@ -85,8 +85,8 @@ def test_quantize_tensor_and_pair_agree_and_round_trip_through_torch_save(tmp_pa
     assert torch.load(tmp_path / "q.pt") == one
 
 
-def test_auto_keeps_a_smoothed_format_on_the_reference(monkeypatch):
-    """Smoothed kernels are interpreter-tested only: ``auto`` never picks them, ``triton`` only where they exist."""
+def test_auto_picks_the_smoothed_kernels_that_exist(monkeypatch):
+    """``auto`` and ``triton`` pick the smoothed kernels where they exist; elsewhere the reference, or an error."""
     from types import SimpleNamespace
 
     from kvarn import reference
@@ -96,9 +96,10 @@ def test_auto_keeps_a_smoothed_format_on_the_reference(monkeypatch):
     cuda_half = SimpleNamespace(device=torch.device("cuda"), dtype=torch.float16)
     for name in ("encode_records", "decode_records", "paged_attention"):
         assert ops._pick(name, "auto", cuda_half) is kernels[name]
-        assert ops._pick(name, "auto", cuda_half, smoothed=True) is getattr(reference, name)
+        assert ops._pick(name, "auto", cuda_half, smoothed=True) is kernels[name]
         assert ops._pick(name, "triton", cuda_half, smoothed=True) is kernels[name]
     for name in ("encode_half", "decode_half", "scale_half", "scale_records"):
+        assert ops._pick(name, "auto", cuda_half, smoothed=True) is getattr(reference, name)
         with pytest.raises(ValueError, match="smooth_keys"):
             ops._pick(name, "triton", cuda_half, smoothed=True)
     cfg = _cfg()
