@@ -54,20 +54,7 @@ def sink_slot_count(vllm_config) -> int:
     first tile whose sink is evicted is dropped from the prefix cache); below it is refused.
     """
     max_seqs = int(vllm_config.scheduler_config.max_num_seqs)
-    env = os.environ.get(SINK_SLOTS_ENV)
-    if not env:
-        return max_seqs
-    try:
-        value = int(env)
-    except ValueError:
-        raise ValueError(f"{SINK_SLOTS_ENV} must be a positive integer, got {env!r}") from None
-    if value < max_seqs:
-        raise ValueError(
-            f"{SINK_SLOTS_ENV}={value} is below --max-num-seqs {max_seqs}: every running request holds "
-            f"the sink of its first tile; set {SINK_SLOTS_ENV} to at least {max_seqs} (or unset it), "
-            "or lower --max-num-seqs"
-        )
-    return value
+    return _slots_from_env(SINK_SLOTS_ENV, max_seqs, max_seqs, "every running request holds the sink of its first tile")
 
 
 def tail_slot_count(vllm_config, per_request: bool = False, departures_reported: bool = False) -> int:
@@ -86,18 +73,24 @@ def tail_slot_count(vllm_config, per_request: bool = False, departures_reported:
     max_seqs = int(vllm_config.scheduler_config.max_num_seqs)
     if per_request:
         return max_seqs
-    env = os.environ.get(TAIL_SLOTS_ENV)
+    default = max_seqs if departures_reported else 2 * max_seqs
+    why = f"every running request can hold one incomplete tile, so the scheduler could need {max_seqs} tail slots"
+    return _slots_from_env(TAIL_SLOTS_ENV, default, max_seqs, why)
+
+
+def _slots_from_env(name: str, default: int, max_seqs: int, why: str) -> int:
+    """Slots per layer from environment variable ``name`` (``default`` when unset); below ``max_seqs`` is refused."""
+    env = os.environ.get(name)
     if not env:
-        return max_seqs if departures_reported else 2 * max_seqs
+        return default
     try:
         value = int(env)
     except ValueError:
-        raise ValueError(f"{TAIL_SLOTS_ENV} must be a positive integer, got {env!r}") from None
+        raise ValueError(f"{name} must be a positive integer, got {env!r}") from None
     if value < max_seqs:
         raise ValueError(
-            f"{TAIL_SLOTS_ENV}={value} is below --max-num-seqs {max_seqs}: every running request can hold "
-            f"one incomplete tile, so the scheduler could need {max_seqs} tail slots; set {TAIL_SLOTS_ENV} "
-            f"to at least {max_seqs} (or unset it), or lower --max-num-seqs"
+            f"{name}={value} is below --max-num-seqs {max_seqs}: {why}; set {name} to at least {max_seqs} "
+            "(or unset it), or lower --max-num-seqs"
         )
     return value
 
