@@ -141,16 +141,21 @@ ATTN_CASES = [
 ]
 
 
+def _attn_case(preset, d, dtype, hq, hkv, sink) -> tuple:
+    """``paged_attention`` arguments: one sequence per tail length 0..G-1, up to 12 tiles each, reference-stored."""
+    cfg = KVarNConfig.from_preset(preset, head_dim=d)
+    lengths = ragged_lengths(cfg.group_size, cfg.group_size, seed=d + hq, max_tiles=12)
+    state = build_cache(cfg, lengths, hkv, dtype, seed=5, device=DEV)
+    query = (torch.randn(len(lengths), hq, d) * 2).to(dtype).to(DEV)
+    return attention_args(state, query, cfg, sink=sink)
+
+
 @pytest.mark.parametrize(
     "fuse,merge", [(True, True), (False, True), (False, False)], ids=["fused_q", "prologue_q", "prologue_q_epilogue"]
 )
 @pytest.mark.parametrize("preset,d,dtype,hq,hkv,sink,splits", ATTN_CASES)
 def test_paged_attention_gpu(preset, d, dtype, hq, hkv, sink, splits, fuse, merge):
-    cfg = KVarNConfig.from_preset(preset, head_dim=d)
-    lengths = ragged_lengths(cfg.group_size, cfg.group_size, seed=d + hq, max_tiles=12)
-    state = build_cache(cfg, lengths, hkv, dtype, seed=5, device=DEV)
-    query = (torch.randn(len(lengths), hq, d) * 2).to(dtype).to(DEV)
-    args = attention_args(state, query, cfg, sink=sink)
+    args = _attn_case(preset, d, dtype, hq, hkv, sink)
     out = attention.paged_attention(*args, num_splits=splits, fuse_query=fuse, fuse_merge=merge, empty=poisoned_empty)
     err = check_attention(out, args)
     tag = f"{preset} d={d} {dtype} hq={hq} hkv={hkv} sink={sink} splits={splits} fuse={fuse} merge={merge}"
@@ -161,11 +166,7 @@ def test_paged_attention_gpu(preset, d, dtype, hq, hkv, sink, splits, fuse, merg
 @pytest.mark.parametrize("preset,d,dtype,hq,hkv,sink,splits", ATTN_CASES)
 def test_paged_attention_tokens_m_gpu(preset, d, dtype, hq, hkv, sink, splits, warps):
     """The tokens-as-M variant of the quantized tiles (``tokens_m=True``), at 4 and 2 warps."""
-    cfg = KVarNConfig.from_preset(preset, head_dim=d)
-    lengths = ragged_lengths(cfg.group_size, cfg.group_size, seed=d + hq, max_tiles=12)
-    state = build_cache(cfg, lengths, hkv, dtype, seed=5, device=DEV)
-    query = (torch.randn(len(lengths), hq, d) * 2).to(dtype).to(DEV)
-    args = attention_args(state, query, cfg, sink=sink)
+    args = _attn_case(preset, d, dtype, hq, hkv, sink)
     out = attention.paged_attention(*args, num_splits=splits, tokens_m=True, num_warps=warps, empty=poisoned_empty)
     err = check_attention(out, args)
     print(f"STATS attention tokens_m {preset} d={d} {dtype} hq={hq} hkv={hkv} warps={warps} rel_err={err:.2e}")
@@ -176,11 +177,7 @@ def test_paged_attention_tokens_m_gpu(preset, d, dtype, hq, hkv, sink, splits, w
 @pytest.mark.parametrize("preset,d,dtype,hq,hkv,sink,splits", [ATTN_CASES[0], ATTN_CASES[8]])
 def test_paged_attention_fold_gpu(preset, d, dtype, hq, hkv, sink, splits, tokens_m, fold):
     """Both unpacks of the codes on both paths: ``fold_offsets`` (offsets folded) and the shift-mask-subtract one."""
-    cfg = KVarNConfig.from_preset(preset, head_dim=d)
-    lengths = ragged_lengths(cfg.group_size, cfg.group_size, seed=d + hq, max_tiles=12)
-    state = build_cache(cfg, lengths, hkv, dtype, seed=5, device=DEV)
-    query = (torch.randn(len(lengths), hq, d) * 2).to(dtype).to(DEV)
-    args = attention_args(state, query, cfg, sink=sink)
+    args = _attn_case(preset, d, dtype, hq, hkv, sink)
     out = attention.paged_attention(
         *args, num_splits=splits, tokens_m=tokens_m, fold_offsets=fold, empty=poisoned_empty
     )

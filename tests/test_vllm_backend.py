@@ -490,11 +490,27 @@ def test_a_chunk_that_completes_a_tile_and_starts_another_reuses_its_slot_after_
     sim.step({a: 1})
 
 
+def _build_logging(backend, spec, layers, vllm_config):
+    """The backend's metadata builder for ``layers``, and the ``vllm.kvarn`` log lines its construction wrote."""
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    log = logging.getLogger("vllm.kvarn")
+    log.addHandler(handler)
+    old_level, log.level = log.level, logging.INFO
+    try:
+        builder = backend.get_builder_cls()(spec, layers, vllm_config, torch.device("cpu"))
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old_level)
+    return builder, records
+
+
 @pytest.mark.parametrize("explicit_bytes", [None, 64 * 2**20])
 def test_the_capacity_log_reports_records_and_pool_separately(explicit_bytes):
     """Issue 12: records and the full-precision pool, each with its size, and where the pool's memory comes from."""
-    import logging
-
     cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=D)
     blocks = 97 if explicit_bytes is None else 98  # the line is logged once per configuration and process
     backend = BACKENDS[cfg.name]
@@ -504,17 +520,7 @@ def test_the_capacity_log_reports_records_and_pool_separately(explicit_bytes):
         scheduler_config=SimpleNamespace(max_num_seqs=5),
         model_config=SimpleNamespace(dtype=torch.float16),
     )
-    records = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())
-    log = logging.getLogger("vllm.kvarn")
-    log.addHandler(handler)
-    old_level, log.level = log.level, logging.INFO
-    try:
-        builder = backend.get_builder_cls()(spec, ["layer.0", "layer.1", "layer.2"], vllm_config, torch.device("cpu"))
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(old_level)
+    builder, records = _build_logging(backend, spec, ["layer.0", "layer.1", "layer.2"], vllm_config)
     (line,) = [r for r in records if f"{blocks} blocks" in r]
     record_mib = blocks * 3 * HKV * cfg.record_bytes / 2**20
     pool_mib = builder.num_slots * 64 * HKV * D * 2 * 2 * 3 / 2**20
@@ -580,8 +586,6 @@ def test_the_sink_is_shared_by_a_prefix_hit_freed_by_block_reuse_and_evicted_onl
 
 
 def test_the_sink_pool_is_allocated_in_the_profiling_run_and_logged():
-    import logging
-
     preset = "kvarn_k4v2_g64_sink"
     backend = BACKENDS[preset]
     spec = backend.customize_spec(FullAttentionSpec(block_size=64, num_kv_heads=HKV, head_size=D, dtype=torch.uint8))
@@ -591,17 +595,7 @@ def test_the_sink_pool_is_allocated_in_the_profiling_run_and_logged():
         model_config=SimpleNamespace(dtype=torch.float16),
         parallel_config=SimpleNamespace(world_size=1),
     )
-    records = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())
-    log = logging.getLogger("vllm.kvarn")
-    log.addHandler(handler)
-    old_level, log.level = log.level, logging.INFO
-    try:
-        builder = backend.get_builder_cls()(spec, ["layer.0", "layer.1"], vllm_config, torch.device("cpu"))
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(old_level)
+    builder, records = _build_logging(backend, spec, ["layer.0", "layer.1"], vllm_config)
     (line,) = [r for r in records if "99 blocks" in r]
     sink_mib = 3 * 64 * HKV * D * 2 * 2 * 2 / 2**20
     assert builder.num_sink_slots == 3
