@@ -113,9 +113,15 @@ def _rtn_codes(b, lo, step, QMAX: tl.constexpr):
 
 @triton.jit
 def _row_sq_error(b, lo, step, QMAX: tl.constexpr):
-    """Squared error ``[R]`` of rows ``b: [R, C]`` rounded with ``(lo, step)``."""
-    d = _rtn_codes(b, lo, step, QMAX) * step[:, None] + lo[:, None] - b
-    return tl.sum(d * d, axis=1)
+    """Squared error ``[R]`` of rows ``b: [R, C]`` rounded with ``(lo, step)``, in steps (``rtn._row_sq_error``).
+
+    ``step^2 sum_j (t_j - code_j)^2`` with ``t = (b - lo) * (1 / step)``: a subtract, a multiply,
+    a clamp, a rounding and a fused square-add per element, no division.
+    """
+    t = (b - lo[:, None]) * (1.0 / step)[:, None]
+    q = tl.minimum(tl.maximum(t, 0.0), QMAX)
+    e = t - ((q + 12582912.0) - 12582912.0)  # round half to even the clamped t: clamp(round(t))
+    return (step * step) * tl.sum(e * e, axis=1)
 
 
 @triton.jit
@@ -174,9 +180,10 @@ def _encode_half(
         best = _row_sq_error(b, lo, step, QMAX)
         best_lo = lo
         best_step = step
-        for k in tl.static_range(1, CLIP_COUNT):
-            lo_s = lo + width * (k / CLIP_UNIT / 2)
-            step_s = tl.maximum(width * ((1 - k / CLIP_UNIT) / QMAX), MIN_STEP)
+        for k in range(1, CLIP_COUNT):  # a loop, not unrolled: one shrink's temporaries live at a time
+            kf = tl.zeros([], tl.float32) + k  # the fractions below round as the reference's fp32(k / unit / 2) etc.
+            lo_s = lo + width * (kf / (2 * CLIP_UNIT))
+            step_s = tl.maximum(width * ((CLIP_UNIT - kf) / (CLIP_UNIT * QMAX)), MIN_STEP)
             err = _row_sq_error(b, lo_s, step_s, QMAX)
             take = err < best
             best = tl.where(take, err, best)
