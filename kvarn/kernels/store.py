@@ -69,9 +69,12 @@ TINY = tl.constexpr(2.0**-24)  # kvarn.reference.quantize: 2^TINY_EXP, TINY_TARG
 TINY_TARGET_EXP = tl.constexpr(1)
 MIN_EXP = tl.constexpr(-126)
 
-ENCODE_SMALL_TILE = 128 * 128
-"""Tiles of up to this many elements (``D * G``) run the encoder with 4 warps per program, larger ones
-with 8 (``benchmarks/RESULTS.md`` has the warps sweep)."""
+ENCODE_ELEMENTS_PER_THREAD = 64
+"""The encoder's default warps per program give each thread this many elements of its tile half
+(``D * G / (32 * num_warps)``: 8 warps at ``D = G = 128``), with :data:`ENCODE_MAX_REGS`."""
+ENCODE_MAX_REGS = 128
+"""Register cap of the encoder's default launch: two 8-warp programs per SM at ``D = G = 128``
+(``benchmarks/RESULTS.md`` has the sweep, ``benchmarks/sass_store.py`` the spills)."""
 
 
 @triton.jit
@@ -310,11 +313,13 @@ def _encode_kernel(
 
 
 def default_encode_warps(cfg: KVarNConfig) -> int:
-    """Warps per program of the encode kernel unless the caller picks them (see ``ENCODE_SMALL_TILE``)."""
-    return 4 if cfg.head_dim * cfg.group_size <= ENCODE_SMALL_TILE else 8
+    """Warps per program of the encode kernel unless the caller picks them (:data:`ENCODE_ELEMENTS_PER_THREAD`)."""
+    return max(4, min(16, cfg.head_dim * cfg.group_size // (32 * ENCODE_ELEMENTS_PER_THREAD)))
 
 
-def _launch_encode(k, v, src_idx, n_tiles, n_heads, strides, dst, dst_idx, d_strides, cfg, num_warps) -> None:
+def _launch_encode(
+    k, v, src_idx, n_tiles, n_heads, strides, dst, dst_idx, d_strides, cfg, num_warps, max_regs=None
+) -> None:
     if n_tiles == 0 or n_heads == 0:
         return
     iters = cfg.sinkhorn_iters if cfg.normalize else 0
@@ -340,6 +345,7 @@ def _launch_encode(k, v, src_idx, n_tiles, n_heads, strides, dst, dst_idx, d_str
         V_CLIP_UNIT=(cfg.v_clip or (1, 1))[0],
         V_CLIP_COUNT=(cfg.v_clip or (1, 1))[1],
         num_warps=num_warps or default_encode_warps(cfg),
+        maxnreg=(max_regs or ENCODE_MAX_REGS) if num_warps is None else max_regs,
     )
 
 
@@ -364,13 +370,15 @@ def encode_records(
     cfg: KVarNConfig,
     *,
     num_warps: int | None = None,
+    max_regs: int | None = None,
     empty: Callable[..., torch.Tensor] = torch.empty,
 ) -> torch.Tensor:
     """Prepared tiles ``k, v: [..., G, D]`` (rotated, fp16/bf16, pool form) -> records ``[..., record_bytes]`` uint8.
 
     Knobs (keyword only, as for every store op): ``num_warps`` of the encode kernel (default
-    :func:`default_encode_warps`); ``empty`` allocates outputs and workspaces (``torch.empty``'s
-    signature; tests pass one that pre-fills them).
+    :func:`default_encode_warps`) and ``max_regs``, its register cap per thread (default
+    :data:`ENCODE_MAX_REGS` with the default warps, none with a caller's); ``empty`` allocates
+    outputs and workspaces (``torch.empty``'s signature; tests pass one that pre-fills them).
     """
     _check_kv_tiles(k, v, cfg, "tiles")
     lead = k.shape[:-2]
@@ -379,7 +387,7 @@ def encode_records(
     n = kf.shape[0]
     out = empty(n, cfg.record_bytes, dtype=torch.uint8, device=k.device)
     strides = (kf.stride(0), kf.stride(1), 0)
-    _launch_encode(kf, vf, None, n, 1, strides, out, None, (out.stride(0), 0), cfg, num_warps)
+    _launch_encode(kf, vf, None, n, 1, strides, out, None, (out.stride(0), 0), cfg, num_warps, max_regs)
     return out.reshape(*lead, cfg.record_bytes)
 
 
@@ -392,6 +400,7 @@ def commit_tiles(
     cfg: KVarNConfig,
     *,
     num_warps: int | None = None,
+    max_regs: int | None = None,
 ) -> None:
     """Quantize full pool tiles ``tail_*[tail_slots[i]]`` (``[num_slots, G, Hkv, D]``) into ``cache[block_ids[i]]``.
 
@@ -418,6 +427,7 @@ def commit_tiles(
         (cache.stride(0), cache.stride(1)),
         cfg,
         num_warps,
+        max_regs,
     )
 
 
@@ -429,6 +439,7 @@ def store_tiles(
     cfg: KVarNConfig,
     *,
     num_warps: int | None = None,
+    max_regs: int | None = None,
     empty: Callable[..., torch.Tensor] = torch.empty,
 ) -> None:
     """Quantize whole model-frame tiles ``k, v: [N, G, Hkv, D]`` into ``cache[block_ids]``, in place.
@@ -454,7 +465,7 @@ def store_tiles(
     strides = (work_k.stride(0), work_k.stride(1), work_k.stride(2))
     tiles = torch.arange(n, dtype=torch.int32, device=k.device)  # same kernel variant as commit_tiles
     d_strides = (cache.stride(0), cache.stride(1))
-    _launch_encode(work_k, work_v, tiles, n, hkv, strides, cache, block_ids, d_strides, cfg, num_warps)
+    _launch_encode(work_k, work_v, tiles, n, hkv, strides, cache, block_ids, d_strides, cfg, num_warps, max_regs)
 
 
 def _check_pool(tail_k: torch.Tensor, tail_v: torch.Tensor, cache: torch.Tensor, cfg: KVarNConfig) -> None:
