@@ -91,8 +91,9 @@ def main() -> None:
     ap.add_argument("--out", default="store.json")
     ap.add_argument(
         "--sweep",
-        default="kvarn_k4v2_g128:4:0,kvarn_k4v2_g128:8:0,kvarn_k4v2_g128:8:128,kvarn_k4v2_g128:16:64",
-        help="encode launches to time before the table: preset:num_warps:max_regs (0: no cap), comma-separated",
+        default="kvarn_k4v2_g128:128:4:0:0,kvarn_k4v2_g128:128:8:0:0,kvarn_k4v2_g128:128:8:128:0",
+        help="encode launches to time before the table (fp16, 8 iterations): preset:D:num_warps:max_regs:smooth "
+        "(max_regs 0: no cap), comma-separated",
     )
     ap.add_argument("--cases", default="", help="only the table rows whose index is listed (comma-separated)")
     args = ap.parse_args()
@@ -113,12 +114,13 @@ def main() -> None:
     ]
     sweep = []
     for spec in args.sweep.split(",") if args.sweep else []:
-        preset, warps, regs = spec.split(":")
-        r = bench(preset, 128, torch.float16, 1024, 8, 8, num_warps=int(warps), max_regs=int(regs) or None)
-        sweep.append({"num_warps": int(warps), "max_regs": int(regs) or None, **r})
+        preset, d, warps, regs, smooth = spec.split(":")
+        knobs = dict(num_warps=int(warps), max_regs=int(regs) or None)
+        r = bench(preset, int(d), torch.float16, 1024 * 128 // int(d), 8, 8, smooth=smooth == "1", **knobs)
+        sweep.append({**knobs, **r})
         print(
-            f"sweep {preset} num_warps={warps} max_regs={regs}: store {r['store_GBps']:.0f} GB/s, "
-            f"commit {r['commit_GBps']:.0f} GB/s",
+            f"sweep {preset} D={d} smooth={smooth} num_warps={warps} max_regs={regs}: "
+            f"store {r['store_GBps']:.0f} GB/s, commit {r['commit_GBps']:.0f} GB/s",
             flush=True,
         )
     rows = []

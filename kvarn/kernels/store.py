@@ -69,12 +69,9 @@ TINY = tl.constexpr(2.0**-24)  # kvarn.reference.quantize: 2^TINY_EXP, TINY_TARG
 TINY_TARGET_EXP = tl.constexpr(1)
 MIN_EXP = tl.constexpr(-126)
 
-ENCODE_ELEMENTS_PER_THREAD = 64
-"""The encoder's default warps per program give each thread this many elements of its tile half
-(``D * G / (32 * num_warps)``: 8 warps at ``D = G = 128``), with :data:`ENCODE_MAX_REGS`."""
-ENCODE_MAX_REGS = 128
-"""Register cap of the encoder's default launch: two 8-warp programs per SM at ``D = G = 128``
-(``benchmarks/RESULTS.md`` has the sweep, ``benchmarks/sass_store.py`` the spills)."""
+ENCODE_SMALL_TILE = 128 * 128
+"""Tiles of up to this many elements (``D * G``) run the encoder with 4 warps per program, larger ones
+and smoothed K halves with 8 (``benchmarks/RESULTS.md`` has the sweeps)."""
 
 
 @triton.jit
@@ -313,8 +310,8 @@ def _encode_kernel(
 
 
 def default_encode_warps(cfg: KVarNConfig) -> int:
-    """Warps per program of the encode kernel unless the caller picks them (:data:`ENCODE_ELEMENTS_PER_THREAD`)."""
-    return max(4, min(16, cfg.head_dim * cfg.group_size // (32 * ENCODE_ELEMENTS_PER_THREAD)))
+    """Warps per program of the encode kernel unless the caller picks them (see ``ENCODE_SMALL_TILE``)."""
+    return 4 if cfg.head_dim * cfg.group_size <= ENCODE_SMALL_TILE and not cfg.smooth_keys else 8
 
 
 def _launch_encode(
@@ -345,7 +342,7 @@ def _launch_encode(
         V_CLIP_UNIT=(cfg.v_clip or (1, 1))[0],
         V_CLIP_COUNT=(cfg.v_clip or (1, 1))[1],
         num_warps=num_warps or default_encode_warps(cfg),
-        maxnreg=(max_regs or ENCODE_MAX_REGS) if num_warps is None else max_regs,
+        maxnreg=max_regs,
     )
 
 
@@ -376,8 +373,8 @@ def encode_records(
     """Prepared tiles ``k, v: [..., G, D]`` (rotated, fp16/bf16, pool form) -> records ``[..., record_bytes]`` uint8.
 
     Knobs (keyword only, as for every store op): ``num_warps`` of the encode kernel (default
-    :func:`default_encode_warps`) and ``max_regs``, its register cap per thread (default
-    :data:`ENCODE_MAX_REGS` with the default warps, none with a caller's); ``empty`` allocates
+    :func:`default_encode_warps`) and ``max_regs``, its register cap per thread (default: none,
+    ptxas picks); ``empty`` allocates
     outputs and workspaces (``torch.empty``'s signature; tests pass one that pre-fills them).
     """
     _check_kv_tiles(k, v, cfg, "tiles")
