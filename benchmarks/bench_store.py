@@ -36,27 +36,37 @@ def check(got: torch.Tensor, want: torch.Tensor, cfg: KVarNConfig, what: str) ->
 
 
 def bench(
-    preset: str, d: int, dtype: torch.dtype, n_tiles: int, hkv: int, iters: int, smooth: bool = False, num_warps=None
+    preset: str,
+    d: int,
+    dtype: torch.dtype,
+    n_tiles: int,
+    hkv: int,
+    iters: int,
+    smooth: bool = False,
+    num_warps=None,
+    max_regs=None,
 ) -> dict:
-    """Time one configuration; ``num_warps`` of the encode kernel (``None``: its default)."""
+    """Time one configuration; ``num_warps`` and ``max_regs`` of the encode kernel (``None``: its default)."""
     cfg = KVarNConfig.from_preset(preset, head_dim=d, sinkhorn_iters=iters, smooth_keys=smooth)
     g = cfg.group_size
     k = (torch.randn(n_tiles, g, hkv, d, device="cuda") * torch.rand(1, 1, hkv, d, device="cuda") * 4).to(dtype)
     v = torch.randn(n_tiles, g, hkv, d, device="cuda").to(dtype)
     blocks = (torch.randperm(n_tiles, device="cuda") + 1).to(torch.int32)
     cache = torch.zeros(n_tiles + 1, hkv, cfg.record_bytes, dtype=torch.uint8, device="cuda")
-    S.store_tiles(k, v, blocks, cache, cfg, num_warps=num_warps)
+    S.store_tiles(k, v, blocks, cache, cfg, num_warps=num_warps, max_regs=max_regs)
     n_chk = min(n_tiles, 64)
     want = torch.zeros_like(cache)
     R.store_tiles(k[:n_chk], v[:n_chk], blocks[:n_chk], want, cfg)
     ids = blocks[:n_chk].long()
     mism = check(cache[ids], want[ids], cfg, f"store_tiles {preset} d={d}")
     in_bytes = 2 * k.numel() * k.element_size()
-    t_store = time_graph(lambda: S.store_tiles(k, v, blocks, cache, cfg, num_warps=num_warps))
+    t_store = time_graph(lambda: S.store_tiles(k, v, blocks, cache, cfg, num_warps=num_warps, max_regs=max_regs))
     pool_k = R.prepare(k, dtype)
     pool_v = R.prepare(v, dtype)
     slots = torch.arange(n_tiles, device="cuda", dtype=torch.int32)
-    t_commit = time_graph(lambda: S.commit_tiles(pool_k, pool_v, slots, blocks, cache, cfg, num_warps=num_warps))
+    t_commit = time_graph(
+        lambda: S.commit_tiles(pool_k, pool_v, slots, blocks, cache, cfg, num_warps=num_warps, max_regs=max_regs)
+    )
     n_ref = min(n_tiles, 256)
     t_ref = time_graph(lambda: R.store_tiles(k[:n_ref], v[:n_ref], blocks[:n_ref], want, cfg)) * n_tiles / n_ref
     return {
@@ -79,6 +89,13 @@ def bench(
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="store.json")
+    ap.add_argument(
+        "--sweep",
+        default="kvarn_k4v2_g128:128:4:0:0,kvarn_k4v2_g128:128:8:0:0,kvarn_k4v2_g128:128:8:128:0",
+        help="encode launches to time before the table (fp16, 8 iterations): preset:D:num_warps:max_regs:smooth "
+        "(max_regs 0: no cap), comma-separated",
+    )
+    ap.add_argument("--cases", default="", help="only the table rows whose index is listed (comma-separated)")
     args = ap.parse_args()
     env = environment()
     copy_bw = copy_bandwidth()
@@ -96,18 +113,23 @@ def main() -> None:
         ("kvarn_k2v2_g128", 128, torch.float16, 1024, 8, 8, True),
     ]
     sweep = []
-    for warps in (4, 8, 16):
-        r = bench("kvarn_k4v2_g128", 128, torch.float16, 1024, 8, 8, num_warps=warps)
-        sweep.append({"num_warps": warps, **r})
+    for spec in args.sweep.split(",") if args.sweep else []:
+        preset, d, warps, regs, smooth = spec.split(":")
+        knobs = dict(num_warps=int(warps), max_regs=int(regs) or None)
+        r = bench(preset, int(d), torch.float16, 1024 * 128 // int(d), 8, 8, smooth=smooth == "1", **knobs)
+        sweep.append({**knobs, **r})
         print(
-            f"sweep num_warps={warps}: store {r['store_GBps']:.0f} GB/s, commit {r['commit_GBps']:.0f} GB/s", flush=True
+            f"sweep {preset} D={d} smooth={smooth} num_warps={warps} max_regs={regs}: "
+            f"store {r['store_GBps']:.0f} GB/s, commit {r['commit_GBps']:.0f} GB/s",
+            flush=True,
         )
     rows = []
     print(
         "| preset | D | dtype | iters | smooth | input GB | store_tiles GB/s | commit_tiles GB/s | reference GB/s "
         "| code mismatch |"
     )
-    for c in cases:
+    keep = {int(i) for i in args.cases.split(",")} if args.cases else set(range(len(cases)))
+    for c in (c for i, c in enumerate(cases) if i in keep):
         r = bench(*c)
         rows.append(r)
         print(

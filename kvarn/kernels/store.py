@@ -71,7 +71,7 @@ MIN_EXP = tl.constexpr(-126)
 
 ENCODE_SMALL_TILE = 128 * 128
 """Tiles of up to this many elements (``D * G``) run the encoder with 4 warps per program, larger ones
-with 8 (``benchmarks/RESULTS.md`` has the warps sweep)."""
+and smoothed K halves with 8 (``benchmarks/RESULTS.md`` has the sweeps)."""
 
 
 @triton.jit
@@ -113,9 +113,15 @@ def _rtn_codes(b, lo, step, QMAX: tl.constexpr):
 
 @triton.jit
 def _row_sq_error(b, lo, step, QMAX: tl.constexpr):
-    """Squared error ``[R]`` of rows ``b: [R, C]`` rounded with ``(lo, step)``."""
-    d = _rtn_codes(b, lo, step, QMAX) * step[:, None] + lo[:, None] - b
-    return tl.sum(d * d, axis=1)
+    """Squared error ``[R]`` of rows ``b: [R, C]`` rounded with ``(lo, step)``, in steps (``rtn._row_sq_error``).
+
+    ``step^2 sum_j (t_j - code_j)^2`` with ``t = (b - lo) * (1 / step)``: a subtract, a multiply,
+    a clamp, a rounding and a fused square-add per element, no division.
+    """
+    t = (b - lo[:, None]) * (1.0 / step)[:, None]
+    q = tl.minimum(tl.maximum(t, 0.0), QMAX)
+    e = t - ((q + 12582912.0) - 12582912.0)  # round half to even the clamped t: clamp(round(t))
+    return (step * step) * tl.sum(e * e, axis=1)
 
 
 @triton.jit
@@ -174,9 +180,10 @@ def _encode_half(
         best = _row_sq_error(b, lo, step, QMAX)
         best_lo = lo
         best_step = step
-        for k in tl.static_range(1, CLIP_COUNT):
-            lo_s = lo + width * (k / CLIP_UNIT / 2)
-            step_s = tl.maximum(width * ((1 - k / CLIP_UNIT) / QMAX), MIN_STEP)
+        for k in range(1, CLIP_COUNT):  # a loop, not unrolled: one shrink's temporaries live at a time
+            kf = tl.zeros([], tl.float32) + k  # the fractions below round as the reference's fp32(k / unit / 2) etc.
+            lo_s = lo + width * (kf / (2 * CLIP_UNIT))
+            step_s = tl.maximum(width * ((CLIP_UNIT - kf) / (CLIP_UNIT * QMAX)), MIN_STEP)
             err = _row_sq_error(b, lo_s, step_s, QMAX)
             take = err < best
             best = tl.where(take, err, best)
@@ -304,10 +311,12 @@ def _encode_kernel(
 
 def default_encode_warps(cfg: KVarNConfig) -> int:
     """Warps per program of the encode kernel unless the caller picks them (see ``ENCODE_SMALL_TILE``)."""
-    return 4 if cfg.head_dim * cfg.group_size <= ENCODE_SMALL_TILE else 8
+    return 4 if cfg.head_dim * cfg.group_size <= ENCODE_SMALL_TILE and not cfg.smooth_keys else 8
 
 
-def _launch_encode(k, v, src_idx, n_tiles, n_heads, strides, dst, dst_idx, d_strides, cfg, num_warps) -> None:
+def _launch_encode(
+    k, v, src_idx, n_tiles, n_heads, strides, dst, dst_idx, d_strides, cfg, num_warps, max_regs=None
+) -> None:
     if n_tiles == 0 or n_heads == 0:
         return
     iters = cfg.sinkhorn_iters if cfg.normalize else 0
@@ -333,6 +342,7 @@ def _launch_encode(k, v, src_idx, n_tiles, n_heads, strides, dst, dst_idx, d_str
         V_CLIP_UNIT=(cfg.v_clip or (1, 1))[0],
         V_CLIP_COUNT=(cfg.v_clip or (1, 1))[1],
         num_warps=num_warps or default_encode_warps(cfg),
+        maxnreg=max_regs,
     )
 
 
@@ -357,13 +367,15 @@ def encode_records(
     cfg: KVarNConfig,
     *,
     num_warps: int | None = None,
+    max_regs: int | None = None,
     empty: Callable[..., torch.Tensor] = torch.empty,
 ) -> torch.Tensor:
     """Prepared tiles ``k, v: [..., G, D]`` (rotated, fp16/bf16, pool form) -> records ``[..., record_bytes]`` uint8.
 
     Knobs (keyword only, as for every store op): ``num_warps`` of the encode kernel (default
-    :func:`default_encode_warps`); ``empty`` allocates outputs and workspaces (``torch.empty``'s
-    signature; tests pass one that pre-fills them).
+    :func:`default_encode_warps`) and ``max_regs``, its register cap per thread (default: none,
+    ptxas picks); ``empty`` allocates
+    outputs and workspaces (``torch.empty``'s signature; tests pass one that pre-fills them).
     """
     _check_kv_tiles(k, v, cfg, "tiles")
     lead = k.shape[:-2]
@@ -372,7 +384,7 @@ def encode_records(
     n = kf.shape[0]
     out = empty(n, cfg.record_bytes, dtype=torch.uint8, device=k.device)
     strides = (kf.stride(0), kf.stride(1), 0)
-    _launch_encode(kf, vf, None, n, 1, strides, out, None, (out.stride(0), 0), cfg, num_warps)
+    _launch_encode(kf, vf, None, n, 1, strides, out, None, (out.stride(0), 0), cfg, num_warps, max_regs)
     return out.reshape(*lead, cfg.record_bytes)
 
 
@@ -385,6 +397,7 @@ def commit_tiles(
     cfg: KVarNConfig,
     *,
     num_warps: int | None = None,
+    max_regs: int | None = None,
 ) -> None:
     """Quantize full pool tiles ``tail_*[tail_slots[i]]`` (``[num_slots, G, Hkv, D]``) into ``cache[block_ids[i]]``.
 
@@ -411,6 +424,7 @@ def commit_tiles(
         (cache.stride(0), cache.stride(1)),
         cfg,
         num_warps,
+        max_regs,
     )
 
 
@@ -422,6 +436,7 @@ def store_tiles(
     cfg: KVarNConfig,
     *,
     num_warps: int | None = None,
+    max_regs: int | None = None,
     empty: Callable[..., torch.Tensor] = torch.empty,
 ) -> None:
     """Quantize whole model-frame tiles ``k, v: [N, G, Hkv, D]`` into ``cache[block_ids]``, in place.
@@ -447,7 +462,7 @@ def store_tiles(
     strides = (work_k.stride(0), work_k.stride(1), work_k.stride(2))
     tiles = torch.arange(n, dtype=torch.int32, device=k.device)  # same kernel variant as commit_tiles
     d_strides = (cache.stride(0), cache.stride(1))
-    _launch_encode(work_k, work_v, tiles, n, hkv, strides, cache, block_ids, d_strides, cfg, num_warps)
+    _launch_encode(work_k, work_v, tiles, n, hkv, strides, cache, block_ids, d_strides, cfg, num_warps, max_regs)
 
 
 def _check_pool(tail_k: torch.Tensor, tail_v: torch.Tensor, cache: torch.Tensor, cfg: KVarNConfig) -> None:

@@ -14,8 +14,10 @@ range ``[lo_i, lo_i + qmax step_i]`` may shrink symmetrically by a fraction ``s 
     step_i(s) = max(w_i ((1 - s) / qmax), 1e-10)        s > 0; s = 0 is the unclipped pair
 
 and each row takes the ``s`` whose reconstruction ``code step + lo`` has the smallest squared error
-over the row (the first, so the largest range, on a tie). Values outside the shrunk range saturate
-to the end codes. Same bytes, same decoder: only the choice of ``(lo, step)`` changes.
+over the row (the first, so the largest range, on a tie), taken in steps as
+``step^2 sum_j (t_j - code_j)^2`` with ``t = (b - lo) * (1 / step)`` (:func:`_row_sq_error`).
+Values outside the shrunk range saturate to the end codes. Same bytes, same decoder: only the
+choice of ``(lo, step)`` changes.
 
 Choosing the parameters (:func:`choose_qparams`) is split from applying them
 (:func:`quantize_rows`) so codes can be compared exactly even where a parameter differs by an ulp.
@@ -70,9 +72,16 @@ def choose_qparams(
 
 
 def _row_sq_error(b: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, bits: int) -> torch.Tensor:
-    """Squared error ``[..., R]`` of each row of ``b`` rounded with ``(lo, step)``."""
-    codes = quantize_rows(b, lo, step, bits).to(torch.float32)
-    return (codes * step[..., None] + lo[..., None] - b).square().sum(-1)
+    """Squared error ``[..., R]`` of each row of ``b`` rounded with ``(lo, step)``, taken in steps.
+
+    ``sum_j (code_j step + lo - b_j)^2 = step^2 sum_j (t_j - code_j)^2`` with ``t = (b - lo) / step``
+    and ``code = clamp(round(t), 0, qmax)``. For the pick only, ``t`` is ``(b - lo) * (1 / step)``
+    (a reciprocal multiply, as the kernels take it: the same fp32 ``t``, one multiply per element
+    and shrink instead of a division); :func:`quantize_rows` divides.
+    """
+    t = (b - lo[..., None]) * (1.0 / step)[..., None]
+    e = t - torch.round(t.clamp(0, 2**bits - 1))
+    return step.square() * e.square().sum(-1)
 
 
 def quantize_rows(b: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, bits: int) -> torch.Tensor:
