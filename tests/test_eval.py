@@ -77,6 +77,8 @@ def test_methods_and_bits():
     assert (kivi.config.rotate, kivi.config.normalize) == (False, False)
     assert kivi.bits_per_element(64) == get_method("kvarn_k2v2_g128").bits_per_element(64)
     assert get_method("hadrtn_k4v2_g128").config.normalize is False
+    hadclip = get_method("hadclip_k2v2_g128").config
+    assert (hadclip.rotate, hadclip.normalize, hadclip.clip) == (True, False, True)
     assert get_method("sinkhorn_k4v2_g64").config.rotate is False
     assert get_method("fp8_e4m3").capacity_vs_fp16(64) == 2.0
     with pytest.raises(ValueError, match="unknown method 'kivi_k3v3_g128'"):

@@ -18,6 +18,8 @@ name                       what a full tile becomes                             
                            min/max ranges (``clip=False``)
 ``hadrtn_k{K}v{V}_g{G}``   ``normalize=False, clip=False``: Hadamard then               KVarN
                            min/max RTN (QuaRot-style)
+``hadclip_k{K}v{V}_g{G}``  ``normalize=False``: Hadamard then RTN with KVarN's clipped     KVarN
+                           2-bit ranges (the stage ablation: KVarN without Sinkhorn)
 ``sinkhorn_k{K}v{V}_g{G}`` ``rotate=False``: variance normalization without Hadamard    KVarN
 ``smooth_k{K}v{V}_g{G}``   ``smooth_keys=True``: KVarN with key smoothing (D bytes      KVarN
                            more per record; ``kvarn/reference/smooth.py``)
@@ -54,6 +56,7 @@ FAMILIES = {
     "kvarn": ("KVarN", {}),
     "kivi": ("KIVI-style RTN", {"rotate": False, "normalize": False, "clip": False}),
     "hadrtn": ("Hadamard + RTN", {"normalize": False, "clip": False}),
+    "hadclip": ("Hadamard + clipped RTN", {"normalize": False}),
     "sinkhorn": ("Sinkhorn w/o Hadamard", {"rotate": False}),
     "smooth": ("KVarN + key smoothing", {"smooth_keys": True}),
 }
