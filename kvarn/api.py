@@ -309,7 +309,9 @@ def quantize(
     records = torch.empty(m, h, cfg.record_bytes, dtype=torch.uint8, device=k.device)
     if records.numel():
         block_ids = torch.arange(m, dtype=torch.int32, device=k.device)
-        ops.store_tiles(k_tiles, v_tiles, block_ids, records, cfg, impl=impl)
+        n_row = k.shape[-3] // cfg.group_size  # tiles per sequence: block 0 of each is its first
+        smooth_src = (block_ids // n_row) * n_row if cfg.seq_smooth else None
+        ops.store_tiles(k_tiles, v_tiles, block_ids, records, cfg, smooth_src, impl=impl)
         if bool(k_exp.any() or v_exp.any()):
             records = ops.scale_records(records, k_exp, v_exp, cfg)
     n = k.shape[-3] // cfg.group_size
@@ -321,7 +323,12 @@ def _quantize_one(x: torch.Tensor, role: str, cfg: KVarNConfig, impl: str) -> Qu
     tiles, rest = _tiles(x, cfg)  # [M, G, H, D]
     tiles, exp = _range_scaled(tiles, cfg)
     prepared = ops.prepare(tiles.transpose(1, 2), x.dtype, cfg.rotate)  # [M, H, G, D]
-    half = ops.encode_half(prepared, role, cfg, impl=impl)
+    smooth_vec = None
+    if cfg.seq_smooth and role == "key" and prepared.shape[0]:
+        per_seq = prepared.unflatten(0, (-1, x.shape[-3] // cfg.group_size))  # [B, n, H, G, D]
+        s = ops.sequence_smoothing_vector(ops.from_pool(per_seq[:, 0]))  # [B, H, D]
+        smooth_vec = s[:, None].expand(*per_seq.shape[:3], s.shape[-1]).reshape(*prepared.shape[:2], -1)
+    half = ops.encode_half(prepared, role, cfg, smooth_vec, impl=impl)
     if bool(exp.any()):
         half = ops.scale_half(half, exp)
     bits = cfg.k_bits if role == "key" else cfg.v_bits

@@ -85,6 +85,8 @@ errors cancel and a clipping bias does not; measured in ``docs/fidelity.md``."""
 SCALE_FIELDS = ("k_scale", "k_zero", "k_tok", "v_scale", "v_zero", "v_chan")
 SMOOTH_FIELD = "k_smooth"
 """The optional per-channel key smoothing vector (one fp8 byte per channel), last in the record."""
+SMOOTH_SCOPES = ("tile", "sequence")
+"""Where a smoothed format's vector comes from: each tile's own tokens, or the sequence's first tile."""
 
 
 @dataclass(frozen=True)
@@ -96,8 +98,11 @@ class KVarNConfig:
     switches exist for ablations and baselines (with both off the format is KIVI-style RTN:
     per-channel K, per-token V). The byte layout does not depend on them. ``smooth_keys`` divides
     each K tile by a per-channel vector before the rotation (an option measured in
-    ``docs/fidelity.md``; it adds ``D`` bytes per record; the kernels implement it, GPU-validated, with
-    decode 2-3x slower than unsmoothed, ``docs/kernels.md``).
+    ``docs/fidelity.md``; it adds ``D`` bytes per record). ``smooth_scope`` says where the vector
+    comes from: ``"tile"``, each tile's own tokens (decode 1.4-2x slower than unsmoothed: the kernel
+    rotates the query once per tile, ``docs/kernels.md``), or ``"sequence"``, the sequence's first
+    tile without its first token (``reference/smooth.py``): every record of a sequence then carries
+    the same vector and the decode rotates the query once.
     ``clip`` (on by default) lets the rows of a 2-bit half pick a clipped RTN range by squared
     error (:func:`kvarn.reference.rtn.choose_qparams`, grids :data:`KEY_CLIP` and
     :data:`VALUE_CLIP`; same bytes and decoder; no effect on 4-bit halves; ``docs/fidelity.md``).
@@ -117,6 +122,7 @@ class KVarNConfig:
     normalize: bool = True
     smooth_keys: bool = False
     clip: bool = True
+    smooth_scope: str = "tile"
 
     def __post_init__(self) -> None:
         for name in ("k_bits", "v_bits"):
@@ -128,6 +134,10 @@ class KVarNConfig:
         check_head_dim(self.head_dim)
         if self.smooth_keys and not self.rotate:
             raise ValueError("smooth_keys=True needs rotate=True: without the rotation there is nothing to smooth")
+        if self.smooth_scope not in SMOOTH_SCOPES:
+            raise ValueError(f"smooth_scope must be one of {SMOOTH_SCOPES}, got {self.smooth_scope!r}")
+        if self.smooth_scope != "tile" and not self.smooth_keys:
+            raise ValueError(f"smooth_scope={self.smooth_scope!r} needs smooth_keys=True")
         if not isinstance(self.sinkhorn_iters, int) or self.sinkhorn_iters < 0:
             raise ValueError(f"sinkhorn_iters must be a non-negative int, got {self.sinkhorn_iters!r}")
 
@@ -158,6 +168,11 @@ class KVarNConfig:
     def v_clip(self) -> tuple[int, int] | None:
         """The V half's clipped-range grid: :data:`VALUE_CLIP` at 2 bits with ``clip``, else None."""
         return VALUE_CLIP if self.clip and self.v_bits == 2 else None
+
+    @property
+    def seq_smooth(self) -> bool:
+        """Whether every record of a sequence carries the sequence's smoothing vector (``smooth_scope="sequence"``)."""
+        return self.smooth_keys and self.smooth_scope == "sequence"
 
     @property
     def name(self) -> str:

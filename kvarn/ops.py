@@ -22,7 +22,7 @@ from kvarn import reference
 IMPLS = ("auto", "reference", "triton")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.uint8)
 """Dtypes of the deciding tensor for which ``auto`` uses Triton (uint8: the records themselves)."""
-REFERENCE_ONLY = frozenset({"prepare", "rotate", "from_pool"})
+REFERENCE_ONLY = frozenset({"prepare", "rotate", "from_pool", "sequence_smoothing_vector"})
 """Ops with no kernel of their own (cheap elementwise or small-matrix work): every ``impl`` runs the reference."""
 SMOOTH_KERNEL_OPS = frozenset({"encode_records", "store_tiles", "commit_tiles", "decode_records", "paged_attention"})
 """Ops whose kernels implement ``smooth_keys`` records; for a smoothed format every other op runs the reference."""
@@ -117,19 +117,32 @@ def write_tail(k, v, tail_k, tail_v, tail_slot_mapping, cfg, *, impl: str = "aut
     _pick("write_tail", impl, k)(k, v, tail_k, tail_v, tail_slot_mapping, cfg)
 
 
-def commit_tiles(tail_k, tail_v, tail_slots, block_ids, cache, cfg, *, impl: str = "auto") -> None:
+def commit_tiles(tail_k, tail_v, tail_slots, block_ids, cache, cfg, smooth_src=None, *, impl: str = "auto") -> None:
     """Quantize full pool tiles into cache records. See :func:`kvarn.reference.commit_tiles`."""
-    _pick("commit_tiles", impl, tail_k, _smoothed(cfg))(tail_k, tail_v, tail_slots, block_ids, cache, cfg)
+    fn = _pick("commit_tiles", impl, tail_k, _smoothed(cfg))
+    fn(tail_k, tail_v, tail_slots, block_ids, cache, cfg, smooth_src)
 
 
-def store_tiles(k, v, block_ids, cache, cfg, *, impl: str = "auto") -> None:
+def store_tiles(k, v, block_ids, cache, cfg, smooth_src=None, *, impl: str = "auto") -> None:
     """Quantize whole model-frame tiles into cache records. See :func:`kvarn.reference.store_tiles`."""
-    _pick("store_tiles", impl, k, _smoothed(cfg))(k, v, block_ids, cache, cfg)
+    _pick("store_tiles", impl, k, _smoothed(cfg))(k, v, block_ids, cache, cfg, smooth_src)
 
 
-def encode_records(k, v, cfg, *, impl: str = "auto") -> torch.Tensor:
-    """Prepared tiles to records. See :func:`kvarn.reference.encode_records`."""
+def encode_records(k, v, cfg, smooth_vec=None, *, impl: str = "auto") -> torch.Tensor:
+    """Prepared tiles to records. See :func:`kvarn.reference.encode_records`.
+
+    A given ``smooth_vec`` runs the reference (the kernel takes each tile's vector from the tile).
+    """
+    if smooth_vec is not None:
+        if impl == "triton":
+            raise ValueError("impl='triton' asked for encode_records with smooth_vec, which its kernel does not take")
+        return reference.encode_records(k, v, cfg, smooth_vec)
     return _pick("encode_records", impl, k, _smoothed(cfg))(k, v, cfg)
+
+
+def sequence_smoothing_vector(first_tiles, *, impl: str = "auto") -> torch.Tensor:
+    """A sequence's smoothing vector from its first tile. See :func:`kvarn.reference.sequence_smoothing_vector`."""
+    return _pick("sequence_smoothing_vector", impl, first_tiles)(first_tiles)
 
 
 def decode_records(records, cfg, *, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,8 +182,10 @@ def paged_attention(
     )
 
 
-def encode_half(tiles, role, cfg, *, impl: str = "auto"):
+def encode_half(tiles, role, cfg, smooth_vec=None, *, impl: str = "auto"):
     """Prepared tiles ``[..., G, D]`` to the K or V half of a record. See :func:`kvarn.reference.encode_half`."""
+    if smooth_vec is not None:
+        return _pick("encode_half", impl, tiles, True)(tiles, role, cfg, smooth_vec)
     return _pick("encode_half", impl, tiles, _smoothed(cfg))(tiles, role, cfg)
 
 

@@ -186,7 +186,8 @@ def build_cache(cfg: KVarNConfig, seq_lens: list[int], hkv: int, dtype: torch.dt
         block_table[b, :n] = ids.to(torch.int32)
         if n:
             k, v = make_kv(n, g, hkv, d, dtype, seed * 1000 + b)
-            R.store_tiles(k.to(device), v.to(device), ids.to(device), cache, cfg)
+            src = ids[:1].expand(n).to(device) if cfg.seq_smooth else None  # the sequence's first block
+            R.store_tiles(k.to(device), v.to(device), ids.to(device), cache, cfg, src)
         if b % 2 == 0:
             sink_slots[b] = int(slot_perm[len(seq_lens) + b // 2])
     out = {
@@ -272,6 +273,7 @@ def expect_math_constants(kernels_common) -> None:
     pairs = {
         "SMOOTH_MIN": smooth_mod.SMOOTH_MIN,
         "SMOOTH_EXP": smooth_mod.SMOOTH_EXP,
+        "SEQ_SMOOTH_SKIP": smooth_mod.SEQ_SMOOTH_SKIP,
         "STD_MIN": normalize.STD_MIN,
         "STD_MAX": normalize.STD_MAX,
         "LOG_SCALE_MIN": normalize.LOG_SCALE_MIN,

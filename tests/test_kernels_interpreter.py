@@ -357,6 +357,7 @@ def test_record_layout_is_the_configs(preset, d, smooth):
     assert (layout.D, layout.G, layout.K_BITS, layout.V_BITS) == (d, cfg.group_size, cfg.k_bits, cfg.v_bits)
     assert (layout.K_PER_BYTE, layout.V_PER_BYTE) == (8 // cfg.k_bits, 8 // cfg.v_bits)
     offsets = {name.lower(): getattr(layout, name) for name in layout._fields[6:]}
+    assert offsets.pop("seq_smooth") is False
     assert offsets.pop("k_smooth") == cfg.offsets.get("k_smooth", -1)
     assert offsets == {k: v for k, v in cfg.offsets.items() if k != "k_smooth"}
 
@@ -524,3 +525,102 @@ def test_paged_attention_smooth_refuses_unimplemented_variants():
     for knobs in ({"fuse_query": False}, {"tokens_m": True}):
         with pytest.raises(ValueError, match="smooth_keys"):
             attention.paged_attention(*args, **knobs)
+
+
+# One smoothing vector per sequence (``smooth_scope="sequence"``).
+
+
+def _seq_cfg(preset: str, d: int) -> KVarNConfig:
+    return KVarNConfig.from_preset(preset, head_dim=d, smooth_keys=True, smooth_scope="sequence")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_store_and_commit_sequence_smooth(dtype):
+    """The first tile publishes its vector, later tiles (same call or later) take it: the reference's bytes."""
+    cfg = _seq_cfg("kvarn_k4v2_g64", 64)
+    g, hkv, d, n = 64, 2, 64, 3
+    k, v = make_kv(n, g, hkv, d, dtype, seed=23)
+    k[0, 0] *= 40  # a BOS-like first token, left out of the vector
+    block_ids = torch.tensor([4, 1, 2], dtype=torch.int32)
+    src = torch.tensor([4, 4, 2], dtype=torch.int32)  # tiles 0, 1: one sequence (first in block 4); tile 2: another
+    got = torch.full((6, hkv, cfg.record_bytes), 0xAB, dtype=torch.uint8)
+    want = got.clone()
+    store.store_tiles(k, v, block_ids, got, cfg, src, empty=poisoned_empty)
+    R.store_tiles(k, v, block_ids, want, cfg, src)
+    assert torch.equal(got[[0, 3, 5]], want[[0, 3, 5]])
+    kr, vr = R.prepare(k, dtype).transpose(1, 2), R.prepare(v, dtype).transpose(1, 2)
+    stats = check_records(got[block_ids.long()], want[block_ids.long()], kr, vr, cfg)
+    assert stats["k_smooth_equal"] == 1.0
+    field = slice(cfg.offsets["k_smooth"], cfg.record_bytes)
+    assert torch.equal(got[1, :, field], got[4, :, field]) and not torch.equal(got[2, :, field], got[4, :, field])
+    # the later tile alone, its first record already in the cache: same bytes
+    alone = got.clone()
+    alone[1] = 0
+    store.store_tiles(k[1:2], v[1:2], block_ids[1:2], alone, cfg, src[1:2])
+    assert torch.equal(alone, got)
+    # write_tail + commit_tiles (padded list) give the store's bytes
+    pool_k = torch.full((n + 1, g, hkv, d), float("nan"), dtype=dtype)
+    pool_v = pool_k.clone()
+    store.write_tail(
+        k.reshape(n * g, hkv, d), v.reshape(n * g, hkv, d), pool_k, pool_v, torch.arange(g, (n + 1) * g), cfg
+    )
+    via_tail = torch.full_like(got, 0x5A)
+    slots = torch.tensor([2, -1, 1, 3], dtype=torch.int32)
+    ids = torch.tensor([1, 0, 4, 2], dtype=torch.int32)
+    store.commit_tiles(pool_k, pool_v, slots, ids, via_tail, cfg, torch.tensor([4, 0, 4, 2], dtype=torch.int32))
+    assert torch.equal(via_tail[block_ids.long()], got[block_ids.long()]), "the two store paths give different bytes"
+    assert (via_tail[[0, 3, 5]] == 0x5A).all()
+    with pytest.raises(ValueError, match="smooth_src"):
+        store.store_tiles(k, v, block_ids, got, cfg)
+
+
+def test_encode_records_sequence_smooth_takes_each_tile_as_a_first():
+    cfg = _seq_cfg("kvarn_k2v2_g128", 64)
+    k, v = make_kv(2, 128, 1, 64, torch.float16, seed=29)
+    kr, vr = R.prepare(k[:, :, 0], torch.float16), R.prepare(v[:, :, 0], torch.float16)
+    stats = check_records(store.encode_records(kr, vr, cfg), R.encode_records(kr, vr, cfg), kr, vr, cfg)
+    assert stats["k_smooth_equal"] == 1.0
+
+
+SEQ_SMOOTH_ATTN_CASES = [
+    # preset, d, dtype, hq, hkv, sink, splits, knobs
+    ("kvarn_k4v2_g64", 64, torch.float16, 4, 2, True, None, {}),
+    ("kvarn_k2v2_g128", 64, torch.bfloat16, 4, 2, False, 2, {"fuse_query": False}),
+    ("kvarn_k4v2_g128", 128, torch.float16, 4, 1, True, 2, {"tokens_m": True}),
+    (
+        "kvarn_k4v2_g128",
+        128,
+        torch.bfloat16,
+        2,
+        2,
+        True,
+        1,
+        {"fuse_query": False, "tokens_m": True, "fold_offsets": True},
+    ),
+    ("kvarn_k4v2_g64", 128, torch.float16, 2, 1, True, 3, {"pair_tiles": True}),
+    ("kvarn_k4v2_g64", 256, torch.bfloat16, 2, 1, False, 2, {}),
+]
+
+
+@pytest.mark.parametrize("preset,d,dtype,hq,hkv,sink,splits,knobs", SEQ_SMOOTH_ATTN_CASES)
+def test_paged_attention_decode_sequence_smooth(preset, d, dtype, hq, hkv, sink, splits, knobs):
+    cfg = _seq_cfg(preset, d)
+    lengths = ragged_lengths(cfg.group_size, 6, seed=d + hq + 1)
+    state = build_cache(cfg, lengths, hkv, dtype, seed=2)
+    gen = torch.Generator().manual_seed(d + 1)
+    query = torch.randn(len(lengths), hq, d, generator=gen)
+    query[..., 3] *= 20  # a large query channel where the keys' channel 3 is smoothed (make_kv's outlier)
+    args = attention_args(state, query.to(dtype), cfg, sink=sink)
+    out = attention.paged_attention(*args, num_splits=splits, empty=poisoned_empty, **knobs)
+    check_attention(out, args, conditioned=True)
+
+
+def test_paged_attention_multi_query_sequence_smooth():
+    cfg = _seq_cfg("kvarn_k4v2_g64", 64)
+    lengths = [190, 70, 5, 130]
+    n_q = [20, 0, 5, 3]
+    state = build_cache(cfg, lengths, 2, torch.float16, seed=6)
+    qsl = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(int(qsl[-1]), 4, 64).to(torch.float16)
+    args = attention_args(state, query, cfg, qsl=qsl, sink=True)
+    check_attention(attention.paged_attention(*args, num_splits=2, empty=poisoned_empty), args, conditioned=True)

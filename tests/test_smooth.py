@@ -9,6 +9,7 @@ from tolerances import ROUNDTRIP_REL
 
 import kvarn
 from kvarn import ops
+from kvarn import reference as R
 from kvarn.config import KVarNConfig
 from kvarn.reference import decode_records, encode_records, prepare, rotate, unpack_record
 from kvarn.reference.smooth import SMOOTH_DTYPE, SMOOTH_MIN, smooth, smoothing_vector, unsmooth
@@ -113,3 +114,91 @@ def test_auto_picks_the_smoothed_kernels_that_exist(monkeypatch):
 def test_smoothing_needs_the_rotation():
     with pytest.raises(ValueError, match="rotate"):
         KVarNConfig(smooth_keys=True, rotate=False)
+
+
+# One vector per sequence (``smooth_scope="sequence"``)
+
+
+def _seq_cfg(preset="kvarn_k4v2_g128", head_dim=64):
+    return _cfg(preset, head_dim, smooth_scope="sequence")
+
+
+def test_sequence_scope_needs_smooth_keys_and_a_known_scope():
+    with pytest.raises(ValueError, match="smooth_keys"):
+        KVarNConfig(smooth_scope="sequence")
+    with pytest.raises(ValueError, match="smooth_scope"):
+        KVarNConfig(smooth_keys=True, smooth_scope="layer")
+    assert _seq_cfg().seq_smooth and not _cfg().seq_smooth
+    assert _seq_cfg().record_bytes == _cfg().record_bytes  # same bytes: the vector is in every record
+
+
+def test_sequence_vector_leaves_out_the_first_token():
+    from kvarn.reference.smooth import SEQ_SMOOTH_SKIP, sequence_smoothing_vector
+
+    tile = rotate(_quiet_channel_keys()[:128, 0])
+    spiked = tile.clone()
+    spiked[0] = rotate(torch.full((64,), 500.0))  # a BOS-like first key
+    assert torch.equal(sequence_smoothing_vector(spiked), smoothing_vector(tile[SEQ_SMOOTH_SKIP:]))
+    assert not torch.equal(smoothing_vector(spiked), smoothing_vector(tile))
+
+
+def test_quantize_sequence_scope_stores_the_first_tiles_vector_in_every_record():
+    from kvarn.reference.smooth import sequence_smoothing_vector
+
+    cfg = _seq_cfg()
+    k = torch.stack([_quiet_channel_keys(384, seed=s) for s in (1, 2)])  # [2 sequences, 384, H, D]
+    k[1, 200:] *= torch.linspace(0.1, 3.0, 64)  # later tiles of sequence 1 have other spreads
+    v = torch.randn_like(k)
+    q = kvarn.quantize((k, v), cfg)
+    field = slice(cfg.offsets["k_smooth"], cfg.record_bytes)
+    s = q.records[..., field].view(SMOOTH_DTYPE).float()  # [2, 3 tiles, H, D]
+    first = prepare(k[:, :128].transpose(1, 2), k.dtype)  # [2, H, G, D]
+    assert torch.equal(s, sequence_smoothing_vector(first)[:, None].expand_as(s))
+    # the decoder needs nothing new: each record dequantizes with its own (equal) vector
+    k2, _ = q.dequantize()
+    assert float((k2 - k).norm() / k.norm()) < ROUNDTRIP_REL[cfg.k_bits]
+    one = kvarn.quantize(k, cfg, role="key")  # the single-tensor form agrees
+    torch.testing.assert_close(one.dequantize(), k2)
+
+
+def test_store_and_commit_take_the_vector_from_the_source_record():
+    """A later tile (own block != smooth_src) is encoded with the vector of its sequence's first record."""
+    cfg = _seq_cfg()
+    g, h, d = cfg.group_size, 2, 64
+    k = torch.stack([_quiet_channel_keys(g, h, d, seed=s) for s in (3, 4)])  # tiles [2, G, H, D]
+    k[1] *= torch.linspace(0.2, 2.0, d)
+    v = torch.randn_like(k)
+    cache = torch.zeros(4, h, cfg.record_bytes, dtype=torch.uint8)
+    R.store_tiles(k[:1], v[:1], torch.tensor([2]), cache, cfg, torch.tensor([2]))  # the first tile, block 2
+    R.store_tiles(k[1:], v[1:], torch.tensor([0]), cache, cfg, torch.tensor([2]))  # a later tile, block 0
+    field = slice(cfg.offsets["k_smooth"], cfg.record_bytes)
+    assert torch.equal(cache[0, :, field], cache[2, :, field])
+    # both in one call give the same bytes (the first tile publishes its vector before the others read it)
+    both = torch.zeros_like(cache)
+    R.store_tiles(k.flip(0), v.flip(0), torch.tensor([0, 2]), both, cfg, torch.tensor([2, 2]))
+    assert torch.equal(both, cache)
+    # commit from the pool: the same bytes as the store
+    pool_k = torch.zeros(3, g, h, d)
+    pool_v = torch.zeros_like(pool_k)
+    mapping = torch.cat([torch.arange(g) + 2 * g, torch.arange(g)])  # tile 0 -> slot 2, tile 1 -> slot 0
+    R.write_tail(k.reshape(-1, h, d), v.reshape(-1, h, d), pool_k, pool_v, mapping, cfg)
+    committed = torch.zeros_like(cache)
+    R.commit_tiles(
+        pool_k, pool_v, torch.tensor([0, -1, 2]), torch.tensor([0, 1, 2]), committed, cfg, torch.tensor([2, 2, 2])
+    )
+    assert torch.equal(committed[[0, 2]], cache[[0, 2]]) and not committed[1].any()
+
+
+def test_store_checks_smooth_src():
+    cfg = _seq_cfg()
+    k = torch.randn(1, cfg.group_size, 1, 64)
+    cache = torch.zeros(1, 1, cfg.record_bytes, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="smooth_src"):
+        R.store_tiles(k, k, torch.tensor([0]), cache, cfg)
+    with pytest.raises(ValueError, match="smooth_src"):
+        R.store_tiles(k, k, torch.tensor([0]), cache, cfg, torch.tensor([0, 0]))
+    plain = _cfg()
+    with pytest.raises(ValueError, match="smooth_src"):
+        R.store_tiles(
+            k, k, torch.tensor([0]), torch.zeros(1, 1, plain.record_bytes, dtype=torch.uint8), plain, torch.tensor([0])
+        )

@@ -23,6 +23,8 @@ name                       what a full tile becomes                             
 ``sinkhorn_k{K}v{V}_g{G}`` ``rotate=False``: variance normalization without Hadamard    KVarN
 ``smooth_k{K}v{V}_g{G}``   ``smooth_keys=True``: KVarN with key smoothing (D bytes      KVarN
                            more per record; ``kvarn/reference/smooth.py``)
+``seqsmooth_k{K}v{V}_g{G}`` ``smooth_scope="sequence"``: key smoothing with one vector    KVarN
+                           per sequence, from its first tile (same bytes as ``smooth``)
 =========================  ===========================================================  =========
 
 Any KVarN-record method takes a per-layer policy (:class:`kvarn.config.LayerPolicy`) as a suffix:
@@ -34,8 +36,8 @@ are the average over the model's layers.
 
 "real" storage keeps fp8 / fp16 tensors in the cache (``SimpleTiledCache``); "KVarN" means
 :class:`kvarn.integration.hf.KVarNCache` storing packed records. The three RTN variants use the
-record layout of their preset, so they have exactly its bits per element; ``smooth_*`` stores one
-byte per channel more per record (its bits per element are reported as such).
+record layout of their preset, so they have exactly its bits per element; ``smooth_*`` and
+``seqsmooth_*`` store one byte per channel more per record (its bits per element are reported as such).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ FAMILIES = {
     "hadclip": ("Hadamard + clipped RTN", {"normalize": False}),
     "sinkhorn": ("Sinkhorn w/o Hadamard", {"rotate": False}),
     "smooth": ("KVarN + key smoothing", {"smooth_keys": True}),
+    "seqsmooth": ("KVarN + per-sequence key smoothing", {"smooth_keys": True, "smooth_scope": "sequence"}),
 }
 DEFAULT_METHODS = (
     "fp16",

@@ -37,6 +37,8 @@ BF16_MAX = tl.constexpr(3.3895313892515355e38)
 SMOOTH_MIN = tl.constexpr(2.0**-6)
 SMOOTH_EXP = 0.5
 """The kernels take the smoothing factor as a square root (``sqrt_rn``): a test pins the reference's exponent to it."""
+SEQ_SMOOTH_SKIP = 1
+"""Tokens of a sequence's first tile that its smoothing vector leaves out (``kvarn.reference.smooth``)."""
 
 NEG_BIG = tl.constexpr(-1.0e30)
 """Start value of a running maximum: finite, so ``exp2(NEG_BIG - NEG_BIG)`` is 1, not NaN."""
@@ -73,6 +75,8 @@ class RecordLayout(NamedTuple):
     V_CHAN: int
     K_SMOOTH: int = -1
     """offset of the key smoothing vector (``smooth_keys`` configs; kernels test ``K_SMOOTH >= 0``), -1 without one"""
+    SEQ_SMOOTH: bool = False
+    """one smoothing vector per sequence (``smooth_scope="sequence"``), carried by every record of the sequence"""
 
 
 @functools.cache
@@ -86,6 +90,7 @@ def record_layout(cfg) -> RecordLayout:
         V_BITS=cfg.v_bits,
         K_PER_BYTE=cfg.k_per_byte,
         V_PER_BYTE=cfg.v_per_byte,
+        SEQ_SMOOTH=cfg.seq_smooth,
         **offsets,
     )
 

@@ -322,12 +322,14 @@ def paged_attention(
     shift-mask-subtract unpack); ``empty``
     allocates the output and the workspaces (``torch.empty``'s signature; tests pass one that fills with NaN).
 
-    A ``smooth_keys`` config (records with a key smoothing vector) rotates each record tile's
-    smoothed queries in the attention kernel itself: it needs ``fuse_query`` and ``tokens_m`` left
-    at their defaults (or ``True`` / ``False``), and its launch is not tuned (no register cap).
+    A ``smooth_keys`` config with per-tile vectors rotates each record tile's smoothed queries in
+    the attention kernel itself: it needs ``fuse_query`` and ``tokens_m`` left at their defaults
+    (or ``True`` / ``False``), and its launch is not tuned (no register cap). With one vector per
+    sequence (``smooth_scope="sequence"``) the queries are smoothed once per program and every
+    variant runs as for an unsmoothed config.
     """
     _check_args(query, cache, block_table, seq_lens, tail_k, tail_v, cfg, query_start_loc)
-    if cfg.smooth_keys:
+    if cfg.smooth_keys and not cfg.seq_smooth:
         if fuse_query is False or tokens_m:
             raise ValueError(
                 "smooth_keys records need the queries rotated per tile in the attention kernel: "
@@ -438,6 +440,8 @@ def _launch_attention(grid, q, query, cache, block_table, seq_lens, qsl, pool, w
         IN_BF16=query.dtype == torch.bfloat16,
         MERGE_CH=max(1, MERGE_CHUNK // (block_q * gqp * d)),
         FLAGS=flags,
-        maxnreg=None if multi_q or cfg.smooth_keys or launch["num_warps"] != ATTN_NUM_WARPS else DECODE_MAX_REGS.get(d),
+        maxnreg=None
+        if multi_q or (cfg.smooth_keys and not cfg.seq_smooth) or launch["num_warps"] != ATTN_NUM_WARPS
+        else DECODE_MAX_REGS.get(d),
         **launch,
     )

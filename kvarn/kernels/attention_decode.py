@@ -17,6 +17,11 @@ Smoothed records (``LAYOUT.K_SMOOTH >= 0``, ``smooth_keys``): a record's K tile 
 them by the tile's ``s`` and rotates them (:func:`_smoothed_query`, two tf32 dots on a hi/lo split,
 ~22 bits) before the usual score step. Sink and tail tiles are stored unsmoothed and use ``q H``.
 Needs ``FUSED_Q`` (the raw queries at ``q``) and not ``TOKENS_M``; the launcher enforces both.
+
+One vector per sequence (``LAYOUT.SEQ_SMOOTH``): every record of a sequence carries the same
+``s``, so the program reads it once from the sequence's first record (block table entry 0) and
+smooths and rotates its queries once (:func:`_sequence_query`); the tiles are then walked as
+unsmoothed ones, with every variant (``TOKENS_M``, prologue queries). Sink and tail tiles keep ``q H``.
 """
 
 from __future__ import annotations
@@ -174,19 +179,44 @@ def _model_query(q_base, row_ok, D: tl.constexpr, IN_BF16: tl.constexpr, FACTOR)
 
 
 @triton.jit
-def _smoothed_query(rec, q_model, LAYOUT: tl.constexpr):
-    """The score query of smoothed record ``rec``: ``(q_model * s) @ H_D`` (+-1 entries) in :func:`_load_query`'s form.
+def _scaled_query(q_model, s, LAYOUT: tl.constexpr):
+    """The score query ``(q_model * s) @ H_D`` (+-1 entries) in :func:`_load_query`'s form.
 
     ``q_model: [BLOCK_M, D]`` already carries ``FACTOR`` (with the Hadamard's ``1 / sqrt(D)``);
-    ``s: [D]`` is the record's fp8 ``k_smooth``. Returns ``(q0, q1, q2, q3, rf)``.
+    ``s: [D]`` fp32. Returns ``(q0, q1, q2, q3, rf)``.
     """
     BLOCK_M: tl.constexpr = q_model.shape[0]
     D: tl.constexpr = LAYOUT.D
-    s = fp8e4m3_to_f32(tl.load(rec + LAYOUT.K_SMOOTH + tl.arange(0, D)))  # [D]
     z = _unrotate(q_model * s[None, :], 1.0)  # [BLOCK_M, D]
     e = frexp_exponent(tl.max(tl.abs(z), axis=1))
     q0, q1, q2, q3 = _split_fields(z * pow2(-e)[:, None], BLOCK_M, LAYOUT.K_PER_BYTE, D // LAYOUT.K_PER_BYTE)
     return q0, q1, q2, q3, pow2(e)
+
+
+@triton.jit
+def _smoothed_query(rec, q_model, LAYOUT: tl.constexpr):
+    """The score query of smoothed record ``rec`` (its fp8 ``k_smooth`` as ``s``): :func:`_scaled_query`."""
+    s = fp8e4m3_to_f32(tl.load(rec + LAYOUT.K_SMOOTH + tl.arange(0, LAYOUT.D)))  # [D]
+    return _scaled_query(q_model, s, LAYOUT)
+
+
+@triton.jit
+def _sequence_query(
+    query, rec0, n_full, q_base, row_ok, LAYOUT: tl.constexpr, IN_BF16: tl.constexpr, FACTOR, FUSED: tl.constexpr
+):
+    """The score query of every record of a ``SEQ_SMOOTH`` sequence, whose first record is ``rec0``.
+
+    ``s`` is ``rec0``'s ``k_smooth`` (read only with ``n_full > 0`` records; else 1, unused). The
+    model-frame rows come from the raw queries (``FUSED``) or back from the prologue's rotated ones.
+    """
+    D: tl.constexpr = LAYOUT.D
+    dd = tl.arange(0, D)
+    s = fp8e4m3_to_f32(tl.load(rec0 + LAYOUT.K_SMOOTH + dd, mask=dd < D * (n_full > 0).to(tl.int32), other=0x38))
+    if FUSED:
+        q_model = _model_query(q_base, row_ok, D, IN_BF16, FACTOR)
+    else:
+        q_model = _unrotate(_query_rows(query, LAYOUT), 1.0 / D)  # (q H) H / D = q
+    return _scaled_query(q_model, s, LAYOUT)
 
 
 @triton.jit
@@ -328,12 +358,16 @@ def _record_tiles(
 
     ``walk = (records, bt_row, u0, u1, pos_q)``; ``FOLD`` as in :func:`_quantized_tiles`; the raw queries
     at ``q_base`` (rows ``row_ok``)
-    are read for smoothed records (``LAYOUT.K_SMOOTH >= 0``, which need ``FUSED_Q`` and not ``TOKENS_M``).
+    are read for per-tile smoothed records (``LAYOUT.K_SMOOTH >= 0``, which need ``FUSED_Q`` and not
+    ``TOKENS_M``); for ``SEQ_SMOOTH`` records ``query`` is already the sequence's (:func:`_sequence_query`).
     """
     records, bt_row, u0, u1, pos_q = walk
     if TOKENS_M:
-        tl.static_assert(LAYOUT.K_SMOOTH < 0, "smoothed records are not implemented with TOKENS_M")
+        if not LAYOUT.SEQ_SMOOTH:
+            tl.static_assert(LAYOUT.K_SMOOTH < 0, "per-tile smoothed records are not implemented with TOKENS_M")
         out = _quantized_tiles_t(query, records, bt_row, u0, u1, LAYOUT, USE_ASM, PAIR, FOLD)
+    elif LAYOUT.SEQ_SMOOTH:  # query: the sequence's smoothed queries (_sequence_query)
+        out = _quantized_tiles(query, records, bt_row, u0, u1, pos_q, LAYOUT, MULTI_Q, USE_ASM, PAIR, None, FOLD)
     elif LAYOUT.K_SMOOTH >= 0:
         tl.static_assert(FUSED_Q, "smoothed records need FUSED_Q (the raw queries at q)")
         q_model = _model_query(q_base, row_ok, LAYOUT.D, IN_BF16, FACTOR)
@@ -457,8 +491,13 @@ def _attn_kernel(
         records = (cache, s_cb, s_ch, kvh)
         qt1 = tl.minimum(u1, n_full)
         walk = (records, bt_row, qt0, qt1, pos_q)
+        rec_query = query
+        if LAYOUT.SEQ_SMOOTH:
+            blk0 = tl.load(bt_row, mask=n_full > 0, other=0).to(tl.int64)
+            rec0 = cache + blk0 * s_cb + kvh.to(tl.int64) * s_ch
+            rec_query = _sequence_query(query, rec0, n_full, q_base, row_ok, LAYOUT, IN_BF16, FACTOR, FUSED_Q)
         m_i, l_i, acc = _record_tiles(
-            query, walk, q_base, row_ok, LAYOUT, MULTI_Q, USE_ASM, PAIR, TOKENS_M, FUSED_Q, IN_BF16, FACTOR, FOLD
+            rec_query, walk, q_base, row_ok, LAYOUT, MULTI_Q, USE_ASM, PAIR, TOKENS_M, FUSED_Q, IN_BF16, FACTOR, FOLD
         )
         sink_here = has_sink & (u0 == 0)
         tail_here = (rem > 0) & (u0 <= n_full) & (n_full < u1)

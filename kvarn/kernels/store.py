@@ -18,6 +18,11 @@ straight into its record; a launch covers every (tile, head, half) of the call. 
   reference's op order), takes each channel's std over the tile's tokens (two-pass; the reference's
   ``torch.std`` may differ by an fp32 ulp, which matters only at an fp8 rounding tie), rounds
   ``s`` to fp8 e4m3 in fp32 bit arithmetic, stores it, and divides (``div_rn``) and rotates back.
+  One vector per sequence (``smooth_scope="sequence"``, ``smooth_src`` given): two launches of
+  the encoder. The first (``SMOOTH_PHASE = 0``, K programs of first tiles only) takes the vector
+  of each first tile without its first token and writes it into that tile's record; the second
+  encodes every tile with the vector it reads from its ``smooth_src`` record (and copies it into
+  its own), so a tile and its sequence's first tile may share a call.
 
 Results equal the reference's except where fp32 rounding differs (``exp``/``log`` approximations,
 summation order): a code can then move by one step at a rounding tie and a column scale by one
@@ -42,6 +47,7 @@ from kvarn.kernels._common import (
     MIN_STEP,
     ROW_EXP_HI,
     ROW_EXP_LO,
+    SEQ_SMOOTH_SKIP,
     SMOOTH_MIN,
     STD_MAX,
     STD_MIN,
@@ -51,6 +57,7 @@ from kvarn.kernels._common import (
     check_dtype,
     fp8e4m3_bits,
     fp8e4m3_round,
+    fp8e4m3_to_f32,
     frexp_exponent,
     fwht_rows,
     inv_sqrt,
@@ -215,21 +222,35 @@ def _encode_half(
 
 
 @triton.jit
-def _smooth_tile(x, dst, INV_SQRT_D: tl.constexpr):
-    """Smooth one rotated K tile ``x: [G, D]`` fp32 (``kvarn.reference.smooth``); its ``s: [D]`` fp8 bytes to ``dst``.
+def _smoothing_vector(xm, SKIP: tl.constexpr):
+    """``s: [D]`` fp32 (fp8 e4m3 values) of the model-frame tile ``xm: [G, D]`` without its first ``SKIP`` tokens.
 
-    ``s = fp8(clamp(sqrt(std / max std), SMOOTH_MIN, 1))`` with ``std`` over the tokens of the
-    model-frame channels (``rotate(x)``), and returns ``rotate(rotate(x) / s)``.
+    ``s = fp8(clamp(sqrt(std / max std), SMOOTH_MIN, 1))``, ``std`` per channel over the tokens
+    (``kvarn.reference.smooth.smoothing_vector``).
     """
-    G: tl.constexpr = x.shape[0]
-    D: tl.constexpr = x.shape[1]
-    xm = fwht_rows(x, INV_SQRT_D)  # [G, D] model frame
-    mean = tl.sum(xm, axis=0) / G
-    dev = xm - mean[None, :]
-    std = tl.sqrt_rn(tl.sum(dev * dev, axis=0) / G)  # [D], correction 0
+    G: tl.constexpr = xm.shape[0]
+    used = (tl.arange(0, G) >= SKIP)[:, None]
+    mean = tl.sum(tl.where(used, xm, 0.0), axis=0) / (G - SKIP)
+    dev = tl.where(used, xm - mean[None, :], 0.0)
+    std = tl.sqrt_rn(tl.sum(dev * dev, axis=0) / (G - SKIP))  # [D], correction 0
     top = tl.max(std, axis=0)
     rel = tl.where(top > 0.0, tl.div_rn(std, tl.where(top > 0.0, top, 1.0)), 1.0)
-    s = fp8e4m3_round(tl.minimum(tl.maximum(tl.sqrt_rn(rel), SMOOTH_MIN), 1.0))  # SMOOTH_EXP = 0.5
+    return fp8e4m3_round(tl.minimum(tl.maximum(tl.sqrt_rn(rel), SMOOTH_MIN), 1.0))  # SMOOTH_EXP = 0.5
+
+
+@triton.jit
+def _smooth_tile(x, dst, INV_SQRT_D: tl.constexpr, SKIP: tl.constexpr = 0, s_src=None):
+    """Smooth one rotated K tile ``x: [G, D]`` fp32 (``kvarn.reference.smooth``); its ``s: [D]`` fp8 bytes to ``dst``.
+
+    ``s`` is the fp8 vector at ``s_src`` where given, else the tile's own (:func:`_smoothing_vector`
+    without its first ``SKIP`` tokens). Returns ``rotate(rotate(x) / s)``.
+    """
+    D: tl.constexpr = x.shape[1]
+    xm = fwht_rows(x, INV_SQRT_D)  # [G, D] model frame
+    if s_src is None:
+        s = _smoothing_vector(xm, SKIP)
+    else:
+        s = fp8e4m3_to_f32(tl.load(s_src + tl.arange(0, D)))
     tl.store(dst + tl.arange(0, D), fp8e4m3_bits(s))
     return fwht_rows(tl.div_rn(xm, s[None, :]), INV_SQRT_D)
 
@@ -254,8 +275,11 @@ def _encode_kernel(
     dst_idx,
     d_block,
     d_head,
+    smooth_src,
     HAS_SRC_IDX: tl.constexpr,
     HAS_DST_IDX: tl.constexpr,
+    HAS_SMOOTH_SRC: tl.constexpr,
+    SMOOTH_PHASE: tl.constexpr,
     IS_BF16: tl.constexpr,
     LAYOUT: tl.constexpr,
     ITERS: tl.constexpr,
@@ -267,7 +291,11 @@ def _encode_kernel(
 ):
     """Grid ``(N, Hkv, 2)``: tile ``i``, head ``h``, half (0 = K, 1 = V) -> its part of one record.
 
-    With ``LAYOUT.K_SMOOTH >= 0`` the K program smooths its tile first and writes ``k_smooth``.
+    With ``LAYOUT.K_SMOOTH >= 0`` the K program smooths its tile first and writes ``k_smooth``:
+    with its own vector, or (``LAYOUT.SEQ_SMOOTH`` and ``HAS_SMOOTH_SRC``) the one in record
+    ``smooth_src[i]``, which an earlier launch with ``SMOOTH_PHASE = 0`` (grid ``(N, Hkv, 1)``)
+    wrote for the first tiles (``smooth_src[i]`` = own block). Without ``smooth_src`` a
+    ``SEQ_SMOOTH`` tile is taken as the first of its sequence.
     """
     L: tl.constexpr = LAYOUT
     i = tl.program_id(0)
@@ -283,11 +311,23 @@ def _encode_kernel(
         blk = i.to(tl.int64)
     off = t * s_tile + h.to(tl.int64) * s_head
     out = dst + blk * d_block + h.to(tl.int64) * d_head
-    if t >= 0:  # a negative source (padding of a fixed-size commit list) writes nothing
+    SKIP: tl.constexpr = SEQ_SMOOTH_SKIP if L.SEQ_SMOOTH else 0
+    FROM_SRC: tl.constexpr = L.SEQ_SMOOTH and HAS_SMOOTH_SRC
+    if FROM_SRC:
+        src_blk = tl.load(smooth_src + i).to(tl.int64)
+        src_rec = dst + src_blk * d_block + h.to(tl.int64) * d_head
+    if SMOOTH_PHASE == 0:
+        tl.static_assert(FROM_SRC, "SMOOTH_PHASE 0 is for per-sequence smoothing with smooth_src")
+        if (t >= 0) & (src_blk == blk):  # a first tile publishes its sequence's vector
+            xm = fwht_rows(_load_tile(k_src + off, s_tok, L, IS_BF16), INV_SQRT_D)
+            tl.store(out + L.K_SMOOTH + tl.arange(0, L.D), fp8e4m3_bits(_smoothing_vector(xm, SKIP)))
+    elif t >= 0:  # a negative source (padding of a fixed-size commit list) writes nothing
         if half == 0:
             x = _load_tile(k_src + off, s_tok, L, IS_BF16)  # [G, D]
-            if L.K_SMOOTH >= 0:
-                x = _smooth_tile(x, out + L.K_SMOOTH, INV_SQRT_D)
+            if FROM_SRC:
+                x = _smooth_tile(x, out + L.K_SMOOTH, INV_SQRT_D, SKIP, src_rec + L.K_SMOOTH)
+            elif L.K_SMOOTH >= 0:
+                x = _smooth_tile(x, out + L.K_SMOOTH, INV_SQRT_D, SKIP)
             _encode_half(
                 tl.trans(x),
                 out,
@@ -315,12 +355,24 @@ def default_encode_warps(cfg: KVarNConfig) -> int:
 
 
 def _launch_encode(
-    k, v, src_idx, n_tiles, n_heads, strides, dst, dst_idx, d_strides, cfg, num_warps, max_regs=None
+    k, v, src_idx, n_tiles, n_heads, strides, dst, dst_idx, d_strides, cfg, num_warps, max_regs=None, smooth_src=None
 ) -> None:
     if n_tiles == 0 or n_heads == 0:
         return
+    if smooth_src is not None:  # per-sequence vectors: the first tiles publish theirs first
+        _launch_encode_phase(
+            k, v, src_idx, n_tiles, n_heads, strides, dst, dst_idx, d_strides, cfg, 4, None, smooth_src, 0
+        )
+    _launch_encode_phase(
+        k, v, src_idx, n_tiles, n_heads, strides, dst, dst_idx, d_strides, cfg, num_warps, max_regs, smooth_src, 1
+    )
+
+
+def _launch_encode_phase(
+    k, v, src_idx, n_tiles, n_heads, strides, dst, dst_idx, d_strides, cfg, num_warps, max_regs, smooth_src, phase=1
+) -> None:
     iters = cfg.sinkhorn_iters if cfg.normalize else 0
-    _encode_kernel[(n_tiles, n_heads, 2)](
+    _encode_kernel[(n_tiles, n_heads, 2 if phase else 1)](
         k,
         v,
         src_idx if src_idx is not None else k,
@@ -331,8 +383,11 @@ def _launch_encode(
         dst_idx if dst_idx is not None else dst,
         d_strides[0],
         d_strides[1],
+        smooth_src if smooth_src is not None else dst,
         HAS_SRC_IDX=src_idx is not None,
         HAS_DST_IDX=dst_idx is not None,
+        HAS_SMOOTH_SRC=smooth_src is not None,
+        SMOOTH_PHASE=phase,
         IS_BF16=k.dtype == torch.bfloat16,
         LAYOUT=record_layout(cfg),
         ITERS=iters,
@@ -395,6 +450,7 @@ def commit_tiles(
     block_ids: torch.Tensor,
     cache: torch.Tensor,
     cfg: KVarNConfig,
+    smooth_src: torch.Tensor | None = None,
     *,
     num_warps: int | None = None,
     max_regs: int | None = None,
@@ -402,6 +458,7 @@ def commit_tiles(
     """Quantize full pool tiles ``tail_*[tail_slots[i]]`` (``[num_slots, G, Hkv, D]``) into ``cache[block_ids[i]]``.
 
     Entries with a negative slot are skipped: their programs exit at once (padded commit lists).
+    ``smooth_src: [N]`` as in :func:`kvarn.reference.commit_tiles` (per-sequence smoothing only).
     """
     check_cache(cache, cfg)
     _check_pool(tail_k, tail_v, cache, cfg)
@@ -410,6 +467,7 @@ def commit_tiles(
             f"tail_slots and block_ids must be [N] of one length, got {tuple(tail_slots.shape)} and "
             f"{tuple(block_ids.shape)}"
         )
+    _check_smooth_src(smooth_src, block_ids, cfg)
     n = tail_slots.shape[0]
     strides = (tail_k.stride(0), tail_k.stride(1), tail_k.stride(2))
     _launch_encode(
@@ -425,6 +483,7 @@ def commit_tiles(
         cfg,
         num_warps,
         max_regs,
+        smooth_src,
     )
 
 
@@ -434,12 +493,15 @@ def store_tiles(
     block_ids: torch.Tensor,
     cache: torch.Tensor,
     cfg: KVarNConfig,
+    smooth_src: torch.Tensor | None = None,
     *,
     num_warps: int | None = None,
     max_regs: int | None = None,
     empty: Callable[..., torch.Tensor] = torch.empty,
 ) -> None:
     """Quantize whole model-frame tiles ``k, v: [N, G, Hkv, D]`` into ``cache[block_ids]``, in place.
+
+    ``smooth_src: [N]`` as in :func:`kvarn.reference.store_tiles` (per-sequence smoothing only).
 
     Runs the :func:`write_tail` kernel into a ``[N, G, Hkv, D]`` workspace, then the
     :func:`commit_tiles` encoder: the same kernels as the tail path, so a tile gets the same bytes
@@ -452,6 +514,7 @@ def store_tiles(
         raise ValueError(f"k must be [N, G, Hkv, D] with Hkv = {cache.shape[1]}, got {tuple(k.shape)}")
     if block_ids.dim() != 1 or block_ids.shape[0] != k.shape[0]:
         raise ValueError(f"block_ids must be [N] with N = {k.shape[0]}, got {tuple(block_ids.shape)}")
+    _check_smooth_src(smooth_src, block_ids, cfg)
     n, g, hkv, d = k.shape
     if n == 0:
         return
@@ -462,7 +525,23 @@ def store_tiles(
     strides = (work_k.stride(0), work_k.stride(1), work_k.stride(2))
     tiles = torch.arange(n, dtype=torch.int32, device=k.device)  # same kernel variant as commit_tiles
     d_strides = (cache.stride(0), cache.stride(1))
-    _launch_encode(work_k, work_v, tiles, n, hkv, strides, cache, block_ids, d_strides, cfg, num_warps, max_regs)
+    _launch_encode(
+        work_k, work_v, tiles, n, hkv, strides, cache, block_ids, d_strides, cfg, num_warps, max_regs, smooth_src
+    )
+
+
+def _check_smooth_src(smooth_src: torch.Tensor | None, block_ids: torch.Tensor, cfg: KVarNConfig) -> None:
+    """Raise unless ``smooth_src`` is given exactly for a ``seq_smooth`` format, shaped like ``block_ids``."""
+    if cfg.seq_smooth != (smooth_src is not None):
+        raise ValueError(
+            "smooth_src (each tile's sequence's first block id) is needed by, and only by, smooth_scope='sequence' "
+            f"formats; {cfg.name} has smooth_scope={cfg.smooth_scope!r}, smooth_keys={cfg.smooth_keys}"
+        )
+    if smooth_src is not None and (smooth_src.shape != block_ids.shape or smooth_src.device != block_ids.device):
+        raise ValueError(
+            f"smooth_src must be shaped like block_ids {tuple(block_ids.shape)} on its device, got "
+            f"{tuple(smooth_src.shape)} on {smooth_src.device}"
+        )
 
 
 def _check_pool(tail_k: torch.Tensor, tail_v: torch.Tensor, cache: torch.Tensor, cfg: KVarNConfig) -> None:

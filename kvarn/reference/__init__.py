@@ -32,6 +32,7 @@ from kvarn.reference.record import (
     unpack_record,
 )
 from kvarn.reference.rtn import choose_qparams, clip_shrinks, quantize_rows
+from kvarn.reference.smooth import sequence_smoothing_vector, smoothing_vector
 from kvarn.reference.tiling import merge_tiles, split_tiles
 
 __all__ = [
@@ -62,7 +63,9 @@ __all__ = [
     "rotate",
     "scale_half",
     "scale_records",
+    "sequence_smoothing_vector",
     "sinkhorn",
+    "smoothing_vector",
     "split_tiles",
     "store_tiles",
     "unpack_codes",

@@ -15,15 +15,23 @@ Storage a KVarN attention layer owns:
 Tokens reach a record on one of two paths, which give identical bytes because both quantize
 :func:`~kvarn.reference.quantize.prepare`'d values: :func:`write_tail` then :func:`commit_tiles`
 (decode, chunks ending inside a tile), or :func:`store_tiles` (whole tiles of a prompt).
+
+Formats with one smoothing vector per sequence (``cfg.seq_smooth``) need to know each tile's
+sequence: both take ``smooth_src``, the block id of the sequence's first record (its block table
+entry 0). A tile whose ``smooth_src`` is its own block id is a first tile: the vector comes from it
+(:func:`~kvarn.reference.smooth.sequence_smoothing_vector`) and is written into its record; every
+other tile reads the vector from the ``k_smooth`` field of record ``smooth_src``, which must hold
+its sequence's first tile already or receive it in the same call.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvarn.config import KVarNConfig
+from kvarn.config import SMOOTH_FIELD, KVarNConfig
 from kvarn.reference.quantize import from_pool, prepare
 from kvarn.reference.record import decode_records, encode_records
+from kvarn.reference.smooth import SMOOTH_DTYPE, sequence_smoothing_vector
 
 
 def write_tail(
@@ -54,31 +62,84 @@ def commit_tiles(
     block_ids: torch.Tensor,
     cache: torch.Tensor,
     cfg: KVarNConfig,
+    smooth_src: torch.Tensor | None = None,
 ) -> None:
     """Quantize full tail tiles ``tail_*[tail_slots[i]]`` into ``cache[block_ids[i]]``, in place.
 
     ``tail_slots, block_ids: [N]``; an entry with a negative slot is skipped (fixed-size padded
     lists, as a captured CUDA graph needs). The caller promises every token of those tiles is
     written and committed (no speculative drafts).
+    ``smooth_src: [N]``: see the module docstring (``cfg.seq_smooth`` formats only).
     """
+    _check_smooth_src(smooth_src, block_ids, cfg)
     keep = tail_slots >= 0
     tail_slots, block_ids = tail_slots[keep], block_ids[keep]
+    if smooth_src is not None:
+        smooth_src = smooth_src[keep]
     if tail_slots.numel() == 0:
         return
     k = tail_k[tail_slots.long()].transpose(1, 2)  # [N, Hkv, G, D]
     v = tail_v[tail_slots.long()].transpose(1, 2)
-    cache[block_ids.long()] = encode_records(k, v, cfg)
+    _encode_into(k, v, block_ids, smooth_src, cache, cfg)
 
 
 def store_tiles(
-    k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor, cache: torch.Tensor, cfg: KVarNConfig
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_ids: torch.Tensor,
+    cache: torch.Tensor,
+    cfg: KVarNConfig,
+    smooth_src: torch.Tensor | None = None,
 ) -> None:
-    """Quantize whole tiles ``k, v: [N, G, Hkv, D]`` (model frame) into ``cache[block_ids]``, in place."""
+    """Quantize whole tiles ``k, v: [N, G, Hkv, D]`` (model frame) into ``cache[block_ids]``, in place.
+
+    ``smooth_src: [N]``: see the module docstring (``cfg.seq_smooth`` formats only).
+    """
+    _check_smooth_src(smooth_src, block_ids, cfg)
     if block_ids.numel() == 0:
         return
     kr = prepare(k, k.dtype, cfg.rotate).transpose(1, 2)  # [N, Hkv, G, D]
     vr = prepare(v, v.dtype, cfg.rotate).transpose(1, 2)
-    cache[block_ids.long()] = encode_records(kr, vr, cfg)
+    _encode_into(kr, vr, block_ids, smooth_src, cache, cfg)
+
+
+def _check_smooth_src(smooth_src: torch.Tensor | None, block_ids: torch.Tensor, cfg: KVarNConfig) -> None:
+    """Raise unless ``smooth_src`` is given exactly for a ``seq_smooth`` format, shaped like ``block_ids``."""
+    if cfg.seq_smooth and smooth_src is None:
+        raise ValueError(
+            f"{cfg.name} with smooth_scope='sequence' needs smooth_src: each tile's sequence's first block id"
+        )
+    if not cfg.seq_smooth and smooth_src is not None:
+        raise ValueError("smooth_src applies to smooth_scope='sequence' formats only")
+    if smooth_src is not None and smooth_src.shape != block_ids.shape:
+        raise ValueError(
+            f"smooth_src must be shaped like block_ids {tuple(block_ids.shape)}, got {tuple(smooth_src.shape)}"
+        )
+
+
+def _encode_into(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_ids: torch.Tensor,
+    smooth_src: torch.Tensor | None,
+    cache: torch.Tensor,
+    cfg: KVarNConfig,
+) -> None:
+    """Encode prepared tiles ``k, v: [N, Hkv, G, D]`` into ``cache[block_ids]`` (vectors from ``smooth_src``)."""
+    ids = block_ids.long()
+    if smooth_src is None:
+        cache[ids] = encode_records(k, v, cfg)
+        return
+    src = smooth_src.long()
+    first = src == ids
+    lo = cfg.offsets[SMOOTH_FIELD]
+    field = slice(lo, lo + cfg.smooth_bytes)
+    # first tiles publish their sequence's vector, then every tile reads its own from its source record
+    if bool(first.any()):
+        s_first = sequence_smoothing_vector(from_pool(k[first])).to(SMOOTH_DTYPE)
+        cache[ids[first], :, field] = s_first.view(torch.uint8)
+    s = cache[src, :, field].contiguous().view(SMOOTH_DTYPE).float()  # [N, Hkv, D]
+    cache[ids] = encode_records(k, v, cfg, s)
 
 
 def gather_sequence(

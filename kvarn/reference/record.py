@@ -24,7 +24,7 @@ from kvarn.reference.quantize import (
     quantize_half,
     scale_half,
 )
-from kvarn.reference.smooth import SMOOTH_DTYPE, smooth, smoothing_vector, unsmooth
+from kvarn.reference.smooth import SMOOTH_DTYPE, sequence_smoothing_vector, smooth, smoothing_vector, unsmooth
 
 ROLES = ("key", "value")
 
@@ -43,19 +43,28 @@ def _check_role(role: str) -> None:
         raise ValueError(f"role must be 'key' or 'value', got {role!r}")
 
 
-def encode_half(tiles: torch.Tensor, role: str, cfg: KVarNConfig) -> TileHalf:
+def encode_half(tiles: torch.Tensor, role: str, cfg: KVarNConfig, smooth_vec: torch.Tensor | None = None) -> TileHalf:
     """Quantize prepared tiles ``[..., G, D]`` as the K (``role="key"``) or V half of a record.
 
     Returns the K half ``[..., D, G]`` (rows: channels) with ``cfg.k_bits`` codes, or the V half
     ``[..., G, D]`` (rows: tokens) with ``cfg.v_bits`` codes. With ``cfg.smooth_keys`` the K half
-    is quantized from the smoothed tiles and carries its smoothing vector (``reference/smooth.py``).
+    is quantized from the smoothed tiles and carries its smoothing vector (``reference/smooth.py``):
+    ``smooth_vec: [..., D]`` (broadcast over the tiles' leading axes) where given, else each tile's
+    own (with ``smooth_scope="sequence"``: each tile taken as the first of its sequence).
     """
     _check_role(role)
     tiles = from_pool(tiles)
+    if smooth_vec is not None and not (cfg.smooth_keys and role == "key"):
+        raise ValueError("smooth_vec applies to the K half of a smooth_keys format only")
     if role == "key":
         if not cfg.smooth_keys:
             return quantize_half(tiles.transpose(-1, -2), cfg.k_bits, cfg.sinkhorn_iters, cfg.normalize, cfg.k_clip)
-        s = smoothing_vector(tiles)
+        if smooth_vec is not None:
+            s = smooth_vec.float().expand(*tiles.shape[:-2], tiles.shape[-1])
+        elif cfg.seq_smooth:
+            s = sequence_smoothing_vector(tiles)
+        else:
+            s = smoothing_vector(tiles)
         half = quantize_half(
             smooth(tiles, s).transpose(-1, -2), cfg.k_bits, cfg.sinkhorn_iters, cfg.normalize, cfg.k_clip
         )
@@ -74,9 +83,14 @@ def decode_half(half: TileHalf, role: str) -> torch.Tensor:
     return tiles if half.smooth is None else unsmooth(tiles, half.smooth.float())
 
 
-def quantize_kv_tiles(k: torch.Tensor, v: torch.Tensor, cfg: KVarNConfig) -> tuple[TileHalf, TileHalf]:
-    """Quantize prepared tiles ``k, v: [..., G, D]`` -> (K half ``[..., D, G]``, V half ``[..., G, D]``)."""
-    return encode_half(k, "key", cfg), encode_half(v, "value", cfg)
+def quantize_kv_tiles(
+    k: torch.Tensor, v: torch.Tensor, cfg: KVarNConfig, smooth_vec: torch.Tensor | None = None
+) -> tuple[TileHalf, TileHalf]:
+    """Quantize prepared tiles ``k, v: [..., G, D]`` -> (K half ``[..., D, G]``, V half ``[..., G, D]``).
+
+    ``smooth_vec`` as in :func:`encode_half`.
+    """
+    return encode_half(k, "key", cfg, smooth_vec), encode_half(v, "value", cfg)
 
 
 def pack_record(k_half: TileHalf, v_half: TileHalf, cfg: KVarNConfig) -> torch.Tensor:
@@ -125,9 +139,14 @@ def unpack_record(records: torch.Tensor, cfg: KVarNConfig) -> tuple[TileHalf, Ti
     return k_half, v_half
 
 
-def encode_records(k: torch.Tensor, v: torch.Tensor, cfg: KVarNConfig) -> torch.Tensor:
-    """Prepared tiles ``k, v: [..., G, D]`` (rotated, pool form) -> records ``[..., record_bytes]`` uint8."""
-    return pack_record(*quantize_kv_tiles(k, v, cfg), cfg)
+def encode_records(
+    k: torch.Tensor, v: torch.Tensor, cfg: KVarNConfig, smooth_vec: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Prepared tiles ``k, v: [..., G, D]`` (rotated, pool form) -> records ``[..., record_bytes]`` uint8.
+
+    ``smooth_vec`` as in :func:`encode_half`.
+    """
+    return pack_record(*quantize_kv_tiles(k, v, cfg, smooth_vec), cfg)
 
 
 def decode_records(records: torch.Tensor, cfg: KVarNConfig) -> tuple[torch.Tensor, torch.Tensor]:

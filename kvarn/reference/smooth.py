@@ -21,6 +21,15 @@ rotated frame, with the same stored bytes, so the smoothing itself adds no error
 costs are ``D`` bytes per record and, for a kernel, one more rotation per tile on the query side
 (``q . k~ = ((q * s) H) . (codes-frame K)``).
 
+Per sequence (``smooth_scope="sequence"``). Per-tile vectors make the decode rotate the query once
+per tile. A sequence can instead take one vector from its first tile, leaving out the first
+:data:`SEQ_SMOOTH_SKIP` token (a BOS or attention sink, whose key is unlike the rest), and
+divide every tile by it: each record still stores it (the records stay self-contained and the
+decoder is unchanged), and a kernel reads it from the sequence's first record and rotates the
+query once. It depends only on the first tile's tokens, so a shared prefix shares it (prefix
+caching stays exact). On the report's text later tiles' own vectors stay within about one fp8
+step of it (``docs/fidelity.md``, "One smoothing vector per sequence").
+
 In the rotated frame the store uses (the cache keeps K rotated)::
 
     k~  = rotate(rotate(k_rot) / s)     before quantizing
@@ -39,6 +48,8 @@ SMOOTH_MIN = 2.0**-6
 """Floor of a smoothing factor (the smallest normal fp8 e4m3 number): a channel is scaled up at most 64x."""
 SMOOTH_DTYPE = torch.float8_e4m3fn
 """Storage dtype of the smoothing vector (one byte per channel)."""
+SEQ_SMOOTH_SKIP = 1
+"""Tokens at the start of a sequence that its smoothing vector leaves out (``smooth_scope="sequence"``)."""
 
 
 def smoothing_vector(k_rot: torch.Tensor) -> torch.Tensor:
@@ -52,6 +63,14 @@ def smoothing_vector(k_rot: torch.Tensor) -> torch.Tensor:
     rel = torch.where(top > 0, std / torch.where(top > 0, top, torch.ones_like(top)), torch.ones_like(std))
     s = rel.pow(SMOOTH_EXP).clamp(SMOOTH_MIN, 1.0)
     return s.to(SMOOTH_DTYPE).to(torch.float32)
+
+
+def sequence_smoothing_vector(first_tiles: torch.Tensor) -> torch.Tensor:
+    """The smoothing vector ``[..., D]`` of the sequences whose rotated first tiles are ``first_tiles: [..., G, D]``.
+
+    :func:`smoothing_vector` of the tile without its first :data:`SEQ_SMOOTH_SKIP` tokens.
+    """
+    return smoothing_vector(first_tiles[..., SEQ_SMOOTH_SKIP:, :])
 
 
 def smooth(k_rot: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
