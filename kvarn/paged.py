@@ -111,6 +111,10 @@ class TilePlan:
         late_tail_slot_mapping: ``[T]`` int64 or ``None``, tail tokens written after the commit
             (:func:`plan_request_slots`: a chunk that completes its request's tile and starts
             another reuses the slot), ``-1`` elsewhere.
+        commit_first, store_first: ``[Nc]``, ``[Ns]`` int64, the block of the first tile of each
+            committed / stored tile's request (its block table entry 0): where formats with one
+            smoothing vector per sequence read it (``smooth_src`` of :func:`kvarn.ops.store_tiles`).
+            ``None`` from planners that predate them is not accepted for such formats.
     """
 
     tail_slot_mapping: torch.Tensor
@@ -123,6 +127,8 @@ class TilePlan:
     sink_slots: torch.Tensor | None = None
     slots_needed: int = 0
     late_tail_slot_mapping: torch.Tensor | None = None
+    commit_first: torch.Tensor | None = None
+    store_first: torch.Tensor | None = None
 
 
 class TilePlanner:
@@ -280,6 +286,8 @@ class TilePlanner:
         tail_slots = [0] * batch
         commits: list[tuple[int, int]] = []
         stores: list[tuple[int, int]] = []
+        commit_first: list[int] = []
+        store_first: list[int] = []
         touched: set[int] = set()
         sink_touched: set[int] = set()
         full_rows: list[torch.Tensor] = []
@@ -311,6 +319,7 @@ class TilePlanner:
                 first = qsl[r] + lo - start
                 if lo == tile * g and hi == (tile + 1) * g:
                     stores.append((first, block))
+                    store_first.append(int(row[0]))
                     continue
                 if lo > tile * g and block not in self._slot_of:
                     raise TailLostError(
@@ -333,6 +342,7 @@ class TilePlanner:
                 target[first : first + hi - lo] = torch.arange(slot * g + lo - tile * g, slot * g + hi - tile * g)
                 if hi == (tile + 1) * g:
                     commits.append((slot, block))
+                    commit_first.append(int(row[0]))
                     committing = slot
                 else:
                     tail_slots[r] = slot
@@ -367,6 +377,8 @@ class TilePlanner:
             sink_slots=tensor(sink_slots) if sink else None,
             slots_needed=max(used, default=-1) + 1,
             late_tail_slot_mapping=late_mapping.to(device) if reused else None,
+            commit_first=tensor(commit_first),
+            store_first=tensor(store_first),
         )
 
     def release_blocks(self, blocks) -> int:
@@ -493,10 +505,19 @@ class PagedKV:
         if plan.late_tail_slot_mapping is not None:
             ops.write_tail(k, v, self.tail_k, self.tail_v, plan.late_tail_slot_mapping, self.cfg, impl=self.impl)
 
+    def _first_blocks(self, first: torch.Tensor | None) -> torch.Tensor | None:
+        """``smooth_src`` for the store ops: the plan's first blocks for per-sequence smoothing, else None."""
+        if not self.cfg.seq_smooth:
+            return None
+        if first is None:
+            raise ValueError(f"{self.cfg.name} with smooth_scope='sequence' needs a plan with commit_first/store_first")
+        return first
+
     def commit(self, plan: TilePlan) -> None:
         """Quantize the pool tiles that are full after this step into their blocks."""
+        src = self._first_blocks(plan.commit_first)
         ops.commit_tiles(
-            self.tail_k, self.tail_v, plan.commit_slots, plan.commit_blocks, self.cache, self.cfg, impl=self.impl
+            self.tail_k, self.tail_v, plan.commit_slots, plan.commit_blocks, self.cache, self.cfg, src, impl=self.impl
         )
 
     def store_whole(self, plan: TilePlan, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -505,7 +526,10 @@ class PagedKV:
         if plan.store_blocks.numel():
             idx = plan.store_token_idx.reshape(-1)
             shape = (plan.store_blocks.numel(), cfg.group_size, *k.shape[1:])
-            ops.store_tiles(k[idx].view(shape), v[idx].view(shape), plan.store_blocks, self.cache, cfg, impl=self.impl)
+            src = self._first_blocks(plan.store_first)
+            ops.store_tiles(
+                k[idx].view(shape), v[idx].view(shape), plan.store_blocks, self.cache, cfg, src, impl=self.impl
+            )
 
     def attend(
         self,
@@ -852,6 +876,8 @@ def plan_request_slots(
         store_token_idx=store_first[:, None] + torch.arange(g, device=device)[None, :],
         store_blocks=block_table[store_rows, store_tiles].long(),
         tail_slots=tail_slots,
+        commit_first=block_table[commit_rows, 0].long(),
+        store_first=block_table[store_rows, 0].long(),
     )
 
 

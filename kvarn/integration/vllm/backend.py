@@ -366,6 +366,7 @@ class _DecodeBuffers:
         self.tail_slots = torch.zeros(max_reqs, dtype=torch.int64, device=device)
         self.commit_slots = torch.zeros(max_reqs, dtype=torch.int64, device=device)
         self.commit_blocks = torch.zeros(max_reqs, dtype=torch.int64, device=device)
+        self.commit_first = torch.zeros(max_reqs, dtype=torch.int64, device=device)
         self.commit_flag = torch.zeros((), dtype=torch.bool, device=device)
 
 
@@ -521,9 +522,11 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         buf.tail_slots[:batch].copy_(plan.tail_slots)
         buf.commit_slots[:batch].fill_(-1)  # padding: commit_tiles skips negative slots
         buf.commit_blocks[:batch].fill_(0)
+        buf.commit_first[:batch].fill_(0)
         if nc:
             buf.commit_slots[:nc].copy_(plan.commit_slots)
             buf.commit_blocks[:nc].copy_(plan.commit_blocks)
+            buf.commit_first[:nc].copy_(plan.commit_first)
         buf.commit_flag.fill_(nc > 0)
         exact = dataclasses.replace(
             plan,
@@ -531,10 +534,14 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             tail_slots=buf.tail_slots[:batch],
             commit_slots=buf.commit_slots[:nc],
             commit_blocks=buf.commit_blocks[:nc],
+            commit_first=buf.commit_first[:nc],
         )
         meta.plan = exact
         meta.graph_plan = dataclasses.replace(
-            exact, commit_slots=buf.commit_slots[:batch], commit_blocks=buf.commit_blocks[:batch]
+            exact,
+            commit_slots=buf.commit_slots[:batch],
+            commit_blocks=buf.commit_blocks[:batch],
+            commit_first=buf.commit_first[:batch],
         )
         meta.commit_flag = buf.commit_flag
         meta.decode = True
