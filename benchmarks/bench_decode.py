@@ -81,7 +81,7 @@ def stored_cache(cfg: KVarNConfig, lengths: list[int], hkv: int, dtype: torch.dt
         block_table[b, :n] = ids.to(torch.int32)
         k = torch.randn(n, g, hkv, d, device="cuda", generator=gen) * torch.rand(1, 1, hkv, d, device="cuda") * 3
         v = torch.randn(n, g, hkv, d, device="cuda", generator=gen)
-        R.store_tiles(k.to(dtype), v.to(dtype), ids, cache, cfg)
+        R.store_tiles(k.to(dtype), v.to(dtype), ids, cache, cfg, ids[:1].expand(n) if cfg.seq_smooth else None)
     tail_k = torch.randn(len(lengths), g, hkv, d, device="cuda", generator=gen).to(dtype)
     tail_v = torch.randn(len(lengths), g, hkv, d, device="cuda", generator=gen).to(dtype)
     return {
@@ -124,11 +124,18 @@ def sdpa_flash(q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
 
 
+def smooth_config(preset: str, d: int, smooth: str | None) -> KVarNConfig:
+    """``preset`` at head dim ``d`` with key smoothing per ``"tile"``, per ``"sequence"`` or none (``None``)."""
+    if smooth is None:
+        return KVarNConfig.from_preset(preset, head_dim=d)
+    return KVarNConfig.from_preset(preset, head_dim=d, smooth_keys=True, smooth_scope=smooth)
+
+
 def bench_shape(
-    preset, d, hq, hkv, batch, ctx, dtype, copy_bw, launch: dict, sdpa: bool = True, smooth: bool = False
+    preset, d, hq, hkv, batch, ctx, dtype, copy_bw, launch: dict, sdpa: bool = True, smooth: str | None = None
 ) -> dict:
     """Time one shape; ``launch`` holds the attention kernel's ``num_warps`` and ``num_stages``."""
-    cfg = KVarNConfig.from_preset(preset, head_dim=d, smooth_keys=smooth)
+    cfg = smooth_config(preset, d, smooth)
     st = synthetic_cache(cfg, batch, ctx, hkv, dtype, seed=batch * 7 + ctx)
     q = torch.randn(batch, hq, d, device="cuda").to(dtype)
     out = A.paged_attention(*args_of(st, q, cfg), **launch)
@@ -167,18 +174,20 @@ def bench_shape(
     }
 
 
-def correctness_suite(configs, smooth: bool = False) -> list[dict]:
+def correctness_suite(configs, smooth: str | None = None) -> list[dict]:
     out = []
     for preset, d, dtype, hq, hkv in configs:
-        cfg = KVarNConfig.from_preset(preset, head_dim=d, smooth_keys=smooth)
+        cfg = smooth_config(preset, d, smooth)
         g = cfg.group_size
         lengths = [3 * g + 5, 40 * g + g - 1, g, 17 * g + 64]
         st = stored_cache(cfg, lengths, hkv, dtype, seed=d + hq)
         q = torch.randn(len(lengths), hq, d, device="cuda").to(dtype)
         o = A.paged_attention(*args_of(st, q, cfg))
         err = check(o, st, q, cfg, len(lengths), f"stored {preset} d={d} {dtype} {hq}/{hkv}")
-        out.append({"preset": preset, "d": d, "dtype": str(dtype), "hq": hq, "hkv": hkv, "rel_err": err})
-        print(f"check {preset} d={d} {dtype} {hq}/{hkv}: rel err {err:.2e}", flush=True)
+        out.append(
+            {"preset": preset, "d": d, "dtype": str(dtype), "hq": hq, "hkv": hkv, "smooth": smooth, "rel_err": err}
+        )
+        print(f"check {preset} d={d} {dtype} {hq}/{hkv} smooth={smooth}: rel err {err:.2e}", flush=True)
     return out
 
 
@@ -186,7 +195,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="decode.json")
     ap.add_argument("--quick", action="store_true", help="a handful of shapes only")
-    ap.add_argument("--smooth", action="store_true", help="key smoothing: a few shapes, smoothed and not")
+    ap.add_argument(
+        "--smooth", action="store_true", help="key smoothing: a few shapes, smoothed (per tile, per sequence) and not"
+    )
     args = ap.parse_args()
     env = environment()
     copy_bw = copy_bandwidth()
@@ -266,11 +277,17 @@ def main() -> None:
 
 
 def smooth_main(out: str, env: dict, copy_bw: float) -> None:
-    """``--smooth``: the cost of key smoothing (one query rotation per tile) at the default launch."""
+    """``--smooth``: the cost of key smoothing at the default launch: per tile (one query rotation per
+    tile) and per sequence (one per program)."""
     presets = [("kvarn_k4v2_g128", 128), ("kvarn_k4v2_g128", 64), ("kvarn_k2v2_g128", 128)]
-    checks = correctness_suite([(p, d, torch.float16, 32, 8) for p, d in presets], smooth=True)
+    checks = []
+    for scope in ("tile", "sequence"):
+        checks += correctness_suite([(p, d, torch.float16, 32, 8) for p, d in presets], smooth=scope)
     rows = []
-    print("| preset | D | B | ctx | kvarn us | smoothed us | SDPA us | speedup | smoothed speedup |")
+    print(
+        "| preset | D | B | ctx | kvarn us | per-tile smoothed us | per-sequence smoothed us | SDPA us | speedup | "
+        "per-tile speedup | per-sequence speedup |"
+    )
     for preset, d, batch, ctx in [
         ("kvarn_k4v2_g128", 128, 16, 32768),
         ("kvarn_k4v2_g128", 128, 64, 4096),
@@ -279,12 +296,15 @@ def smooth_main(out: str, env: dict, copy_bw: float) -> None:
         ("kvarn_k2v2_g128", 128, 16, 32768),
     ]:
         plain = bench_shape(preset, d, 32, 8, batch, ctx, torch.float16, copy_bw, {})
-        smoothed = bench_shape(preset, d, 32, 8, batch, ctx, torch.float16, copy_bw, {}, sdpa=False, smooth=True)
+        shape = (preset, d, 32, 8, batch, ctx, torch.float16, copy_bw, {})
+        tile = bench_shape(*shape, sdpa=False, smooth="tile")["kvarn_us"]
+        seq = bench_shape(*shape, sdpa=False, smooth="sequence")["kvarn_us"]
         torch.cuda.empty_cache()
-        rows.append({**plain, "smoothed_us": smoothed["kvarn_us"]})
+        rows.append({**plain, "smoothed_us": tile, "seq_smoothed_us": seq})
+        sd = plain["sdpa_us"]
         print(
-            f"| {preset} | {d} | {batch} | {ctx} | {plain['kvarn_us']:.1f} | {smoothed['kvarn_us']:.1f} | "
-            f"{plain['sdpa_us']:.1f} | {plain['speedup']:.2f}x | {plain['sdpa_us'] / smoothed['kvarn_us']:.2f}x |",
+            f"| {preset} | {d} | {batch} | {ctx} | {plain['kvarn_us']:.1f} | {tile:.1f} | {seq:.1f} | {sd:.1f} | "
+            f"{plain['speedup']:.2f}x | {sd / tile:.2f}x | {sd / seq:.2f}x |",
             flush=True,
         )
     with open(out, "w") as f:

@@ -35,6 +35,10 @@ def check(got: torch.Tensor, want: torch.Tensor, cfg: KVarNConfig, what: str) ->
     return worst
 
 
+SEQ_TILES = 16
+"""Tiles per sequence in the per-sequence smoothing rows (a 2K-token prompt at 128-token tiles)."""
+
+
 def bench(
     preset: str,
     d: int,
@@ -42,33 +46,44 @@ def bench(
     n_tiles: int,
     hkv: int,
     iters: int,
-    smooth: bool = False,
+    smooth: bool | str = False,
     num_warps=None,
     max_regs=None,
 ) -> dict:
-    """Time one configuration; ``num_warps`` and ``max_regs`` of the encode kernel (``None``: its default)."""
-    cfg = KVarNConfig.from_preset(preset, head_dim=d, sinkhorn_iters=iters, smooth_keys=smooth)
+    """Time one configuration; ``num_warps`` and ``max_regs`` of the encode kernel (``None``: its default).
+
+    ``smooth``: ``False``, ``True`` / ``"tile"`` (a vector per tile) or ``"sequence"`` (one per
+    sequence of ``SEQ_TILES`` tiles, the first tile of each in the same call).
+    """
+    scope = "tile" if smooth is True else smooth
+    extra = {"smooth_keys": True, "smooth_scope": scope} if scope else {}
+    cfg = KVarNConfig.from_preset(preset, head_dim=d, sinkhorn_iters=iters, **extra)
     g = cfg.group_size
     k = (torch.randn(n_tiles, g, hkv, d, device="cuda") * torch.rand(1, 1, hkv, d, device="cuda") * 4).to(dtype)
     v = torch.randn(n_tiles, g, hkv, d, device="cuda").to(dtype)
     blocks = (torch.randperm(n_tiles, device="cuda") + 1).to(torch.int32)
+    src = None
+    if cfg.seq_smooth:
+        src = blocks.reshape(-1, SEQ_TILES)[:, :1].expand(-1, SEQ_TILES).reshape(-1).contiguous()
     cache = torch.zeros(n_tiles + 1, hkv, cfg.record_bytes, dtype=torch.uint8, device="cuda")
-    S.store_tiles(k, v, blocks, cache, cfg, num_warps=num_warps, max_regs=max_regs)
+    knobs = {"num_warps": num_warps, "max_regs": max_regs}
+    S.store_tiles(k, v, blocks, cache, cfg, src, **knobs)
     n_chk = min(n_tiles, 64)
     want = torch.zeros_like(cache)
-    R.store_tiles(k[:n_chk], v[:n_chk], blocks[:n_chk], want, cfg)
+    R.store_tiles(k[:n_chk], v[:n_chk], blocks[:n_chk], want, cfg, None if src is None else src[:n_chk])
     ids = blocks[:n_chk].long()
     mism = check(cache[ids], want[ids], cfg, f"store_tiles {preset} d={d}")
     in_bytes = 2 * k.numel() * k.element_size()
-    t_store = time_graph(lambda: S.store_tiles(k, v, blocks, cache, cfg, num_warps=num_warps, max_regs=max_regs))
+    t_store = time_graph(lambda: S.store_tiles(k, v, blocks, cache, cfg, src, **knobs))
     pool_k = R.prepare(k, dtype)
     pool_v = R.prepare(v, dtype)
     slots = torch.arange(n_tiles, device="cuda", dtype=torch.int32)
-    t_commit = time_graph(
-        lambda: S.commit_tiles(pool_k, pool_v, slots, blocks, cache, cfg, num_warps=num_warps, max_regs=max_regs)
-    )
+    t_commit = time_graph(lambda: S.commit_tiles(pool_k, pool_v, slots, blocks, cache, cfg, src, **knobs))
     n_ref = min(n_tiles, 256)
-    t_ref = time_graph(lambda: R.store_tiles(k[:n_ref], v[:n_ref], blocks[:n_ref], want, cfg)) * n_tiles / n_ref
+    ref_src = None if src is None else src[:n_ref]
+    t_ref = (
+        time_graph(lambda: R.store_tiles(k[:n_ref], v[:n_ref], blocks[:n_ref], want, cfg, ref_src)) * n_tiles / n_ref
+    )
     return {
         "preset": preset,
         "d": d,
@@ -76,7 +91,7 @@ def bench(
         "tiles": n_tiles,
         "hkv": hkv,
         "iters": iters,
-        "smooth_keys": smooth,
+        "smooth_keys": scope or False,
         "input_GB": in_bytes / 1e9,
         "store_us": t_store,
         "store_GBps": in_bytes / t_store / 1e3,
@@ -93,7 +108,7 @@ def main() -> None:
         "--sweep",
         default="kvarn_k4v2_g128:128:4:0:0,kvarn_k4v2_g128:128:8:0:0,kvarn_k4v2_g128:128:8:128:0",
         help="encode launches to time before the table (fp16, 8 iterations): preset:D:num_warps:max_regs:smooth "
-        "(max_regs 0: no cap), comma-separated",
+        "(max_regs 0: no cap; smooth 0: none, 1: per tile, 2: per sequence), comma-separated",
     )
     ap.add_argument("--cases", default="", help="only the table rows whose index is listed (comma-separated)")
     args = ap.parse_args()
@@ -111,12 +126,23 @@ def main() -> None:
         ("kvarn_k2v2_g128", 128, torch.float16, 1024, 8, 8),
         ("kvarn_k4v2_g128", 128, torch.float16, 1024, 8, 8, True),
         ("kvarn_k2v2_g128", 128, torch.float16, 1024, 8, 8, True),
+        ("kvarn_k4v2_g128", 128, torch.float16, 1024, 8, 8, "sequence"),
+        ("kvarn_k2v2_g128", 128, torch.float16, 1024, 8, 8, "sequence"),
     ]
     sweep = []
     for spec in args.sweep.split(",") if args.sweep else []:
         preset, d, warps, regs, smooth = spec.split(":")
         knobs = dict(num_warps=int(warps), max_regs=int(regs) or None)
-        r = bench(preset, int(d), torch.float16, 1024 * 128 // int(d), 8, 8, smooth=smooth == "1", **knobs)
+        r = bench(
+            preset,
+            int(d),
+            torch.float16,
+            1024 * 128 // int(d),
+            8,
+            8,
+            smooth={"1": "tile", "2": "sequence"}.get(smooth, False),
+            **knobs,
+        )
         sweep.append({**knobs, **r})
         print(
             f"sweep {preset} D={d} smooth={smooth} num_warps={warps} max_regs={regs}: "

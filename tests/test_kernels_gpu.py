@@ -352,3 +352,84 @@ def test_ops_smooth_runs_the_kernels():
     gk, gv = ops.decode_records(want, cfg)
     wk, wv = ops.decode_records(want, cfg, impl="reference")
     assert torch.equal(gk, wk) and torch.equal(gv, wv)
+
+
+# One smoothing vector per sequence (``smooth_scope="sequence"``): the same checks as the per-tile
+# ones, with the decode variants the per-tile kernel lacks (``tokens_m``, prologue queries).
+
+
+def _seq_cfg(preset: str, d: int) -> KVarNConfig:
+    return KVarNConfig.from_preset(preset, head_dim=d, smooth_keys=True, smooth_scope="sequence")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("preset,d", [("kvarn_k4v2_g128", 128), ("kvarn_k2v2_g128", 64), ("kvarn_k4v2_g64", 256)])
+def test_store_and_commit_sequence_smooth_gpu(preset, d, dtype):
+    """Two sequences of 3 tiles in one store call and, tile by tile, through the pool: the reference's bytes."""
+    cfg = _seq_cfg(preset, d)
+    g, hkv, n = cfg.group_size, 4, 6
+    k, v = make_kv(n, g, hkv, d, dtype, seed=3)
+    k, v = k.to(DEV), v.to(DEV)
+    block_ids = (torch.randperm(n) + 1).to(torch.int32).to(DEV)
+    src = block_ids.reshape(2, 3)[:, :1].expand(2, 3).reshape(-1).contiguous()
+    got = torch.full((n + 3, hkv, cfg.record_bytes), 0xAB, dtype=torch.uint8, device=DEV)
+    want = got.clone()
+    store.store_tiles(k, v, block_ids, got, cfg, src, empty=poisoned_empty)
+    R.store_tiles(k, v, block_ids, want, cfg, src)
+    assert torch.equal(got[[0, n + 1, n + 2]], want[[0, n + 1, n + 2]])
+    kr, vr = R.prepare(k, dtype).transpose(1, 2), R.prepare(v, dtype).transpose(1, 2)
+    ids = block_ids.long()
+    stats = check_records(got[ids], want[ids], kr, vr, cfg)
+    assert stats["k_smooth_equal"] == 1.0
+    _report(f"store seq-smooth {preset} d={d} {dtype}", stats)
+    pool_k = torch.full((n + 1, g, hkv, d), float("nan"), dtype=dtype, device=DEV)
+    pool_v = pool_k.clone()
+    mapping = torch.arange(g, (n + 1) * g, device=DEV)
+    store.write_tail(k.reshape(n * g, hkv, d), v.reshape(n * g, hkv, d), pool_k, pool_v, mapping, cfg)
+    via_tail = torch.zeros_like(got)
+    for i in range(n):  # one commit per step, as decode does
+        slot = torch.tensor([i + 1], dtype=torch.int32, device=DEV)
+        store.commit_tiles(pool_k, pool_v, slot, block_ids[i : i + 1], via_tail, cfg, src[i : i + 1])
+    assert torch.equal(via_tail[ids], got[ids]), "the two Triton store paths give different bytes"
+
+
+SEQ_SMOOTH_ATTN_CASES = [
+    # preset, d, dtype, hq, hkv, sink, splits, knobs
+    ("kvarn_k4v2_g128", 128, torch.float16, 32, 8, True, None, {}),
+    ("kvarn_k4v2_g128", 128, torch.bfloat16, 32, 8, False, 8, {"tokens_m": True}),
+    ("kvarn_k4v2_g128", 128, torch.float16, 32, 8, True, 4, {"fuse_query": False, "tokens_m": True}),
+    ("kvarn_k4v2_g128", 128, torch.float16, 32, 8, True, 2, {"fuse_query": False, "tokens_m": False}),
+    ("kvarn_k4v2_g128", 64, torch.float16, 32, 8, True, 1, {}),
+    ("kvarn_k4v2_g128", 256, torch.bfloat16, 16, 4, True, None, {}),
+    ("kvarn_k4v2_g64", 128, torch.float16, 32, 8, True, 4, {}),
+    ("kvarn_k4v4_g128", 128, torch.float16, 32, 8, False, None, {"tokens_m": True}),
+    ("kvarn_k2v2_g128", 128, torch.float16, 28, 4, True, 2, {}),
+    ("kvarn_k2v2_g128", 64, torch.bfloat16, 12, 2, False, None, {"tokens_m": True, "fold_offsets": True}),
+]
+
+
+@pytest.mark.parametrize("preset,d,dtype,hq,hkv,sink,splits,knobs", SEQ_SMOOTH_ATTN_CASES)
+def test_paged_attention_sequence_smooth_gpu(preset, d, dtype, hq, hkv, sink, splits, knobs):
+    cfg = _seq_cfg(preset, d)
+    lengths = ragged_lengths(cfg.group_size, cfg.group_size, seed=d + hq + 1, max_tiles=12)
+    state = build_cache(cfg, lengths, hkv, dtype, seed=6, device=DEV)
+    query = torch.randn(len(lengths), hq, d) * 2
+    query[..., 3] *= 10  # a large query channel where the keys' channel 3 is smoothed (make_kv's outlier)
+    args = attention_args(state, query.to(dtype).to(DEV), cfg, sink=sink)
+    out = attention.paged_attention(*args, num_splits=splits, empty=poisoned_empty, **knobs)
+    err = check_attention(out, args, conditioned=True)
+    tag = f"{preset} d={d} {dtype} hq={hq} hkv={hkv} sink={sink} splits={splits} {knobs}"
+    print(f"STATS attention seq-smooth {tag} rel_err={err:.2e}")
+
+
+@pytest.mark.parametrize("splits", [None, 4])
+def test_paged_attention_multi_query_sequence_smooth_gpu(splits):
+    cfg = _seq_cfg("kvarn_k4v2_g128", 128)
+    lengths = [1000, 300, 128, 7, 2050, 640]
+    n_q = [37, 0, 128, 7, 300, 1]
+    state = build_cache(cfg, lengths, 8, torch.float16, seed=9, device=DEV)
+    qsl = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    query = torch.randn(int(qsl[-1]), 32, 128, device=DEV).half()
+    args = attention_args(state, query, cfg, qsl=qsl, sink=True)
+    err = check_attention(attention.paged_attention(*args, num_splits=splits, empty=poisoned_empty), args, True)
+    print(f"STATS multi_query seq-smooth splits={splits} rel_err={err:.2e}")
