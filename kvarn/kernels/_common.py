@@ -37,7 +37,7 @@ BF16_MAX = tl.constexpr(3.3895313892515355e38)
 SMOOTH_MIN = tl.constexpr(2.0**-6)
 SMOOTH_EXP = 0.5
 """The kernels take the smoothing factor as a square root (``sqrt_rn``): a test pins the reference's exponent to it."""
-SEQ_SMOOTH_SKIP = 1
+SEQ_SMOOTH_SKIP = tl.constexpr(1)
 """Tokens of a sequence's first tile that its smoothing vector leaves out (``kvarn.reference.smooth``)."""
 
 NEG_BIG = tl.constexpr(-1.0e30)

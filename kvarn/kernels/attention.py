@@ -227,24 +227,42 @@ def _as_int32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 else t.to(torch.int32)
 
 
-def _launch_prologue(query: torch.Tensor, cfg: KVarNConfig, scale: float, empty: Callable) -> torch.Tensor:
-    """``query: [Nq, Hq, D]`` -> rotated, scaled fp32 ``[Nq, Hq, D]``."""
+def _launch_prologue(
+    query: torch.Tensor, cfg: KVarNConfig, scale: float, empty: Callable, records=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``query: [Nq, Hq, D]`` -> rotated, scaled fp32 ``[Nq, Hq, D]``, and the same smoothed with each
+    sequence's vector for ``seq_smooth`` decode (``records = (cache, block_table, seq_lens)``; else
+    the first output again)."""
     nq, hq, d = query.shape
     q = empty(nq, hq, d, dtype=torch.float32, device=query.device)
+    q_s, cache, block_table, seq_lens, gq = q, q, q, q, 1
+    if records is not None:
+        cache, block_table, seq_lens = records
+        q_s = empty(nq, hq, d, dtype=torch.float32, device=query.device)
+        gq = hq // cache.shape[1]
     _prologue_kernel[(nq,)](
         query,
         q,
         query.stride(0),
         query.stride(1),
         hq,
+        q_s,
+        cache,
+        block_table,
+        seq_lens,
+        cache.stride(0),
+        cache.stride(1),
+        block_table.stride(0),
         BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(hq)),
         LAYOUT=record_layout(cfg),
         ROTATE=cfg.rotate,
         IN_BF16=query.dtype == torch.bfloat16,
         FACTOR=_query_factor(cfg, scale),
+        GQ=gq,
+        SMOOTH=records is not None,
         num_warps=EDGE_NUM_WARPS,
     )
-    return q
+    return q, q_s
 
 
 def _query_factor(cfg: KVarNConfig, scale: float) -> float:
@@ -371,27 +389,34 @@ def paged_attention(
     fused_q = fuse_query
     if fused_q is None:
         fused_q = fuse_query_rotation(cfg, n_blocks * hkv * splits, triton.cdiv(max_units, splits), dev)
-    q = query if fused_q else _launch_prologue(query, cfg, scale, empty)
+    smooth_q = cfg.seq_smooth and not fused_q and not multi_q  # the prologue smooths the queries too
+    q = q_s = query
+    if not fused_q:
+        q, q_s = _launch_prologue(query, cfg, scale, empty, (cache, block_table, seq_lens) if smooth_q else None)
     final = empty(nq, hq, d, dtype=query.dtype, device=dev) if merge else part
     grid = (n_blocks, hkv, splits)
     pool = (tail_k, tail_v, _as_int32(tail_slots), _as_int32(tail_slots if sink_slots is None else sink_slots))
     ws = (part, ws_m, ws_l, final, part if counters is None else counters)
     flags = (splits > 1, merge, cfg.rotate, query.dtype == torch.bfloat16, inv_sqrt(d))
     launch = {"num_warps": num_warps, "num_stages": num_stages, "FUSED_Q": fused_q, "FACTOR": _query_factor(cfg, scale)}
+    launch["SMOOTH_Q"] = smooth_q
     launch["HAS_SINK"] = sink_slots is not None
     launch["PAIR"] = pair_tiles_default(cfg) if pair_tiles is None else pair_tiles
     if tokens_m is None:
         tokens_m = tokens_m_default(cfg, multi_q, n_blocks * hkv * splits, dev)
     launch["TOKENS_M"] = not multi_q and tokens_m
     launch["FOLD"] = fold_offsets_default(cfg, launch["TOKENS_M"]) if fold_offsets is None else fold_offsets
-    _launch_attention(grid, q, query, cache, block_table, seq_lens, query_start_loc, pool, ws, cfg, flags, launch)
+    _launch_attention(
+        grid, (q, q_s), query, cache, block_table, seq_lens, query_start_loc, pool, ws, cfg, flags, launch
+    )
     if merge:
         return final
     return _launch_epilogue(part, ws_m, ws_l, splits, hq, query.dtype, cfg, empty)
 
 
-def _launch_attention(grid, q, query, cache, block_table, seq_lens, qsl, pool, ws, cfg, flags, launch) -> None:
-    """Launch the attention kernel; ``q`` is ``query`` or the prologue's output (``launch["FUSED_Q"]``)."""
+def _launch_attention(grid, qs, query, cache, block_table, seq_lens, qsl, pool, ws, cfg, flags, launch) -> None:
+    """Launch the attention kernel; ``qs = (q, q_s)``: ``query`` or the prologue's outputs (``launch["FUSED_Q"]``)."""
+    q, q_s = qs
     hkv = grid[1]
     nq, hq, d = query.shape
     gqa = hq // hkv
@@ -402,6 +427,7 @@ def _launch_attention(grid, q, query, cache, block_table, seq_lens, qsl, pool, w
     part, ws_m, ws_l, final, counters = ws
     _attn_kernel[grid](
         q,
+        q_s,
         cache,
         block_table,
         seq_lens,

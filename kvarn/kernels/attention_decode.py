@@ -394,6 +394,7 @@ def _program_rows(N: tl.constexpr, q_start, q_first, n_q, kvh, GQ: tl.constexpr,
 @triton.jit
 def _attn_kernel(
     q,
+    q_smooth,
     cache,
     block_table,
     seq_lens,
@@ -438,6 +439,7 @@ def _attn_kernel(
     FOLD: tl.constexpr,
     MERGE_CH: tl.constexpr,
     FLAGS: tl.constexpr,
+    SMOOTH_Q: tl.constexpr = False,
 ):
     """Grid ``(query blocks, Hkv, num_splits)``; see :func:`kvarn.kernels.attention_merge._finish` for what it writes.
 
@@ -448,6 +450,9 @@ def _attn_kernel(
     ``GQ`` query heads per KV head, padded to ``GQP`` (a power of two); row ``r`` of a block is
     query ``r // GQP``, head ``r % GQP``. ``FLAGS = (SPLIT, MERGE, ROTATE, OUT_BF16, INV_SQRT_D)``.
     ``TOKENS_M`` (decode only): tokens on the dots' M (:func:`_quantized_tiles_t`); ``FOLD``: :func:`_quantized_tiles`.
+    ``SMOOTH_Q`` (``SEQ_SMOOTH`` decode with the prologue): ``q_smooth`` holds the prologue's queries
+    for the records (smoothed with the sequence's vector), laid out as ``q``; else the program
+    smooths its own (:func:`_sequence_query`).
     """
     G: tl.constexpr = LAYOUT.G
     ROTATE: tl.constexpr = FLAGS[2]
@@ -492,7 +497,10 @@ def _attn_kernel(
         qt1 = tl.minimum(u1, n_full)
         walk = (records, bt_row, qt0, qt1, pos_q)
         rec_query = query
-        if LAYOUT.SEQ_SMOOTH:
+        if SMOOTH_Q:
+            qs_base = q_smooth + q_row[:, None] * s_iq + head[:, None] * s_iqh
+            rec_query = _prerotated_query(qs_base, row_ok, LAYOUT)
+        elif LAYOUT.SEQ_SMOOTH:
             blk0 = tl.load(bt_row, mask=n_full > 0, other=0).to(tl.int64)
             rec0 = cache + blk0 * s_cb + kvh.to(tl.int64) * s_ch
             rec_query = _sequence_query(query, rec0, n_full, q_base, row_ok, LAYOUT, IN_BF16, FACTOR, FUSED_Q)

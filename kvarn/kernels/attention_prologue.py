@@ -8,7 +8,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvarn.kernels._common import load_f32, rotate_rows, rotate_rows_split
+from kvarn.kernels._common import fp8e4m3_to_f32, load_f32, rotate_rows, rotate_rows_split
+from kvarn.kernels.attention_merge import _unrotate
 
 
 @triton.jit
@@ -18,16 +19,30 @@ def _prologue_kernel(
     s_q,
     s_qh,
     n_heads,
+    q_out_s,
+    cache,
+    block_table,
+    seq_lens,
+    s_cb,
+    s_ch,
+    s_bt,
     BLOCK_H: tl.constexpr,
     LAYOUT: tl.constexpr,
     ROTATE: tl.constexpr,
     IN_BF16: tl.constexpr,
     FACTOR: tl.constexpr,
+    GQ: tl.constexpr = 1,
+    SMOOTH: tl.constexpr = False,
 ):
     """Grid ``(Nq,)``: ``q_out[t] = (query[t] @ H) * FACTOR`` in fp32 (``FACTOR = scale * log2(e) / sqrt(D)``).
 
     ``query: [Nq, Hq, D]`` fp16/bf16, ``q_out: [Nq, Hq, D]`` fp32 contiguous; ``BLOCK_H >= Hq``.
     ``H`` is the +-1 Hadamard (tf32 products of fp16/bf16 queries are exact; fp32 accumulation).
+    With ``SMOOTH`` (``SEQ_SMOOTH`` records, decode: query ``t`` is sequence ``t``) it also writes
+    the queries the sequence's records are scored with, ``((query[t] * s) @ H) * FACTOR``, to
+    ``q_out_s`` (laid out as ``q_out``): ``s`` of each head's KV head (``GQ`` query heads each)
+    from the sequence's first record, ``cache[block_table[t, 0]]`` (strides ``s_cb, s_ch, s_bt``);
+    ``H`` as two tf32 dots on a hi/lo split (``x * s`` is not exact in tf32). Unused otherwise.
     """
     D: tl.constexpr = LAYOUT.D
     t = tl.program_id(0).to(tl.int64)
@@ -49,4 +64,18 @@ def _prologue_kernel(
         else:
             x = x * FACTOR
     dd = tl.arange(0, D)
-    tl.store(q_out + t * n_heads * D + heads[:, None] * D + dd[None, :], x, mask=hmask[:, None] & (dd[None, :] < D))
+    m_out = hmask[:, None] & (dd[None, :] < D)
+    tl.store(q_out + t * n_heads * D + heads[:, None] * D + dd[None, :], x, mask=m_out)
+    if SMOOTH:
+        has_rec = tl.load(seq_lens + t) >= LAYOUT.G
+        blk0 = tl.load(block_table + t * s_bt, mask=has_rec, other=0).to(tl.int64)
+        kvh = (heads // GQ).to(tl.int64)
+        rec = cache + blk0 * s_cb + kvh[:, None] * s_ch + LAYOUT.K_SMOOTH + dd[None, :]
+        m_rec = hmask[:, None] & (dd[None, :] < D * has_rec.to(tl.int32))
+        s = fp8e4m3_to_f32(tl.load(rec, mask=m_rec, other=0x38))  # [BLOCK_H, D]; 1 without a record
+        xm = load_f32(src + dd[None, :], m_out, IN_BF16)
+        if ROTATE:
+            xs = _unrotate(xm * s, FACTOR)
+        else:
+            xs = xm * s * FACTOR
+        tl.store(q_out_s + t * n_heads * D + heads[:, None] * D + dd[None, :], xs, mask=m_out)

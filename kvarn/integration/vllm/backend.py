@@ -98,6 +98,15 @@ _logged_capacity: set[tuple] = set()
 _step: dict[str, object] = {"rows": None, "qsl": None, "hooked": False}
 
 
+def page_slot_bytes(cfg) -> int:
+    """Bytes per (KV head, token slot) of a vLLM page: the record over ``G`` slots, rounded up.
+
+    Exact for every preset; the records of a smoothed format with ``D < G`` (``D`` bytes more)
+    end in up to ``G - 1`` bytes of padding, which the cache view cuts off (:meth:`KVarNAttentionImpl._records`).
+    """
+    return -(-cfg.record_bytes // cfg.group_size)
+
+
 def set_step_rows(idx_mapping: np.ndarray, query_start_loc: np.ndarray) -> None:
     """Record the stable request index of each row of the step being built (the plugin calls it).
 
@@ -302,8 +311,7 @@ class KVarNBackend(AttentionBackend):
         cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype_str: str = "auto"
     ) -> tuple[int, ...]:
         """``[num_blocks, Hkv, block_size, record_bytes / G]`` uint8: one record per (block, KV head)."""
-        cfg = cls.config(head_size)
-        return (num_blocks, num_kv_heads, block_size, cfg.record_bytes // cfg.group_size)
+        return (num_blocks, num_kv_heads, block_size, page_slot_bytes(cls.config(head_size)))
 
     @classmethod
     def supports_kv_connector(cls) -> bool:
@@ -317,9 +325,7 @@ class KVarNBackend(AttentionBackend):
                 f"{cls.preset} needs equal K and V head sizes, got {spec.head_size} and {spec.head_size_v}; "
                 "serve this model with --kv-cache-dtype auto"
             )
-        cfg = cls.config(spec.head_size)
-        per_slot, rest = divmod(cfg.record_bytes, cfg.group_size)
-        assert rest == 0, "record_bytes is a multiple of the tile length for every preset"
+        per_slot = page_slot_bytes(cls.config(spec.head_size))
         if "state_content_bytes" in {f.name for f in dataclasses.fields(spec)}:
             return dataclasses.replace(spec, dtype=torch.uint8, state_content_bytes=per_slot, tokens_per_state=1)
         from vllm.v1.kv_cache_interface import TQFullAttentionSpec
@@ -425,7 +431,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         _logged_capacity.add(key)
         cfg = self.cfg
         tokens = num_blocks * cfg.group_size
-        cache_bytes = num_blocks * num_layers * spec.num_kv_heads * cfg.record_bytes
+        cache_bytes = num_blocks * num_layers * spec.num_kv_heads * cfg.group_size * page_slot_bytes(cfg)
         dtype_bytes = torch.tensor([], dtype=vllm_config.model_config.dtype).element_size()
         pool = self.num_slots + int(self.per_request)
         slot_bytes = cfg.group_size * spec.num_kv_heads * cfg.head_dim * 2 * dtype_bytes * num_layers
@@ -676,10 +682,9 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
         """vLLM's flash attention for prompt chunks where it takes the dtype (fp16, bf16); else SDPA."""
         return flash_varlen() if dtype in (torch.float16, torch.bfloat16) else None
 
-    @staticmethod
-    def _records(kv_cache: torch.Tensor) -> torch.Tensor:
-        """vLLM's ``[num_blocks, Hkv, G, C]`` page view as ``[num_blocks, Hkv, record_bytes]``."""
-        return kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], -1)
+    def _records(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """vLLM's ``[num_blocks, Hkv, G, C]`` page view as ``[num_blocks, Hkv, record_bytes]`` (padding cut off)."""
+        return kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], -1)[..., : self.cfg.record_bytes]
 
     def forward(
         self,

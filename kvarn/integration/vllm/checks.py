@@ -17,10 +17,14 @@ from kvarn.config import PRESETS, SUPPORTED_HEAD_DIMS, KVarNConfig
 TAIL_SLOTS_ENV = "KVARN_TAIL_SLOTS"
 SINK_SLOTS_ENV = "KVARN_SINK_SLOTS"
 SINK_SUFFIX = "_sink"
+KEY_SMOOTH_SUFFIX = "_ks"
 SUPPORTED_MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-CACHE_DTYPES: tuple[str, ...] = (*PRESETS, *(preset + SINK_SUFFIX for preset in PRESETS))
-"""Every ``--kv-cache-dtype`` kvarn adds: each preset, and each preset with ``_sink`` (the first
-tile of every sequence also kept in full precision, see ``docs/vllm.md``)."""
+CACHE_DTYPES: tuple[str, ...] = tuple(
+    preset + ks + sink for preset in PRESETS for ks in ("", KEY_SMOOTH_SUFFIX) for sink in ("", SINK_SUFFIX)
+)
+"""Every ``--kv-cache-dtype`` kvarn adds: each preset, optionally with ``_ks`` (key smoothing, one
+vector per sequence: for models with large key biases such as Qwen2.5) and then ``_sink`` (the first
+tile of every sequence also kept in full precision), see ``docs/vllm.md``."""
 
 
 def has_sink(cache_dtype: str) -> bool:
@@ -28,16 +32,24 @@ def has_sink(cache_dtype: str) -> bool:
     return cache_dtype.endswith(SINK_SUFFIX)
 
 
+def has_key_smoothing(cache_dtype: str) -> bool:
+    """Whether ``cache_dtype`` (a :data:`CACHE_DTYPES` name) smooths keys with one vector per sequence."""
+    return cache_dtype.removesuffix(SINK_SUFFIX).endswith(KEY_SMOOTH_SUFFIX)
+
+
 @functools.cache
 def preset_config(preset: str, head_dim: int = 128) -> KVarNConfig:
     """The format of ``preset`` (a :data:`CACHE_DTYPES` name) at ``head_dim``, parsed once per process.
 
     The ``_sink`` suffix does not change the record format: ``kvarn_k4v2_g128_sink`` stores the
-    records of ``kvarn_k4v2_g128``.
+    records of ``kvarn_k4v2_g128``. ``_ks`` stores the records of
+    ``KVarNConfig(smooth_keys=True, smooth_scope="sequence")`` (``D`` bytes more each).
     """
     if preset not in CACHE_DTYPES:
         raise ValueError(f"unknown KVarN cache dtype {preset!r}; valid: {', '.join(CACHE_DTYPES)}")
-    return KVarNConfig.from_preset(preset.removesuffix(SINK_SUFFIX), head_dim=head_dim)
+    smoothing = {"smooth_keys": True, "smooth_scope": "sequence"} if has_key_smoothing(preset) else {}
+    base = preset.removesuffix(SINK_SUFFIX).removesuffix(KEY_SMOOTH_SUFFIX)
+    return KVarNConfig.from_preset(base, head_dim=head_dim, **smoothing)
 
 
 def group_size(preset: str) -> int:
