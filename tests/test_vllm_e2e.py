@@ -357,7 +357,7 @@ def results(tiny_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e") / "results.json"
     smol = _smol_dir()
     cmd = [sys.executable, __file__, str(out), str(tiny_dir), smol or ""]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=_engine_env())
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=_engine_env())
     log = tmp_path_factory.getbasetemp() / "e2e.log"
     log.write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"engine run failed, log at {log}:\n{(proc.stdout + proc.stderr)[-6000:]}"
