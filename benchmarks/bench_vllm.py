@@ -3,7 +3,8 @@
 usage: python benchmarks/bench_vllm.py check OUT.json
        python benchmarks/bench_vllm.py bench MODEL CACHE_DTYPE OUT.json     (MODEL: llama3-8b | qwen3-8b)
 
-``check``: a tiny Llama (2 layers, head_dim 128, GQA 8/2) with ``kvarn_k4v2_g128`` under vLLM's
+``check``: a tiny Llama (2 layers, head_dim 128, GQA 8/2) with ``kvarn_k4v2_g128`` (or the cache dtype
+in ``CHECK_DTYPE``, e.g. ``kvarn_k4v2_g128_ks``) under vLLM's
 default compilation (decode CUDA graphs) and with ``enforce_eager``, and the bf16 cache: chunk
 boundaries inside tiles (``max_num_batched_tokens`` 200), a prefix hit, ``n = 2`` sampling and 24
 concurrent requests. The graph run must give the eager run's tokens exactly (same kernels; the
@@ -104,10 +105,11 @@ def check(out_path: str) -> int:
     prompts = [[rng.randrange(1, 1000) for _ in range(n)] for n in (300, 131, 17, 520, 129, 128, 255, 700)]
     many = [[rng.randrange(1, 1000) for _ in range(rng.randrange(100, 400))] for _ in range(24)]
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    results = {}
+    kvarn_dtype = os.environ.get("CHECK_DTYPE", "kvarn_k4v2_g128")
+    results = {"kvarn_dtype": kvarn_dtype}
     for name, kv, eager in (
-        ("kvarn_graphs", "kvarn_k4v2_g128", False),
-        ("kvarn_eager", "kvarn_k4v2_g128", True),
+        ("kvarn_graphs", kvarn_dtype, False),
+        ("kvarn_eager", kvarn_dtype, True),
         ("bf16_graphs", "auto", False),
     ):
         t0 = time.time()
@@ -153,8 +155,8 @@ def check(out_path: str) -> int:
     summary["prefix_hit_vs_cold_kvarn"] = agree(g["cold"], g["prefix_hit"])
     summary["prefix_hit_vs_cold_bf16"] = agree(b["cold"], b["prefix_hit"])
     keep = ("_s", "mode", "blocks")
-    runs = {k: {kk: vv for kk, vv in v.items() if kk.endswith(keep)} for k, v in results.items()}
-    out = {"summary": summary, "runs": runs}
+    runs = {k: {kk: vv for kk, vv in v.items() if kk.endswith(keep)} for k, v in results.items() if k != "kvarn_dtype"}
+    out = {"kvarn_dtype": kvarn_dtype, "summary": summary, "runs": runs}
     print(json.dumps(out, indent=1))
     with open(out_path, "w") as f:
         json.dump(out | {"tokens": results}, f)

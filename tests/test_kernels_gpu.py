@@ -146,7 +146,8 @@ def _attn_case(preset, d, dtype, hq, hkv, sink) -> tuple:
     cfg = KVarNConfig.from_preset(preset, head_dim=d)
     lengths = ragged_lengths(cfg.group_size, cfg.group_size, seed=d + hq, max_tiles=12)
     state = build_cache(cfg, lengths, hkv, dtype, seed=5, device=DEV)
-    query = (torch.randn(len(lengths), hq, d) * 2).to(dtype).to(DEV)
+    gen = torch.Generator().manual_seed(d + hq + 7 * cfg.k_bits)  # the same queries whichever worker runs it
+    query = (torch.randn(len(lengths), hq, d, generator=gen) * 2).to(dtype).to(DEV)
     return attention_args(state, query, cfg, sink=sink)
 
 

@@ -400,6 +400,7 @@ def paged_attention(
     flags = (splits > 1, merge, cfg.rotate, query.dtype == torch.bfloat16, inv_sqrt(d))
     launch = {"num_warps": num_warps, "num_stages": num_stages, "FUSED_Q": fused_q, "FACTOR": _query_factor(cfg, scale)}
     launch["SMOOTH_Q"] = smooth_q
+    launch["LATE_Q"] = smooth_q or (cfg.seq_smooth and fused_q)
     launch["HAS_SINK"] = sink_slots is not None
     launch["PAIR"] = pair_tiles_default(cfg) if pair_tiles is None else pair_tiles
     if tokens_m is None:

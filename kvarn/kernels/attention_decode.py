@@ -440,6 +440,7 @@ def _attn_kernel(
     MERGE_CH: tl.constexpr,
     FLAGS: tl.constexpr,
     SMOOTH_Q: tl.constexpr = False,
+    LATE_Q: tl.constexpr = False,
 ):
     """Grid ``(query blocks, Hkv, num_splits)``; see :func:`kvarn.kernels.attention_merge._finish` for what it writes.
 
@@ -452,7 +453,8 @@ def _attn_kernel(
     ``TOKENS_M`` (decode only): tokens on the dots' M (:func:`_quantized_tiles_t`); ``FOLD``: :func:`_quantized_tiles`.
     ``SMOOTH_Q`` (``SEQ_SMOOTH`` decode with the prologue): ``q_smooth`` holds the prologue's queries
     for the records (smoothed with the sequence's vector), laid out as ``q``; else the program
-    smooths its own (:func:`_sequence_query`).
+    smooths its own (:func:`_sequence_query`). ``LATE_Q`` (``SMOOTH_Q``, or ``SEQ_SMOOTH`` with
+    ``FUSED_Q``): the unsmoothed queries are loaded only after the tile loop, for the sink and tail.
     """
     G: tl.constexpr = LAYOUT.G
     ROTATE: tl.constexpr = FLAGS[2]
@@ -472,7 +474,6 @@ def _attn_kernel(
         q_row, head, row_ok, q_local = _program_rows(BLOCK_M, q_start, q_first, n_q, kvh, GQ, GQP)
         pos_q = seq_len - n_q + q_local  # [BLOCK_M]
         q_base = q + q_row[:, None] * s_iq + head[:, None] * s_iqh  # [BLOCK_M, 1]
-        query = _load_query(q_base, row_ok, LAYOUT, ROTATE, IN_BF16, FACTOR, FUSED_Q)  # 4 x [BLOCK_M, DK], [BLOCK_M]
 
         n_full = seq_len // G  # quantized tiles; the rem last tokens sit in the tail tile
         rem = seq_len % G
@@ -496,20 +497,31 @@ def _attn_kernel(
         records = (cache, s_cb, s_ch, kvh)
         qt1 = tl.minimum(u1, n_full)
         walk = (records, bt_row, qt0, qt1, pos_q)
-        rec_query = query
-        if SMOOTH_Q:
-            qs_base = q_smooth + q_row[:, None] * s_iq + head[:, None] * s_iqh
-            rec_query = _prerotated_query(qs_base, row_ok, LAYOUT)
-        elif LAYOUT.SEQ_SMOOTH:
-            blk0 = tl.load(bt_row, mask=n_full > 0, other=0).to(tl.int64)
-            rec0 = cache + blk0 * s_cb + kvh.to(tl.int64) * s_ch
-            rec_query = _sequence_query(query, rec0, n_full, q_base, row_ok, LAYOUT, IN_BF16, FACTOR, FUSED_Q)
+        # the records' score queries: 4 x [BLOCK_M, DK], [BLOCK_M]. With LATE_Q the unsmoothed ones (sink
+        # and tail) are loaded after the tile loop, so only one set of queries is live in it
+        if LATE_Q:
+            if SMOOTH_Q:
+                qs_base = q_smooth + q_row[:, None] * s_iq + head[:, None] * s_iqh
+                rec_query = _prerotated_query(qs_base, row_ok, LAYOUT)
+            else:
+                blk0 = tl.load(bt_row, mask=n_full > 0, other=0).to(tl.int64)
+                rec0 = cache + blk0 * s_cb + kvh.to(tl.int64) * s_ch
+                rec_query = _sequence_query(None, rec0, n_full, q_base, row_ok, LAYOUT, IN_BF16, FACTOR, True)
+        else:
+            query = _load_query(q_base, row_ok, LAYOUT, ROTATE, IN_BF16, FACTOR, FUSED_Q)
+            rec_query = query
+            if LAYOUT.SEQ_SMOOTH:  # multi-query from the prologue's rotated queries
+                blk0 = tl.load(bt_row, mask=n_full > 0, other=0).to(tl.int64)
+                rec0 = cache + blk0 * s_cb + kvh.to(tl.int64) * s_ch
+                rec_query = _sequence_query(query, rec0, n_full, q_base, row_ok, LAYOUT, IN_BF16, FACTOR, FUSED_Q)
         m_i, l_i, acc = _record_tiles(
             rec_query, walk, q_base, row_ok, LAYOUT, MULTI_Q, USE_ASM, PAIR, TOKENS_M, FUSED_Q, IN_BF16, FACTOR, FOLD
         )
         sink_here = has_sink & (u0 == 0)
         tail_here = (rem > 0) & (u0 <= n_full) & (n_full < u1)
         if sink_here | tail_here:
+            if LATE_Q:
+                query = _load_query(q_base, row_ok, LAYOUT, ROTATE, IN_BF16, FACTOR, FUSED_Q)
             q_full = _query_rows(query, LAYOUT)  # [BLOCK_M, D]
             pool = (tail_k, tail_v, p_slot, p_tok, p_head, kvh)
             if sink_here:

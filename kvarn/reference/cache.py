@@ -135,9 +135,9 @@ def _encode_into(
     lo = cfg.offsets[SMOOTH_FIELD]
     field = slice(lo, lo + cfg.smooth_bytes)
     # first tiles publish their sequence's vector, then every tile reads its own from its source record
-    if bool(first.any()):
-        s_first = sequence_smoothing_vector(from_pool(k[first])).to(SMOOTH_DTYPE)
-        cache[ids[first], :, field] = s_first.view(torch.uint8)
+    # (no host sync: every tile's candidate is computed, the first tiles' are kept)
+    own = sequence_smoothing_vector(from_pool(k)).to(SMOOTH_DTYPE).view(torch.uint8)  # [N, Hkv, D]
+    cache[ids, :, field] = torch.where(first[:, None, None], own, cache[ids, :, field])
     s = cache[src, :, field].contiguous().view(SMOOTH_DTYPE).float()  # [N, Hkv, D]
     cache[ids] = encode_records(k, v, cfg, s)
 
