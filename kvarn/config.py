@@ -67,6 +67,10 @@ PRESETS: dict[str, Preset] = {
     "kvarn_k4v4_g64": Preset(4, 4, 64),
     "kvarn_k2v2_g128": Preset(2, 2, 128),
 }
+KEY_SMOOTH_SUFFIX = "_ks"
+"""A preset name ending in it (``kvarn_k4v2_g128_ks``) is the preset with key smoothing, one vector per
+sequence (``smooth_keys=True, smooth_scope="sequence"``): for models whose rotated keys lose to plain
+RTN, such as Qwen2.5 (``docs/fidelity.md``)."""
 DEFAULT_PRESET = "kvarn_k4v2_g128"
 DEFAULT_HEAD_DIM = 128
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -99,10 +103,11 @@ class KVarNConfig:
     per-channel K, per-token V). The byte layout does not depend on them. ``smooth_keys`` divides
     each K tile by a per-channel vector before the rotation (an option measured in
     ``docs/fidelity.md``; it adds ``D`` bytes per record). ``smooth_scope`` says where the vector
-    comes from: ``"tile"``, each tile's own tokens (decode 1.4-2x slower than unsmoothed: the kernel
+    comes from: ``"tile"``, each tile's own tokens (decode 1.2-3.3x slower than unsmoothed: the kernel
     rotates the query once per tile, ``docs/kernels.md``), or ``"sequence"``, the sequence's first
     tile without its first token (``reference/smooth.py``): every record of a sequence then carries
-    the same vector and the decode rotates the query once.
+    the same vector and the decode rotates the query once (1-6% slower than unsmoothed); the
+    ``_ks`` preset names select it.
     ``clip`` (on by default) lets the rows of a 2-bit half pick a clipped RTN range by squared
     error (:func:`kvarn.reference.rtn.choose_qparams`, grids :data:`KEY_CLIP` and
     :data:`VALUE_CLIP`; same bytes and decoder; no effect on 4-bit halves; ``docs/fidelity.md``).
@@ -145,7 +150,8 @@ class KVarNConfig:
     def from_preset(
         cls, name: str | KVarNConfig = DEFAULT_PRESET, head_dim: int | None = None, **overrides
     ) -> KVarNConfig:
-        """The config of preset ``name`` (e.g. ``"kvarn_k4v2_g128"``), or a copy of config ``name``.
+        """The config of preset ``name`` (e.g. ``"kvarn_k4v2_g128"``, or ``"kvarn_k4v2_g128_ks"`` for
+        the same preset with per-sequence key smoothing), or a copy of config ``name``.
 
         ``head_dim`` defaults to 128 for a name and to the config's own for a config; ``overrides``
         replace any other field. Raises ``TypeError`` for anything but a name or a config and
@@ -156,7 +162,10 @@ class KVarNConfig:
             overrides["head_dim"] = head_dim
         if isinstance(name, KVarNConfig):
             return dataclasses.replace(name, **overrides)
-        fields = {**PRESETS[name]._asdict(), "head_dim": DEFAULT_HEAD_DIM}
+        base = name.removesuffix(KEY_SMOOTH_SUFFIX)
+        fields = {**PRESETS[base]._asdict(), "head_dim": DEFAULT_HEAD_DIM}
+        if base != name:
+            fields.update(smooth_keys=True, smooth_scope="sequence")
         return cls(**{**fields, **overrides})
 
     @property
@@ -176,8 +185,10 @@ class KVarNConfig:
 
     @property
     def name(self) -> str:
-        """The preset name of this format, e.g. ``kvarn_k4v2_g128``."""
-        return f"kvarn_k{self.k_bits}v{self.v_bits}_g{self.group_size}"
+        """The preset name of this format, e.g. ``kvarn_k4v2_g128``; ``_ks`` ends it for per-sequence
+        key smoothing (``from_preset(cfg.name)`` then has the same bits, tile and smoothing)."""
+        ks = KEY_SMOOTH_SUFFIX if self.seq_smooth else ""
+        return f"kvarn_k{self.k_bits}v{self.v_bits}_g{self.group_size}{ks}"
 
     @property
     def k_per_byte(self) -> int:
@@ -266,9 +277,12 @@ def check_preset(preset: object) -> None:
         return
     if not isinstance(preset, str):
         raise TypeError(f"preset must be a preset name or a KVarNConfig, got {type(preset).__name__}")
-    if preset not in PRESETS:
+    if preset.removesuffix(KEY_SMOOTH_SUFFIX) not in PRESETS:
         valid = ", ".join(PRESETS)
-        raise ValueError(f"unknown KVarN preset {preset!r}; valid presets are: {valid}")
+        raise ValueError(
+            f"unknown KVarN preset {preset!r}; valid presets are: {valid} "
+            f"(each also with {KEY_SMOOTH_SUFFIX!r}: key smoothing, one vector per sequence)"
+        )
 
 
 @dataclass(frozen=True)

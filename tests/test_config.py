@@ -117,6 +117,24 @@ def test_check_preset():
         check_preset("k4")
 
 
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_key_smoothing_preset_names(preset):
+    """``<preset>_ks`` is the preset with one smoothing vector per sequence, and its name round-trips."""
+    cfg = KVarNConfig.from_preset(preset + "_ks", head_dim=64)
+    plain = KVarNConfig.from_preset(preset, head_dim=64)
+    assert cfg.seq_smooth and cfg.smooth_keys and cfg.smooth_scope == "sequence"
+    assert (cfg.k_bits, cfg.v_bits, cfg.group_size) == (plain.k_bits, plain.v_bits, plain.group_size)
+    assert cfg.record_bytes == plain.record_bytes + 64
+    assert cfg.name == preset + "_ks" and plain.name == preset
+    assert KVarNConfig.from_preset(cfg.name, head_dim=64) == cfg
+    check_preset(preset + "_ks")
+    # per-tile smoothing has no preset name: it keeps the base name
+    assert KVarNConfig.from_preset(preset, smooth_keys=True).name == preset
+    for bad in (preset + "_ks_ks", preset + "_sink", "_ks"):
+        with pytest.raises(ValueError, match="each also with '_ks'"):
+            KVarNConfig.from_preset(bad)
+
+
 def test_preset_fields_by_name():
     for name, p in PRESETS.items():
         assert isinstance(p, Preset)

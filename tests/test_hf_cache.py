@@ -71,7 +71,7 @@ def test_records_are_the_reference_bytes(tiny, smoothing):
     """A prompt of 2 full tiles + 22 tokens: uint8 records byte-equal to kvarn.quantize, tail exact."""
     ids = _ids(150)
     cfg = KVarNConfig.from_preset(PRESET, head_dim=64, **SMOOTHING[smoothing])
-    cache = KVarNCache(cfg)
+    cache = KVarNCache(PRESET + "_ks" if smoothing == "sequence" else cfg)  # the _ks name is the sequence scope
     with torch.no_grad():
         tiny(ids, past_key_values=cache, use_cache=True)
     exact = _exact_kv(tiny, ids)

@@ -149,7 +149,7 @@ def test_the_sink_is_refused_where_it_cannot_be_kept_exactly(monkeypatch):
         checks.preset_config("kvarn_k4v2_g128_snk")
     for name in ("kvarn_k4v2_g128_ks", "kvarn_k4v2_g128_ks_sink"):  # key smoothing, one vector per sequence
         cfg = checks.preset_config(name)
-        assert cfg.seq_smooth and cfg.name == "kvarn_k4v2_g128" and checks.has_key_smoothing(name)
+        assert cfg.seq_smooth and cfg.name == "kvarn_k4v2_g128_ks" and checks.has_key_smoothing(name)
         assert cfg.record_bytes == checks.preset_config("kvarn_k4v2_g128").record_bytes + 128
     assert not checks.has_key_smoothing("kvarn_k4v2_g128_sink")
 

@@ -12,12 +12,11 @@ import os
 
 import torch
 
-from kvarn.config import PRESETS, SUPPORTED_HEAD_DIMS, KVarNConfig
+from kvarn.config import KEY_SMOOTH_SUFFIX, PRESETS, SUPPORTED_HEAD_DIMS, KVarNConfig
 
 TAIL_SLOTS_ENV = "KVARN_TAIL_SLOTS"
 SINK_SLOTS_ENV = "KVARN_SINK_SLOTS"
 SINK_SUFFIX = "_sink"
-KEY_SMOOTH_SUFFIX = "_ks"
 SUPPORTED_MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CACHE_DTYPES: tuple[str, ...] = tuple(
     preset + ks + sink for preset in PRESETS for ks in ("", KEY_SMOOTH_SUFFIX) for sink in ("", SINK_SUFFIX)
@@ -47,9 +46,7 @@ def preset_config(preset: str, head_dim: int = 128) -> KVarNConfig:
     """
     if preset not in CACHE_DTYPES:
         raise ValueError(f"unknown KVarN cache dtype {preset!r}; valid: {', '.join(CACHE_DTYPES)}")
-    smoothing = {"smooth_keys": True, "smooth_scope": "sequence"} if has_key_smoothing(preset) else {}
-    base = preset.removesuffix(SINK_SUFFIX).removesuffix(KEY_SMOOTH_SUFFIX)
-    return KVarNConfig.from_preset(base, head_dim=head_dim, **smoothing)
+    return KVarNConfig.from_preset(preset.removesuffix(SINK_SUFFIX), head_dim=head_dim)
 
 
 def group_size(preset: str) -> int:
