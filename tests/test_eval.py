@@ -83,6 +83,16 @@ def test_methods_and_bits():
     assert get_method("fp8_e4m3").capacity_vs_fp16(64) == 2.0
     with pytest.raises(ValueError, match="unknown method 'kivi_k3v3_g128'"):
         get_method("kivi_k3v3_g128")
+    # the _ks preset names: per-sequence key smoothing on any family that does not smooth already
+    assert get_method("kvarn_k4v2_g128_ks").config == get_method("seqsmooth_k4v2_g128").config
+    had = get_method("hadrtn_k2v2_g128_ks+first1").config
+    assert had.seq_smooth and not had.normalize and had.k_bits == 2
+    with pytest.raises(ValueError, match="already sets key smoothing"):
+        get_method("smooth_k4v2_g128_ks")
+    with pytest.raises(ValueError, match="needs rotate=True"):
+        get_method("kivi_k4v2_g128_ks")
+    with pytest.raises(ValueError, match="unknown method 'kvarn_k4v2_g128_ks_ks'"):
+        get_method("kvarn_k4v2_g128_ks_ks")
 
 
 def test_fp8_saturates_instead_of_nan():

@@ -27,6 +27,10 @@ name                       what a full tile becomes                             
                            per sequence, from its first tile (same bytes as ``smooth``)
 =========================  ===========================================================  =========
 
+A method of a family without smoothing may end in ``_ks``, as the preset names do
+(:data:`kvarn.config.KEY_SMOOTH_SUFFIX`): ``kvarn_k4v2_g128_ks`` is ``seqsmooth_k4v2_g128``, and
+``hadrtn_k4v2_g128_ks`` is Hadamard + RTN with per-sequence key smoothing.
+
 Any KVarN-record method takes a per-layer policy (:class:`kvarn.config.LayerPolicy`) as a suffix:
 ``+first{N}`` keeps the first ``N`` layers, ``+last{M}`` the last ``M``, ``+layer{i}`` layer ``i``
 (repeatable), unquantized in the store dtype, or with ``@k{K}v{V}`` as records of that preset (same
@@ -49,7 +53,7 @@ from dataclasses import dataclass
 import torch
 
 import kvarn
-from kvarn.config import PRESETS, KVarNConfig, LayerPolicy
+from kvarn.config import KEY_SMOOTH_SUFFIX, PRESETS, KVarNConfig, LayerPolicy
 
 FP8_MAX = 448.0
 """Largest finite float8 e4m3fn value."""
@@ -194,8 +198,12 @@ def get_method(name: str) -> Method:
         return Method(name, "fp8 e4m3 (per-layer amax)", fp8="amax")
     base, plus, suffix = name.partition("+")
     family, _, preset = base.partition("_")
-    if family in FAMILIES and f"kvarn_{preset}" in PRESETS:
+    if family in FAMILIES and f"kvarn_{preset}".removesuffix(KEY_SMOOTH_SUFFIX) in PRESETS:
         label, switches = FAMILIES[family]
+        if preset.endswith(KEY_SMOOTH_SUFFIX):  # the preset with one key smoothing vector per sequence
+            if "smooth_keys" in switches:
+                raise ValueError(f"method {name!r}: {family}_* already sets key smoothing; drop {KEY_SMOOTH_SUFFIX!r}")
+            label = f"{label} + per-sequence key smoothing"
         config = KVarNConfig.from_preset(f"kvarn_{preset}", **switches)
         if not plus:
             return Method(name, label, config)
@@ -210,7 +218,8 @@ def get_method(name: str) -> Method:
     ]
     raise ValueError(
         f"unknown method {name!r}; valid methods are: {', '.join(valid)}, each KVarN-record method optionally "
-        "followed by a layer policy such as +first1+last1 or +first2@k4v4"
+        f"ending in {KEY_SMOOTH_SUFFIX!r} (per-sequence key smoothing, as the preset names) and followed by a "
+        "layer policy such as +first1+last1 or +first2@k4v4"
     )
 
 

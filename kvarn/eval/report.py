@@ -93,8 +93,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         dest="methods",
         default=",".join(DEFAULT_METHODS),
         help="comma-separated methods (kvarn_k4v2_g128, kivi_k4v2_g128, hadrtn_..., hadclip_..., sinkhorn_..., "
-        "smooth_..., seqsmooth_..., fp16, fp8_e4m3, fp8_e4m3_amax) or 'all'; a KVarN-record method may end in a "
-        "layer policy: "
+        "smooth_..., seqsmooth_..., fp16, fp8_e4m3, fp8_e4m3_amax) or 'all'; a KVarN-record method may take "
+        "_ks (per-sequence key smoothing: kvarn_k4v2_g128_ks) and end in a layer policy: "
         "+first<N>, +last<M>, +layer<i> keep those layers in fp16, and @k<K>v<V> at that preset instead "
         "(kvarn_k2v2_g128+first1+last1, kvarn_k2v2_g128+first1@k4v4)",
     )
