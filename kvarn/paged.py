@@ -867,13 +867,13 @@ def plan_request_slots(
     if device.type == "cuda":
         staged = staged.pin_memory().to(device, non_blocking=True)
     parts = torch.split(staged, [num_tokens, nl, nc, nc, nc, ns, ns, ns, batch])
-    mapping_d, late_d, commit_slots, commit_rows, commit_tiles, store_first, store_rows, store_tiles, tail_slots = parts
+    mapping_d, late_d, commit_slots, commit_rows, commit_tiles, store_tok0, store_rows, store_tiles, tail_slots = parts
     return TilePlan(
         late_tail_slot_mapping=late_d if nl else None,
         tail_slot_mapping=mapping_d,
         commit_slots=commit_slots,
         commit_blocks=block_table[commit_rows, commit_tiles].long(),
-        store_token_idx=store_first[:, None] + torch.arange(g, device=device)[None, :],
+        store_token_idx=store_tok0[:, None] + torch.arange(g, device=device)[None, :],
         store_blocks=block_table[store_rows, store_tiles].long(),
         tail_slots=tail_slots,
         commit_first=block_table[commit_rows, 0].long(),

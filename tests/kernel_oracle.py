@@ -184,6 +184,8 @@ def build_cache(cfg: KVarNConfig, seq_lens: list[int], hkv: int, dtype: torch.dt
         ids = perm[i : i + n]
         i += n
         block_table[b, :n] = ids.to(torch.int32)
+        if cfg.seq_smooth:  # entries past a sequence's tiles are never read, not even entry 0 of a short one
+            block_table[b, n:] = POISON_BLOCK
         if n:
             k, v = make_kv(n, g, hkv, d, dtype, seed * 1000 + b)
             src = ids[:1].expand(n).to(device) if cfg.seq_smooth else None  # the sequence's first block
@@ -200,6 +202,10 @@ def build_cache(cfg: KVarNConfig, seq_lens: list[int], hkv: int, dtype: torch.dt
         "sink_slots": sink_slots,
     }
     return {k: t.to(device) for k, t in out.items()}
+
+
+POISON_BLOCK = 2**30
+"""Block id in the unused block table entries of per-sequence smoothed caches: a kernel that reads one faults."""
 
 
 def attention_args(state: dict, query: torch.Tensor, cfg: KVarNConfig, qsl=None, sink=False) -> tuple:

@@ -317,7 +317,7 @@ def test_paged_attention_smooth_gpu(preset, d, dtype, hq, hkv, sink, splits, mer
     cfg = _smooth_cfg(preset, d)
     lengths = ragged_lengths(cfg.group_size, cfg.group_size, seed=d + hq, max_tiles=12)
     state = build_cache(cfg, lengths, hkv, dtype, seed=5, device=DEV)
-    query = torch.randn(len(lengths), hq, d) * 2
+    query = torch.randn(len(lengths), hq, d, generator=torch.Generator().manual_seed(d + hq)) * 2
     query[..., 3] *= 10  # a large query channel where the keys' channel 3 is smoothed (make_kv's outlier)
     args = attention_args(state, query.to(dtype).to(DEV), cfg, sink=sink)
     out = attention.paged_attention(*args, num_splits=splits, fuse_merge=merge, empty=poisoned_empty)
@@ -415,7 +415,7 @@ def test_paged_attention_sequence_smooth_gpu(preset, d, dtype, hq, hkv, sink, sp
     cfg = _seq_cfg(preset, d)
     lengths = ragged_lengths(cfg.group_size, cfg.group_size, seed=d + hq + 1, max_tiles=12)
     state = build_cache(cfg, lengths, hkv, dtype, seed=6, device=DEV)
-    query = torch.randn(len(lengths), hq, d) * 2
+    query = torch.randn(len(lengths), hq, d, generator=torch.Generator().manual_seed(d + hq)) * 2
     query[..., 3] *= 10  # a large query channel where the keys' channel 3 is smoothed (make_kv's outlier)
     args = attention_args(state, query.to(dtype).to(DEV), cfg, sink=sink)
     out = attention.paged_attention(*args, num_splits=splits, empty=poisoned_empty, **knobs)
@@ -431,7 +431,7 @@ def test_paged_attention_multi_query_sequence_smooth_gpu(splits):
     n_q = [37, 0, 128, 7, 300, 1]
     state = build_cache(cfg, lengths, 8, torch.float16, seed=9, device=DEV)
     qsl = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
-    query = torch.randn(int(qsl[-1]), 32, 128, device=DEV).half()
+    query = torch.randn(int(qsl[-1]), 32, 128, generator=torch.Generator().manual_seed(11)).half().to(DEV)
     args = attention_args(state, query, cfg, qsl=qsl, sink=True)
     err = check_attention(attention.paged_attention(*args, num_splits=splits, empty=poisoned_empty), args, True)
     print(f"STATS multi_query seq-smooth splits={splits} rel_err={err:.2e}")

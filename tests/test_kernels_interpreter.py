@@ -572,6 +572,37 @@ def test_store_and_commit_sequence_smooth(dtype):
     assert (via_tail[[0, 3, 5]] == 0x5A).all()
     with pytest.raises(ValueError, match="smooth_src"):
         store.store_tiles(k, v, block_ids, got, cfg)
+    # index lists given as expanded views (stride 0) are read as the lists they stand for
+    view = got.clone()
+    view[[1, 4]] = 0
+    one = torch.tensor([4], dtype=torch.int32)
+    store.store_tiles(k[:2], v[:2], block_ids[:2], view, cfg, one.expand(2))
+    assert torch.equal(view, got)
+
+
+def test_store_sequence_smooth_with_a_source_record_never_written():
+    """A later tile whose source record holds garbage (never stored): the vector is clamped to
+    ``[SMOOTH_MIN, 1]`` (NaN bytes to ``SMOOTH_MIN``) exactly as the reference does, and nothing
+    non-finite is stored."""
+    from kvarn.reference.smooth import SMOOTH_MIN
+
+    cfg = _seq_cfg("kvarn_k4v2_g64", 64)
+    k, v = make_kv(1, 64, 2, 64, torch.float16, seed=31)
+    field = slice(cfg.offsets["k_smooth"], cfg.record_bytes)
+    # 0, NaN (0x7F / 0xFF), -0, a subnormal, 448, 1.0, 0.5, a negative, 2^-6
+    garbage = torch.tensor([0x00, 0x7F, 0xFF, 0x80, 0x01, 0x7E, 0x38, 0x30, 0xB8, 0x08], dtype=torch.uint8)
+    got = torch.zeros(3, 2, cfg.record_bytes, dtype=torch.uint8)
+    got[2, :, field] = garbage.repeat(7)[:64]
+    want = got.clone()
+    ids, src = torch.tensor([0], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+    store.store_tiles(k, v, ids, got, cfg, src, empty=poisoned_empty)
+    R.store_tiles(k, v, ids, want, cfg, src)
+    kr, vr = R.prepare(k, torch.float16).transpose(1, 2), R.prepare(v, torch.float16).transpose(1, 2)
+    stats = check_records(got[:1], want[:1], kr, vr, cfg)
+    assert stats["k_smooth_equal"] == 1.0
+    s = got[0, :, field].contiguous().view(torch.float8_e4m3fn).float()
+    assert ((s >= SMOOTH_MIN) & (s <= 1)).all()
+    assert torch.isfinite(R.decode_records(got[:1], cfg)[0]).all()
 
 
 def test_encode_records_sequence_smooth_takes_each_tile_as_a_first():
@@ -615,12 +646,17 @@ def test_paged_attention_decode_sequence_smooth(preset, d, dtype, hq, hkv, sink,
     check_attention(out, args, conditioned=True)
 
 
-def test_paged_attention_multi_query_sequence_smooth():
-    cfg = _seq_cfg("kvarn_k4v2_g64", 64)
-    lengths = [190, 70, 5, 130]
+@pytest.mark.parametrize(
+    "preset,knobs", [("kvarn_k4v2_g64", {}), ("kvarn_k4v2_g128", {"fuse_query": False})], ids=["g64", "g128_prologue"]
+)
+def test_paged_attention_multi_query_sequence_smooth(preset, knobs):
+    cfg = _seq_cfg(preset, 64)
+    g = cfg.group_size
+    lengths = [3 * g - 2, g + 6, 5, 2 * g + 2]
     n_q = [20, 0, 5, 3]
     state = build_cache(cfg, lengths, 2, torch.float16, seed=6)
     qsl = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32)
-    query = torch.randn(int(qsl[-1]), 4, 64).to(torch.float16)
+    query = torch.randn(int(qsl[-1]), 4, 64, generator=torch.Generator().manual_seed(g)).to(torch.float16)
     args = attention_args(state, query, cfg, qsl=qsl, sink=True)
-    check_attention(attention.paged_attention(*args, num_splits=2, empty=poisoned_empty), args, conditioned=True)
+    out = attention.paged_attention(*args, num_splits=2, empty=poisoned_empty, **knobs)
+    check_attention(out, args, conditioned=True)

@@ -189,6 +189,23 @@ def test_store_and_commit_take_the_vector_from_the_source_record():
     assert torch.equal(committed[[0, 2]], cache[[0, 2]]) and not committed[1].any()
 
 
+def test_a_given_vector_is_clamped_and_rounded_as_stored():
+    """encode_half with smooth_vec divides by, and stores, the same fp8 vector in [SMOOTH_MIN, 1]."""
+    from kvarn.reference.smooth import SMOOTH_MIN, stored_smoothing_vector
+
+    raw = torch.tensor([float("nan"), -1.0, 0.0, 1e-3, 0.3, 0.77, 1.0, 7.0, float("inf"), -float("inf")])
+    s = stored_smoothing_vector(raw)
+    assert s.tolist() == [SMOOTH_MIN, SMOOTH_MIN, SMOOTH_MIN, SMOOTH_MIN, 0.3125, 0.75, 1.0, 1.0, 1.0, SMOOTH_MIN]
+    valid = smoothing_vector(rotate(_quiet_channel_keys()[:128, 0]))
+    assert torch.equal(stored_smoothing_vector(valid), valid)  # what the store computes passes unchanged
+    cfg = _seq_cfg()
+    k = rotate(_quiet_channel_keys()[:128, :1].transpose(0, 1))  # [1, G, D]
+    given = torch.linspace(0.001, 1.3, 64)  # neither fp8 nor in range
+    half = R.encode_half(k, "key", cfg, given)
+    assert torch.equal(half.smooth.float(), stored_smoothing_vector(given).expand(1, 64))
+    assert torch.equal(R.decode_half(half, "key"), R.decode_half(R.encode_half(k, "key", cfg, half.smooth), "key"))
+
+
 def test_store_checks_smooth_src():
     cfg = _seq_cfg()
     k = torch.randn(1, cfg.group_size, 1, 64)

@@ -230,9 +230,10 @@ def _smoothing_vector(xm, SKIP: tl.constexpr):
     """
     G: tl.constexpr = xm.shape[0]
     used = (tl.arange(0, G) >= SKIP)[:, None]
-    mean = tl.sum(tl.where(used, xm, 0.0), axis=0) / (G - SKIP)
+    count = tl.sum(used.to(tl.float32), axis=0)  # [1]: G - SKIP, divided by correctly rounded (div_rn)
+    mean = tl.div_rn(tl.sum(tl.where(used, xm, 0.0), axis=0), count)
     dev = tl.where(used, xm - mean[None, :], 0.0)
-    std = tl.sqrt_rn(tl.sum(dev * dev, axis=0) / (G - SKIP))  # [D], correction 0
+    std = tl.sqrt_rn(tl.div_rn(tl.sum(dev * dev, axis=0), count))  # [D], correction 0
     top = tl.max(std, axis=0)
     rel = tl.where(top > 0.0, tl.div_rn(std, tl.where(top > 0.0, top, 1.0)), 1.0)
     return fp8e4m3_round(tl.minimum(tl.maximum(tl.sqrt_rn(rel), SMOOTH_MIN), 1.0))  # SMOOTH_EXP = 0.5
@@ -249,8 +250,10 @@ def _smooth_tile(x, dst, INV_SQRT_D: tl.constexpr, SKIP: tl.constexpr = 0, s_src
     xm = fwht_rows(x, INV_SQRT_D)  # [G, D] model frame
     if s_src is None:
         s = _smoothing_vector(xm, SKIP)
-    else:
-        s = fp8e4m3_to_f32(tl.load(s_src + tl.arange(0, D)))
+    else:  # as reference.smooth.stored_smoothing_vector: NaN bytes and values below SMOOTH_MIN -> SMOOTH_MIN
+        byte = tl.load(s_src + tl.arange(0, D))
+        s = tl.minimum(tl.maximum(fp8e4m3_to_f32(byte), SMOOTH_MIN), 1.0)
+        s = tl.where((byte.to(tl.int32) & 0x7F) == 0x7F, SMOOTH_MIN, s)
     tl.store(dst + tl.arange(0, D), fp8e4m3_bits(s))
     return fwht_rows(tl.div_rn(xm, s[None, :]), INV_SQRT_D)
 
@@ -359,9 +362,11 @@ def _launch_encode(
 ) -> None:
     if n_tiles == 0 or n_heads == 0:
         return
+    # the kernel reads index lists as list[i]: an expanded or strided view must become a plain one
+    src_idx, dst_idx, smooth_src = (None if x is None else x.contiguous() for x in (src_idx, dst_idx, smooth_src))
     if smooth_src is not None:  # per-sequence vectors: the first tiles publish theirs first
         _launch_encode_phase(
-            k, v, src_idx, n_tiles, n_heads, strides, dst, dst_idx, d_strides, cfg, 4, None, smooth_src, 0
+            k, v, src_idx, n_tiles, n_heads, strides, dst, dst_idx, d_strides, cfg, num_warps, None, smooth_src, 0
         )
     _launch_encode_phase(
         k, v, src_idx, n_tiles, n_heads, strides, dst, dst_idx, d_strides, cfg, num_warps, max_regs, smooth_src, 1

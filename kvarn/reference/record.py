@@ -24,7 +24,14 @@ from kvarn.reference.quantize import (
     quantize_half,
     scale_half,
 )
-from kvarn.reference.smooth import SMOOTH_DTYPE, sequence_smoothing_vector, smooth, smoothing_vector, unsmooth
+from kvarn.reference.smooth import (
+    SMOOTH_DTYPE,
+    sequence_smoothing_vector,
+    smooth,
+    smoothing_vector,
+    stored_smoothing_vector,
+    unsmooth,
+)
 
 ROLES = ("key", "value")
 
@@ -49,8 +56,11 @@ def encode_half(tiles: torch.Tensor, role: str, cfg: KVarNConfig, smooth_vec: to
     Returns the K half ``[..., D, G]`` (rows: channels) with ``cfg.k_bits`` codes, or the V half
     ``[..., G, D]`` (rows: tokens) with ``cfg.v_bits`` codes. With ``cfg.smooth_keys`` the K half
     is quantized from the smoothed tiles and carries its smoothing vector (``reference/smooth.py``):
-    ``smooth_vec: [..., D]`` (broadcast over the tiles' leading axes) where given, else each tile's
-    own (with ``smooth_scope="sequence"``: each tile taken as the first of its sequence).
+    ``smooth_vec: [..., D]`` (broadcast over the tiles' leading axes, passed through
+    :func:`~kvarn.reference.smooth.stored_smoothing_vector`) where given, else each tile's own (with
+    ``smooth_scope="sequence"``: each tile taken as the first of its sequence, which is what a
+    sequence's first tile stores; records of later tiles need their sequence's vector, through
+    ``smooth_vec`` or ``store_tiles``' ``smooth_src``).
     """
     _check_role(role)
     tiles = from_pool(tiles)
@@ -60,7 +70,7 @@ def encode_half(tiles: torch.Tensor, role: str, cfg: KVarNConfig, smooth_vec: to
         if not cfg.smooth_keys:
             return quantize_half(tiles.transpose(-1, -2), cfg.k_bits, cfg.sinkhorn_iters, cfg.normalize, cfg.k_clip)
         if smooth_vec is not None:
-            s = smooth_vec.float().expand(*tiles.shape[:-2], tiles.shape[-1])
+            s = stored_smoothing_vector(smooth_vec).expand(*tiles.shape[:-2], tiles.shape[-1])
         elif cfg.seq_smooth:
             s = sequence_smoothing_vector(tiles)
         else:

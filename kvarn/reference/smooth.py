@@ -65,6 +65,19 @@ def smoothing_vector(k_rot: torch.Tensor) -> torch.Tensor:
     return s.to(SMOOTH_DTYPE).to(torch.float32)
 
 
+def stored_smoothing_vector(s: torch.Tensor) -> torch.Tensor:
+    """``s`` as the store uses a given vector: fp32 values of fp8 e4m3 in ``[SMOOTH_MIN, 1]``.
+
+    Every vector :func:`smoothing_vector` makes is already so and passes unchanged. Anything else
+    (a vector read from a record that was never written, or one a caller built) is clamped, a NaN
+    or non-positive entry to ``SMOOTH_MIN``, then rounded to fp8, so a record never stores, and a
+    tile is never divided by, a value its decoder would not reproduce.
+    """
+    s = s.float()
+    s = torch.where(s >= SMOOTH_MIN, s.clamp(max=1.0), torch.full_like(s, SMOOTH_MIN))
+    return s.to(SMOOTH_DTYPE).to(torch.float32)
+
+
 def sequence_smoothing_vector(first_tiles: torch.Tensor) -> torch.Tensor:
     """The smoothing vector ``[..., D]`` of the sequences whose rotated first tiles are ``first_tiles: [..., G, D]``.
 

@@ -5,11 +5,12 @@ impl classes, so every class knows its format from its own preset and never from
 ``cache_dtype`` (the format is parsed once, :func:`~kvarn.integration.vllm.checks.preset_config`).
 :meth:`KVarNBackend.customize_spec` turns the layer's KV-cache spec into one of ``G``-token blocks
 whose page holds one record per KV head: on vLLM with ``state_content_bytes`` (0.32, 0.33) it sets
-``record_bytes / G`` bytes per head and token slot (layout ``LBHNC``); on vLLM without it (0.26)
-it returns a ``TQFullAttentionSpec`` with ``tq_slot_size = record_bytes / G``, whose page size is
-exact, and :meth:`KVarNBackend.get_kv_cache_shape` gives the matching
-``[num_blocks, Hkv, G, record_bytes / G]`` uint8 view. The impl reads it as
-``cache: [num_blocks, Hkv, record_bytes]``.
+``page_slot_bytes(cfg)`` (``record_bytes / G`` rounded up to whole bytes: only a key-smoothed record
+at D < G needs the rounding) bytes per head and token slot (layout ``LBHNC``); on vLLM without it
+(0.26) it returns a ``TQFullAttentionSpec`` with ``tq_slot_size`` that many bytes, and
+:meth:`KVarNBackend.get_kv_cache_shape` gives the matching ``[num_blocks, Hkv, G, slot bytes]``
+uint8 view. The impl reads it as ``cache: [num_blocks, Hkv, record_bytes]`` (the first
+``record_bytes`` of each head's page).
 
 Tail slots. On vLLM's GPU model runner (V2) every live request has a stable index below
 ``max_num_seqs``; the plugin hands the builder each step's indices (:func:`set_step_rows`) and the
