@@ -470,23 +470,33 @@ def test_customize_spec_pages_hold_one_record_per_kv_head(preset):
         assert not BACKENDS[preset].supports_block_size(cfg.group_size // 2)
 
 
-def test_request_slots_decode_steps_fill_the_persistent_graph_buffers():
-    """A decode batch's plan lives in fixed buffers; commits are padded with slot -1 (skipped)."""
-    sim = Sim("kvarn_k4v2_g64", torch.bfloat16, seed=11, max_num_seqs=4, request_slots=True)
+@pytest.mark.parametrize("preset", ["kvarn_k4v2_g64", "kvarn_k4v2_g64_ks"])
+def test_request_slots_decode_steps_fill_the_persistent_graph_buffers(preset):
+    """A decode batch's plan lives in fixed buffers; commits are padded with slot -1 (skipped).
+    With per-sequence smoothing each commit's first block rides in a buffer of its own."""
+    sim = Sim(preset, torch.bfloat16, seed=11, max_num_seqs=4, request_slots=True)
     sim.pad = False  # a CUDA-graph decode batch has exactly one token per row
     a, b = sim.add(200), sim.add(200)
     sim.step({a: 63, b: 10})
     sim.step({a: 1, b: 1})
     meta = sim.last_meta
     buf = sim.builder.buffers
+    first_a = sim.reqs[a]["blocks"][0]
     assert meta.decode and meta.graph_plan is not None
     assert meta.graph_plan.commit_slots.data_ptr() == buf.commit_slots.data_ptr()
     assert meta.graph_plan.tail_slot_mapping.data_ptr() == buf.mapping.data_ptr()
+    assert meta.graph_plan.commit_first.data_ptr() == buf.commit_first.data_ptr()
     assert bool(meta.commit_flag) and meta.plan.commit_slots.tolist() == [sim.index[a]]
     assert meta.graph_plan.commit_slots.tolist() == [sim.index[a], -1]
-    assert meta.graph_plan.commit_blocks.tolist() == [sim.reqs[a]["blocks"][0], 0]
+    assert meta.graph_plan.commit_blocks.tolist() == [first_a, 0]
+    assert meta.graph_plan.commit_first.tolist() == [first_a, 0]
     sim.step({a: 1, b: 1})
     assert not bool(sim.last_meta.commit_flag) and sim.last_meta.graph_plan.commit_slots.tolist() == [-1, -1]
+    sim.step({a: 62, b: 1})  # a: 65 -> 127, a mixed step
+    sim.step({a: 1, b: 1})  # a's second tile completes in a decode step: its vector comes from its first block
+    graph = sim.last_meta.graph_plan
+    assert graph.commit_blocks.tolist() == [sim.reqs[a]["blocks"][1], 0]
+    assert graph.commit_first.tolist() == [first_a, 0]
     sim.step({a: 70})
     assert not sim.last_meta.decode and sim.last_meta.graph_plan is None
 
