@@ -392,6 +392,132 @@ def _program_rows(N: tl.constexpr, q_start, q_first, n_q, kvh, GQ: tl.constexpr,
 
 
 @triton.jit
+def _split_units(
+    seq,
+    seq_len,
+    n_q,
+    q_first,
+    split,
+    num_splits,
+    sink_slots,
+    G: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    MULTI_Q: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+):
+    """What split ``split`` of sequence ``seq`` reads: ``(n_full, rem, u0, u1, qt0, sink_slot, has_sink)``.
+
+    ``n_full`` quantized tiles, then ``rem`` tail tokens; the split's units (tiles, the tail last)
+    are ``u0 .. u1 - 1`` (a multi-query block stops at the unit of its last query), its records
+    from ``qt0``; with ``has_sink`` tile 0 is read from pool slot ``sink_slot`` instead of its record.
+    """
+    n_full = seq_len // G
+    rem = seq_len % G
+    n_units = n_full + (rem > 0).to(tl.int32)
+    if MULTI_Q:
+        last_pos = seq_len - n_q + tl.minimum(n_q, q_first + BLOCK_Q) - 1
+        n_units = tl.minimum(n_units, last_pos // G + 1)
+    per = tl.cdiv(n_units, num_splits)
+    u0 = split * per
+    u1 = tl.minimum(u0 + per, n_units)
+    if HAS_SINK:
+        sink_slot = tl.load(sink_slots + seq)
+    else:
+        sink_slot = seq * 0 - 1
+    has_sink = (sink_slot >= 0) & (n_full > 0)
+    qt0 = u0
+    if has_sink & (u0 == 0):
+        qt0 = 1
+    return n_full, rem, u0, u1, qt0, sink_slot, has_sink
+
+
+@triton.jit
+def _first_record(walk, n_full):
+    """The sequence's first record (block table entry 0) for KV head ``kvh``; ``cache`` itself when it has none."""
+    records, bt_row, _, _, _ = walk
+    cache, s_cb, s_ch, kvh = records
+    blk0 = tl.load(bt_row, mask=n_full > 0, other=0).to(tl.int64)
+    return cache + blk0 * s_cb + kvh.to(tl.int64) * s_ch
+
+
+@triton.jit
+def _records_query(
+    q_base,
+    qs_base,
+    row_ok,
+    walk,
+    n_full,
+    LAYOUT: tl.constexpr,
+    ROTATE: tl.constexpr,
+    IN_BF16: tl.constexpr,
+    FACTOR,
+    FUSED_Q: tl.constexpr,
+    SMOOTH_Q: tl.constexpr,
+    LATE_Q: tl.constexpr,
+):
+    """``(query, rec_query)``: the unsmoothed queries (sink and tail) and those the records are scored with.
+
+    Each is 4 x ``[BLOCK_M, DK]`` and ``[BLOCK_M]``. A ``SEQ_SMOOTH`` layout scores records with
+    the queries smoothed by the sequence's vector (in its first record, :func:`_first_record` of the
+    record walk ``walk``): from the prologue (``SMOOTH_Q``, at ``qs_base``) or made here
+    (:func:`_sequence_query`). With ``LATE_Q`` only those are loaded, so one query set is live in
+    the tile loop; ``query`` is then a stand-in and :func:`_fp_tiles` loads the unsmoothed queries
+    after the loop.
+    """
+    if LATE_Q:
+        if SMOOTH_Q:
+            rec_query = _prerotated_query(qs_base, row_ok, LAYOUT)
+        else:
+            rec0 = _first_record(walk, n_full)
+            rec_query = _sequence_query(None, rec0, n_full, q_base, row_ok, LAYOUT, IN_BF16, FACTOR, True)
+        query = rec_query
+    else:
+        query = _load_query(q_base, row_ok, LAYOUT, ROTATE, IN_BF16, FACTOR, FUSED_Q)
+        rec_query = query
+        if LAYOUT.SEQ_SMOOTH:  # multi-query from the prologue's rotated queries
+            rec0 = _first_record(walk, n_full)
+            rec_query = _sequence_query(query, rec0, n_full, q_base, row_ok, LAYOUT, IN_BF16, FACTOR, FUSED_Q)
+    return query, rec_query
+
+
+@triton.jit
+def _fp_tiles(
+    state,
+    query,
+    src,
+    units,
+    LAYOUT: tl.constexpr,
+    ROTATE: tl.constexpr,
+    IN_BF16: tl.constexpr,
+    FACTOR,
+    FUSED_Q: tl.constexpr,
+    POOL_BF16: tl.constexpr,
+    LATE_Q: tl.constexpr,
+):
+    """The full-precision units of a split, the sink (tile 0) and the tail, into ``state = (m, l, acc)``.
+
+    ``src = (q_base, row_ok, pool)``, ``units = (sink_here, sink_slot, tail_here, tail slot pointer,
+    rem, first tail position, pos_q)``. Scored with the unsmoothed ``query``, or with ``LATE_Q``
+    with the unsmoothed queries loaded here from ``q_base`` (``query`` is then not read).
+    """
+    m_i, l_i, acc = state
+    q_base, row_ok, pool = src
+    sink_here, sink_slot, tail_here, tail_slot_ptr, rem, tail_pos, pos_q = units
+    if sink_here | tail_here:
+        if LATE_Q:
+            q_use = _load_query(q_base, row_ok, LAYOUT, ROTATE, IN_BF16, FACTOR, FUSED_Q)
+        else:
+            q_use = query
+        q_full = _query_rows(q_use, LAYOUT)  # [BLOCK_M, D]
+        if sink_here:
+            m_i, l_i, acc = _fp_tile(q_full, m_i, l_i, acc, pool, sink_slot, LAYOUT.G, 0, pos_q, POOL_BF16)
+        if tail_here:
+            slot = tl.load(tail_slot_ptr)
+            m_i, l_i, acc = _fp_tile(q_full, m_i, l_i, acc, pool, slot, rem, tail_pos, pos_q, POOL_BF16)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _attn_kernel(
     q,
     q_smooth,
@@ -475,60 +601,27 @@ def _attn_kernel(
         pos_q = seq_len - n_q + q_local  # [BLOCK_M]
         q_base = q + q_row[:, None] * s_iq + head[:, None] * s_iqh  # [BLOCK_M, 1]
 
-        n_full = seq_len // G  # quantized tiles; the rem last tokens sit in the tail tile
-        rem = seq_len % G
-        n_units = n_full + (rem > 0).to(tl.int32)
-        if MULTI_Q:
-            last_pos = seq_len - n_q + tl.minimum(n_q, q_first + BLOCK_Q) - 1
-            n_units = tl.minimum(n_units, last_pos // G + 1)
-        per = tl.cdiv(n_units, num_splits)
-        u0 = split * per  # this split's tiles: u0 .. u1 - 1
-        u1 = tl.minimum(u0 + per, n_units)
-        if HAS_SINK:
-            sink_slot = tl.load(sink_slots + seq)
-        else:
-            sink_slot = seq * 0 - 1
-        has_sink = (sink_slot >= 0) & (n_full > 0)  # tile 0 is read from the sink slot
-        qt0 = u0
-        if has_sink & (u0 == 0):
-            qt0 = 1
-
+        n_full, rem, u0, u1, qt0, sink_slot, has_sink = _split_units(
+            seq, seq_len, n_q, q_first, split, num_splits, sink_slots, G, BLOCK_Q, MULTI_Q, HAS_SINK
+        )
         bt_row = block_table + seq.to(tl.int64) * s_bt
         records = (cache, s_cb, s_ch, kvh)
         qt1 = tl.minimum(u1, n_full)
         walk = (records, bt_row, qt0, qt1, pos_q)
-        # the records' score queries: 4 x [BLOCK_M, DK], [BLOCK_M]. With LATE_Q the unsmoothed ones (sink
-        # and tail) are loaded after the tile loop, so only one set of queries is live in it
-        if LATE_Q:
-            if SMOOTH_Q:
-                qs_base = q_smooth + q_row[:, None] * s_iq + head[:, None] * s_iqh
-                rec_query = _prerotated_query(qs_base, row_ok, LAYOUT)
-            else:
-                blk0 = tl.load(bt_row, mask=n_full > 0, other=0).to(tl.int64)
-                rec0 = cache + blk0 * s_cb + kvh.to(tl.int64) * s_ch
-                rec_query = _sequence_query(None, rec0, n_full, q_base, row_ok, LAYOUT, IN_BF16, FACTOR, True)
-        else:
-            query = _load_query(q_base, row_ok, LAYOUT, ROTATE, IN_BF16, FACTOR, FUSED_Q)
-            rec_query = query
-            if LAYOUT.SEQ_SMOOTH:  # multi-query from the prologue's rotated queries
-                blk0 = tl.load(bt_row, mask=n_full > 0, other=0).to(tl.int64)
-                rec0 = cache + blk0 * s_cb + kvh.to(tl.int64) * s_ch
-                rec_query = _sequence_query(query, rec0, n_full, q_base, row_ok, LAYOUT, IN_BF16, FACTOR, FUSED_Q)
+        qs_base = q_smooth + q_row[:, None] * s_iq + head[:, None] * s_iqh
+        query, rec_query = _records_query(
+            q_base, qs_base, row_ok, walk, n_full, LAYOUT, ROTATE, IN_BF16, FACTOR, FUSED_Q, SMOOTH_Q, LATE_Q
+        )
         m_i, l_i, acc = _record_tiles(
             rec_query, walk, q_base, row_ok, LAYOUT, MULTI_Q, USE_ASM, PAIR, TOKENS_M, FUSED_Q, IN_BF16, FACTOR, FOLD
         )
-        sink_here = has_sink & (u0 == 0)
+        pool = (tail_k, tail_v, p_slot, p_tok, p_head, kvh)
         tail_here = (rem > 0) & (u0 <= n_full) & (n_full < u1)
-        if sink_here | tail_here:
-            if LATE_Q:
-                query = _load_query(q_base, row_ok, LAYOUT, ROTATE, IN_BF16, FACTOR, FUSED_Q)
-            q_full = _query_rows(query, LAYOUT)  # [BLOCK_M, D]
-            pool = (tail_k, tail_v, p_slot, p_tok, p_head, kvh)
-            if sink_here:
-                m_i, l_i, acc = _fp_tile(q_full, m_i, l_i, acc, pool, sink_slot, G, 0, pos_q, POOL_BF16)
-            if tail_here:
-                slot = tl.load(tail_slots + seq)
-                m_i, l_i, acc = _fp_tile(q_full, m_i, l_i, acc, pool, slot, rem, n_full * G, pos_q, POOL_BF16)
+        units = (has_sink & (u0 == 0), sink_slot, tail_here, tail_slots + seq, rem, n_full * G, pos_q)
+        src = (q_base, row_ok, pool)
+        m_i, l_i, acc = _fp_tiles(
+            (m_i, l_i, acc), query, src, units, LAYOUT, ROTATE, IN_BF16, FACTOR, FUSED_Q, POOL_BF16, LATE_Q
+        )
 
         R: tl.constexpr = BLOCK_Q * GQP  # the program's distinct rows
         q_row_c, head_c, row_ok_c, _ = _program_rows(R, q_start, q_first, n_q, kvh, GQ, GQP)
