@@ -44,16 +44,23 @@ INTS = [
 ]
 
 
-def compile_decode(preset: str, d: int, tokens_m: bool, fold: bool, fused_q: bool, pair: bool, gq: int = 4):
-    """The decode launch of ``bench_decode`` (32 / 8 heads, fp16, splits merged in the kernel), compiled for sm_90."""
+def compile_decode(
+    preset: str, d: int, tokens_m: bool, fold: bool, fused_q: bool, pair: bool, gq: int = 4, extra: dict | None = None
+):
+    """The decode launch of ``bench_decode`` (32 / 8 heads, fp16, splits merged in the kernel), compiled for sm_90.
+
+    ``preset`` may be a config; ``extra`` overrides constexpr arguments (``MULTI_Q``, ``HAS_SINK``,
+    ``SMOOTH_Q``, ``LATE_Q``, ...).
+    """
     cfg = KVarNConfig.from_preset(preset, head_dim=d)
-    ptrs = dict(q="*fp16" if fused_q else "*fp32", cache="*u8", part="*fp32", ws_m="*fp32", ws_l="*fp32")
-    ptrs.update(tail_k="*fp16", tail_v="*fp16", final="*fp16")
+    ptrs = dict(q="*fp16" if fused_q else "*fp32", q_smooth="*fp32", cache="*u8", part="*fp32", ws_m="*fp32")
+    ptrs.update(ws_l="*fp32", tail_k="*fp16", tail_v="*fp16", final="*fp16")
     names = _attn_kernel.arg_names
     const = dict(GQ=gq, GQP=gq, BLOCK_Q=1, BLOCK_M=max(8 if tokens_m else 16, gq), LAYOUT=record_layout(cfg))
     const.update(MULTI_Q=False, HAS_SINK=False, POOL_BF16=False, USE_ASM=True, IN_BF16=False, FACTOR=0.1275)
     const.update(FUSED_Q=fused_q, PAIR=pair, TOKENS_M=tokens_m, FOLD=fold, MERGE_CH=max(1, 4096 // (gq * d)))
     const["FLAGS"] = (True, True, True, False, d**-0.5)
+    const.update(extra or {})
     sig = {n: ptrs.get(n, "i32" if n in INTS else "*i32") for n in names if n not in const}
     sig.update({n: "constexpr" for n in const})
     aligned = set(ptrs) | {"s_cb", "s_ch", "s_iq", "s_o", "p_slot", "p_head", "s_ws"}

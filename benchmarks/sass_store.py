@@ -46,15 +46,20 @@ INTS = {"s_tile", "s_tok", "s_head", "d_block", "d_head"}
 def compile_encode(
     cfg: KVarNConfig, num_warps: int, maxnreg: int | None = None, kernel=None, extra: dict | None = None
 ):
-    """The ``commit_tiles`` launch of ``cfg``'s encode kernel (fp16 pool), compiled for sm_90."""
-    kernel = S._encode_kernel
+    """The ``commit_tiles`` launch of ``cfg``'s encode kernel (fp16 pool), compiled for sm_90.
+
+    ``extra`` overrides constexpr arguments (``HAS_SMOOTH_SRC``, ``SMOOTH_PHASE``, ...).
+    """
+    kernel = S._encode_kernel if kernel is None else kernel
     names = kernel.arg_names
     const = dict(HAS_SRC_IDX=True, HAS_DST_IDX=True, IS_BF16=False, LAYOUT=record_layout(cfg))
+    const.update(HAS_SMOOTH_SRC=False, SMOOTH_PHASE=1)  # as store._launch_encode_phase without smooth_src
     const.update(ITERS=cfg.sinkhorn_iters, INV_SQRT_D=inv_sqrt(cfg.head_dim))
     k_clip, v_clip = cfg.k_clip or (1, 1), cfg.v_clip or (1, 1)
     const.update(K_CLIP_UNIT=k_clip[0], K_CLIP_COUNT=k_clip[1], V_CLIP_UNIT=v_clip[0], V_CLIP_COUNT=v_clip[1])
+    const.update(extra or {})
     const = {n: v for n, v in const.items() if n in names}
-    ptrs = dict(k_src="*fp16", v_src="*fp16", src_idx="*i32", dst="*u8", dst_idx="*i32")
+    ptrs = dict(k_src="*fp16", v_src="*fp16", src_idx="*i32", dst="*u8", dst_idx="*i32", smooth_src="*i32")
     sig = {n: ptrs.get(n, "i32") for n in names if n not in const}
     sig.update({n: "constexpr" for n in const})
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("k_src", "v_src", "dst", *INTS)}
