@@ -332,6 +332,38 @@ def test_paged_attention_multi_query(splits, fuse, merge, pair):
         check_attention(out, args)
 
 
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """``t`` again, as a view with every stride doubled (the kernels read index lists at base + i)."""
+    return torch.stack([t, torch.full_like(t, 10**6)], dim=-1)[..., 0]  # the 10**6 must never be read
+
+
+def test_index_lists_given_as_strided_views():
+    """seq_lens, query_start_loc, tail and sink slots and the tail mapping given as strided views: the
+    same output and pool bytes as with plain tensors (a block table must have unit last stride)."""
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
+    lengths = [190, 70, 5, 130]
+    state = build_cache(cfg, lengths, 2, torch.float16, seed=8)
+    qsl = torch.tensor([0, 3, 4, 9, 11], dtype=torch.int32)
+    query = torch.randn(int(qsl[-1]), 4, 64, generator=torch.Generator().manual_seed(8)).to(torch.float16)
+    args = attention_args(state, query, cfg, qsl=qsl, sink=True)
+    views = list(args)
+    for i in (3, 6, 8, 9):  # seq_lens, tail_slots, query_start_loc, sink_slots
+        views[i] = _strided(args[i])
+        assert torch.equal(views[i], args[i]) and not views[i].is_contiguous()
+    want = attention.paged_attention(*args, num_splits=2)
+    assert torch.equal(attention.paged_attention(*views, num_splits=2), want)
+    views[2] = _strided(args[2])
+    with pytest.raises(ValueError, match=r"block_table must be .* unit last stride"):
+        attention.paged_attention(*views, num_splits=2)
+    k, v = make_kv(1, 70, 2, 64, torch.float16, seed=9)
+    mapping = torch.cat([torch.arange(64) + 64, torch.tensor([-1, 128, 129, -5, 0, 3])])
+    pools = [torch.full((3, 64, 2, 64), float("nan"), dtype=torch.float16) for _ in range(4)]
+    store.write_tail(k[0], v[0], pools[0], pools[1], mapping, cfg)
+    store.write_tail(k[0], v[0], pools[2], pools[3], _strided(mapping), cfg)
+    for a, b in ((pools[0], pools[2]), (pools[1], pools[3])):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
 def test_kernels_reject_bad_input():
     cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
     k = torch.zeros(1, 64, 64)

@@ -224,7 +224,8 @@ def _check_args(query, cache, block_table, seq_lens, tail_k, tail_v, cfg, query_
 
 
 def _as_int32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.int32 else t.to(torch.int32)
+    """``t`` as a plain int32 list (the kernels read entry ``i`` at ``t + i``; no copy when it is one)."""
+    return (t if t.dtype == torch.int32 else t.to(torch.int32)).contiguous()
 
 
 def _launch_prologue(
@@ -363,6 +364,10 @@ def paged_attention(
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if query.stride(-1) != 1:
         query = query.contiguous()
+    # the kernels read seq_lens[b] and query_start_loc[b] at base + b: a strided or expanded view
+    # becomes a plain tensor (no copy for one already)
+    seq_lens = seq_lens.contiguous()
+    query_start_loc = None if query_start_loc is None else query_start_loc.contiguous()
     if nq == 0:
         return torch.empty_like(query)
     dev = query.device

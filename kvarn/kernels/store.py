@@ -645,6 +645,7 @@ def write_tail(
     if k.shape[0] == 0:
         return
     k, v = k.contiguous(), v.contiguous()
+    tail_slot_mapping = tail_slot_mapping.contiguous()  # read as mapping[i]: a strided view becomes a plain one
     if tail_k.stride(-1) != 1:
         raise ValueError("tail_k must be contiguous along head_dim")
     n_heads = k.shape[1]
