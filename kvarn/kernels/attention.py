@@ -223,9 +223,15 @@ def _check_args(query, cache, block_table, seq_lens, tail_k, tail_v, cfg, query_
         raise ValueError(f"block_table must be [B, max_blocks] with unit last stride, got {tuple(block_table.shape)}")
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """Index list ``t`` as a plain tensor: the kernels read entry ``i`` at ``t + i``, so a strided or
+    expanded view is copied (a plain tensor is returned as it is: graph-safe)."""
+    return t.contiguous()
+
+
 def _as_int32(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a plain int32 list (the kernels read entry ``i`` at ``t + i``; no copy when it is one)."""
-    return (t if t.dtype == torch.int32 else t.to(torch.int32)).contiguous()
+    """``t`` as a plain int32 list (see :func:`_plain`)."""
+    return _plain(t if t.dtype == torch.int32 else t.to(torch.int32))
 
 
 def _launch_prologue(
@@ -364,10 +370,7 @@ def paged_attention(
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if query.stride(-1) != 1:
         query = query.contiguous()
-    # the kernels read seq_lens[b] and query_start_loc[b] at base + b: a strided or expanded view
-    # becomes a plain tensor (no copy for one already)
-    seq_lens = seq_lens.contiguous()
-    query_start_loc = None if query_start_loc is None else query_start_loc.contiguous()
+    seq_lens, query_start_loc = _plain(seq_lens), None if query_start_loc is None else _plain(query_start_loc)
     if nq == 0:
         return torch.empty_like(query)
     dev = query.device
