@@ -100,6 +100,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def index_list(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Index list ``t`` (block ids, slots, lengths) as the kernels read it, entry ``i`` at ``t + i``:
+    a strided or expanded view is copied to a plain tensor; a plain one (or ``None``) is returned as
+    it is, so a captured CUDA graph's buffers pass through untouched."""
+    return None if t is None else t.contiguous()
+
+
 def inv_sqrt(d: int) -> float:
     """``1 / sqrt(d)``, the Hadamard normalization (rounded to fp32 inside a kernel)."""
     return 1.0 / math.sqrt(d)

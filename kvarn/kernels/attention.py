@@ -29,7 +29,15 @@ import torch
 import triton
 
 from kvarn.config import KVarNConfig
-from kvarn.kernels._common import LOG2E, check_cache, check_dtype, interpreting, inv_sqrt, record_layout
+from kvarn.kernels._common import (
+    LOG2E,
+    check_cache,
+    check_dtype,
+    index_list,
+    interpreting,
+    inv_sqrt,
+    record_layout,
+)
 from kvarn.kernels.attention_decode import _attn_kernel
 from kvarn.kernels.attention_epilogue import _epilogue_kernel
 from kvarn.kernels.attention_prologue import _prologue_kernel
@@ -223,15 +231,9 @@ def _check_args(query, cache, block_table, seq_lens, tail_k, tail_v, cfg, query_
         raise ValueError(f"block_table must be [B, max_blocks] with unit last stride, got {tuple(block_table.shape)}")
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """Index list ``t`` as a plain tensor: the kernels read entry ``i`` at ``t + i``, so a strided or
-    expanded view is copied (a plain tensor is returned as it is: graph-safe)."""
-    return t.contiguous()
-
-
 def _as_int32(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a plain int32 list (see :func:`_plain`)."""
-    return _plain(t if t.dtype == torch.int32 else t.to(torch.int32))
+    """``t`` as a plain int32 list (:func:`~kvarn.kernels._common.index_list`)."""
+    return index_list(t if t.dtype == torch.int32 else t.to(torch.int32))
 
 
 def _launch_prologue(
@@ -370,7 +372,7 @@ def paged_attention(
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if query.stride(-1) != 1:
         query = query.contiguous()
-    seq_lens, query_start_loc = _plain(seq_lens), None if query_start_loc is None else _plain(query_start_loc)
+    seq_lens, query_start_loc = index_list(seq_lens), index_list(query_start_loc)
     if nq == 0:
         return torch.empty_like(query)
     dev = query.device

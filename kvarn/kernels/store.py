@@ -60,6 +60,7 @@ from kvarn.kernels._common import (
     fp8e4m3_to_f32,
     frexp_exponent,
     fwht_rows,
+    index_list,
     inv_sqrt,
     load_f32,
     pool_factor,
@@ -362,8 +363,7 @@ def _launch_encode(
 ) -> None:
     if n_tiles == 0 or n_heads == 0:
         return
-    # the kernel reads index lists as list[i]: an expanded or strided view must become a plain one
-    src_idx, dst_idx, smooth_src = (None if x is None else x.contiguous() for x in (src_idx, dst_idx, smooth_src))
+    src_idx, dst_idx, smooth_src = index_list(src_idx), index_list(dst_idx), index_list(smooth_src)
     if smooth_src is not None:  # per-sequence vectors: the first tiles publish theirs first
         _launch_encode_phase(
             k, v, src_idx, n_tiles, n_heads, strides, dst, dst_idx, d_strides, cfg, num_warps, None, smooth_src, 0
@@ -645,7 +645,7 @@ def write_tail(
     if k.shape[0] == 0:
         return
     k, v = k.contiguous(), v.contiguous()
-    tail_slot_mapping = tail_slot_mapping.contiguous()  # read as mapping[i]: a strided view becomes a plain one
+    tail_slot_mapping = index_list(tail_slot_mapping)
     if tail_k.stride(-1) != 1:
         raise ValueError("tail_k must be contiguous along head_dim")
     n_heads = k.shape[1]

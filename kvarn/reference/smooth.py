@@ -61,14 +61,13 @@ def smoothing_vector(k_rot: torch.Tensor) -> torch.Tensor:
     std = x.std(dim=-2, correction=0) if x.shape[-2] > 1 else torch.zeros_like(x[..., 0, :])
     top = std.amax(-1, keepdim=True)
     rel = torch.where(top > 0, std / torch.where(top > 0, top, torch.ones_like(top)), torch.ones_like(std))
-    s = rel.pow(SMOOTH_EXP).clamp(SMOOTH_MIN, 1.0)
-    return s.to(SMOOTH_DTYPE).to(torch.float32)
+    return stored_smoothing_vector(rel.pow(SMOOTH_EXP))
 
 
 def stored_smoothing_vector(s: torch.Tensor) -> torch.Tensor:
     """``s`` as the store uses a given vector: fp32 values of fp8 e4m3 in ``[SMOOTH_MIN, 1]``.
 
-    Every vector :func:`smoothing_vector` makes is already so and passes unchanged. Anything else
+    :func:`smoothing_vector` ends in it, so the vectors it makes pass unchanged. Anything else
     (a vector read from a record that was never written, or one a caller built) is clamped, a NaN
     or non-positive entry to ``SMOOTH_MIN``, then rounded to fp8, so a record never stores, and a
     tile is never divided by, a value its decoder would not reproduce.
