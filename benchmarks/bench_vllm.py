@@ -135,6 +135,8 @@ def check(out_path: str) -> int:
         res["many"] = _tokens(llm.generate([{"prompt_token_ids": x} for x in many], greedy, use_tqdm=False))
         res["total_s"] = round(time.time() - t0, 1)
         results[name] = res
+        with open(out_path + ".partial", "w") as f:  # what a cut-off call still returns
+            json.dump(results, f)
         del llm
         import gc
 
@@ -219,6 +221,7 @@ def bench(shape: str, kv: str, out_path: str) -> int:
                 pairs = [(timed(ps, 65), timed(ps, 129)) for _ in range(3)]
                 res[key] = round(sorted((b - a) / 64 * 1e3 for a, b in pairs)[1], 3)
                 res[key + "_raw_s"] = [[round(a, 4), round(b, 4)] for a, b in pairs]
+                save()
         save()
     if os.environ.get("CAP", "1") != "0":
         _capacity(llm, res, prompt, cap_prompt, cap_out)

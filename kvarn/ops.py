@@ -163,23 +163,23 @@ def paged_attention(
     sink_slots=None,
     scale=None,
     *,
+    out=None,
     impl: str = "auto",
 ) -> torch.Tensor:
-    """Attention over the paged cache. See :func:`kvarn.reference.paged_attention`."""
+    """Attention over the paged cache. See :func:`kvarn.reference.paged_attention`.
+
+    ``out`` (``[Nq, Hq, D]``, ``query``'s dtype) receives the result and is returned: the kernel writes
+    it directly (no copy launch, e.g. into vLLM's output buffer); the reference's result is copied in.
+    """
     fn = _pick("paged_attention", impl, query, _smoothed(cfg))
-    return fn(
-        query,
-        cache,
-        block_table,
-        seq_lens,
-        tail_k,
-        tail_v,
-        tail_slots,
-        cfg,
-        query_start_loc,
-        sink_slots,
-        scale,
-    )
+    args = (query, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, cfg, query_start_loc, sink_slots, scale)
+    if out is None:
+        return fn(*args)
+    if fn is not reference.paged_attention:
+        return fn(*args, out=out)
+    if out.shape != query.shape or out.dtype != query.dtype:
+        raise ValueError(f"out must be {tuple(query.shape)} {query.dtype}, got {tuple(out.shape)} {out.dtype}")
+    return out.copy_(fn(*args))
 
 
 def encode_half(tiles, role, cfg, smooth_vec=None, *, impl: str = "auto"):

@@ -539,8 +539,9 @@ class PagedKV:
         seq_lens: torch.Tensor,
         query_start_loc: torch.Tensor,
         scale: float | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention of one step's ``query: [T, Hq, D]`` after :meth:`store` -> ``[T, Hq, D]``.
+        """Attention of one step's ``query: [T, Hq, D]`` after :meth:`store` -> ``[T, Hq, D]`` (``out`` if given).
 
         Each request's tokens attend causally over its first ``seq_lens`` tokens: full tiles from
         the records (the first from its sink slot, with a sink), the rest from its tail slot.
@@ -557,6 +558,7 @@ class PagedKV:
             query_start_loc,
             plan.sink_slots,
             scale,
+            out=out,
             impl=self.impl,
         )
 

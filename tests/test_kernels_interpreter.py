@@ -364,6 +364,35 @@ def test_index_lists_given_as_strided_views():
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
+@pytest.mark.parametrize("merge", [True, False], ids=["merge", "epilogue"])
+def test_paged_attention_into_out_and_tail_from_views_of_qkv(merge):
+    """``out=`` (a strided view of a larger buffer, as vLLM's output) gets the call's result bit for bit and
+    nothing around it changes; ``write_tail`` of K and V given as views of one fused qkv tensor (shared,
+    non-contiguous strides: read in place) writes the pool bytes of contiguous copies."""
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
+    lengths = [190, 70, 5]
+    state = build_cache(cfg, lengths, 2, torch.float16, seed=11)
+    query = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(11)).to(torch.float16)
+    args = attention_args(state, query, cfg, sink=True)
+    want = attention.paged_attention(*args, num_splits=2, fuse_merge=merge)
+    buf = torch.full((5, 4, 72), float("nan"), dtype=torch.float16)
+    out = buf[1:4, :, :64]
+    got = attention.paged_attention(*args, num_splits=2, fuse_merge=merge, out=out)
+    assert got is out and torch.equal(out, want)
+    assert buf[[0, 4]].isnan().all() and buf[1:4, :, 64:].isnan().all(), "wrote outside out"
+    with pytest.raises(ValueError, match="out must be"):
+        attention.paged_attention(*args, out=torch.empty(3, 4, 64, dtype=torch.bfloat16))
+    qkv = torch.randn(70, 8 * 64, generator=torch.Generator().manual_seed(12)).to(torch.float16)
+    k, v = qkv[:, 4 * 64 : 6 * 64].view(70, 2, 64), qkv[:, 6 * 64 :].view(70, 2, 64)
+    assert not k.is_contiguous() and k.stride() == v.stride()
+    mapping = torch.cat([torch.arange(64) + 64, torch.tensor([-1, 128, 129, -5, 0, 3])])
+    pools = [torch.full((3, 64, 2, 64), float("nan"), dtype=torch.float16) for _ in range(4)]
+    store.write_tail(k, v, pools[0], pools[1], mapping, cfg)
+    store.write_tail(k.contiguous(), v.contiguous(), pools[2], pools[3], mapping, cfg)
+    for a, b in ((pools[0], pools[2]), (pools[1], pools[3])):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
 def test_kernels_reject_bad_input():
     cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
     k = torch.zeros(1, 64, 64)

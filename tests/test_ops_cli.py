@@ -57,3 +57,22 @@ def test_auto_picks_triton_only_for_cuda_half_tensors(monkeypatch):
     assert ops._pick("paged_attention", "triton", like("cpu", torch.float32)) is sentinel
     with pytest.raises(RuntimeError, match="no Triton kernel"):
         ops._pick("decode_records", "triton", like("cuda", torch.uint8))
+
+
+def test_paged_attention_into_out_on_the_reference():
+    """``out=`` on the reference path: the result is copied into it (a view), and it is returned."""
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
+    g, hkv, hq, d = 64, 2, 4, 64
+    k = torch.randn(1, 2 * g, hkv, d)
+    cache = torch.zeros(2, hkv, cfg.record_bytes, dtype=torch.uint8)
+    ops.store_tiles(k.view(2, g, hkv, d), k.view(2, g, hkv, d), torch.tensor([0, 1]), cache, cfg)
+    tail = torch.zeros(1, g, hkv, d)
+    args = (torch.randn(1, hq, d), cache, torch.tensor([[0, 1]]), torch.tensor([2 * g]), tail, tail.clone())
+    args = (*args, torch.tensor([0]), cfg)
+    want = ops.paged_attention(*args)
+    buf = torch.full((3, hq, d + 8), float("nan"))
+    got = ops.paged_attention(*args, out=buf[1:2, :, :d])
+    assert torch.equal(got, want) and torch.equal(buf[1, :, :d], want[0])
+    assert buf[[0, 2]].isnan().all() and buf[:, :, d:].isnan().all()
+    with pytest.raises(ValueError, match="out must be"):
+        ops.paged_attention(*args, out=torch.empty(1, hq, d, dtype=torch.float16))

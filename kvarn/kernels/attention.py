@@ -279,10 +279,11 @@ def _query_factor(cfg: KVarNConfig, scale: float) -> float:
     return scale * LOG2E * (inv_sqrt(cfg.head_dim) if cfg.rotate else 1.0)
 
 
-def _launch_epilogue(part, ws_m, ws_l, splits: int, hq: int, out_dtype, cfg: KVarNConfig, empty: Callable):
-    """Split partials ``part: [splits, Nq, Hq, D]`` -> the output ``[Nq, Hq, D]`` in ``out_dtype``."""
+def _launch_epilogue(part, ws_m, ws_l, splits: int, hq: int, out_dtype, cfg: KVarNConfig, empty: Callable, out=None):
+    """Split partials ``part: [splits, Nq, Hq, D]`` -> the output ``[Nq, Hq, D]`` in ``out_dtype`` (into ``out``)."""
     _, nq, _, d = part.shape
-    out = empty(nq, hq, d, dtype=out_dtype, device=part.device)
+    if out is None:
+        out = empty(nq, hq, d, dtype=out_dtype, device=part.device)
     _epilogue_kernel[(nq,)](
         part,
         ws_m,
@@ -327,6 +328,7 @@ def paged_attention(
     fold_offsets: bool | None = None,
     counters: torch.Tensor | None = None,
     empty: Callable[..., torch.Tensor] = torch.empty,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query: [Nq, Hq, D]`` over the paged cache -> ``[Nq, Hq, D]`` in ``query.dtype``.
 
@@ -347,7 +349,9 @@ def paged_attention(
     (:func:`~kvarn.kernels.attention_tiles._unpack_raw`) and takes their offsets out of the
     zero-point terms instead (default :func:`fold_offsets_default`; ``False`` is the per-field
     shift-mask-subtract unpack); ``empty``
-    allocates the output and the workspaces (``torch.empty``'s signature; tests pass one that fills with NaN).
+    allocates the output and the workspaces (``torch.empty``'s signature; tests pass one that fills with NaN);
+    ``out`` (``[Nq, Hq, D]`` in ``query.dtype``, unit last stride, e.g. a view of the caller's buffer)
+    receives the result instead of a new tensor and is returned (no copy launch after the kernel).
 
     A ``smooth_keys`` config with per-tile vectors rotates each record tile's smoothed queries in
     the attention kernel itself: it needs ``fuse_query`` and ``tokens_m`` left at their defaults
@@ -373,8 +377,9 @@ def paged_attention(
     if query.stride(-1) != 1:
         query = query.contiguous()
     seq_lens, query_start_loc = index_list(seq_lens), index_list(query_start_loc)
+    out = _check_out(out, query)
     if nq == 0:
-        return torch.empty_like(query)
+        return torch.empty_like(query) if out is None else out
     dev = query.device
     gqp = triton.next_power_of_2(hq // hkv)
     block_q = max(1, MIN_DOT_ROWS // gqp) if multi_q else 1
@@ -391,11 +396,7 @@ def paged_attention(
     merge = fuse_merge and (splits == 1 or counters is not None)
     if merge and splits > 1 and (counters.dtype != torch.int32 or counters.numel() < n_blocks * hkv):
         raise ValueError(f"counters must be int32 with at least {n_blocks * hkv} entries")
-    part = empty(0 if merge and splits == 1 else splits, nq, hq, d, dtype=torch.float32, device=dev)
-    ws_m = ws_l = part
-    if splits > 1:
-        ws_m = empty(splits, nq, hq, dtype=torch.float32, device=dev)
-        ws_l = empty(splits, nq, hq, dtype=torch.float32, device=dev)
+    part, ws_m, ws_l = _workspaces(merge, splits, query.shape, dev, empty)
     fused_q = fuse_query
     if fused_q is None:
         fused_q = fuse_query_rotation(cfg, n_blocks * hkv * splits, triton.cdiv(max_units, splits), dev)
@@ -403,9 +404,10 @@ def paged_attention(
     q = q_s = query
     if not fused_q:
         q, q_s = _launch_prologue(query, cfg, scale, empty, (cache, block_table, seq_lens) if smooth_q else None)
-    final = empty(nq, hq, d, dtype=query.dtype, device=dev) if merge else part
+    final = (empty(nq, hq, d, dtype=query.dtype, device=dev) if out is None else out) if merge else part
     grid = (n_blocks, hkv, splits)
-    pool = (tail_k, tail_v, _as_int32(tail_slots), _as_int32(tail_slots if sink_slots is None else sink_slots))
+    slots = _as_int32(tail_slots)  # a no-op for int32 lists: no cast launch per call
+    pool = (tail_k, tail_v, slots, slots if sink_slots is None else _as_int32(sink_slots))
     ws = (part, ws_m, ws_l, final, part if counters is None else counters)
     flags = (splits > 1, merge, cfg.rotate, query.dtype == torch.bfloat16, inv_sqrt(d))
     launch = {"num_warps": num_warps, "num_stages": num_stages, "FUSED_Q": fused_q, "FACTOR": _query_factor(cfg, scale)}
@@ -422,7 +424,30 @@ def paged_attention(
     )
     if merge:
         return final
-    return _launch_epilogue(part, ws_m, ws_l, splits, hq, query.dtype, cfg, empty)
+    return _launch_epilogue(part, ws_m, ws_l, splits, hq, query.dtype, cfg, empty, out)
+
+
+def _workspaces(merge: bool, splits: int, shape, dev, empty: Callable) -> tuple[torch.Tensor, ...]:
+    """The split partials ``[splits, Nq, Hq, D]`` (none when one split merges in the kernel) and the
+    per-split running max and sum ``[splits, Nq, Hq]`` (only with several splits), fp32."""
+    nq, hq, d = shape
+    part = empty(0 if merge and splits == 1 else splits, nq, hq, d, dtype=torch.float32, device=dev)
+    if splits == 1:
+        return part, part, part
+    ws_m = empty(splits, nq, hq, dtype=torch.float32, device=dev)
+    return part, ws_m, empty(splits, nq, hq, dtype=torch.float32, device=dev)
+
+
+def _check_out(out: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | None:
+    """``out`` of :func:`paged_attention`, checked: the query's shape, dtype and device, unit last stride."""
+    if out is not None and (
+        out.shape != query.shape or out.dtype != query.dtype or out.device != query.device or out.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"out must be {tuple(query.shape)} {query.dtype} on {query.device} with a unit last stride, "
+            f"got {tuple(out.shape)} {out.dtype} on {out.device} with strides {out.stride()}"
+        )
+    return out
 
 
 def _launch_attention(grid, qs, query, cache, block_table, seq_lens, qsl, pool, ws, cfg, flags, launch) -> None:

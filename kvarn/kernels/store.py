@@ -644,7 +644,8 @@ def write_tail(
         raise ValueError(f"tail_slot_mapping must be [T] with T = {k.shape[0]}, got {tuple(tail_slot_mapping.shape)}")
     if k.shape[0] == 0:
         return
-    k, v = k.contiguous(), v.contiguous()
+    if k.stride() != v.stride() or k.stride(-1) != 1:  # one set of strides for both (vLLM's views of qkv share them)
+        k, v = k.contiguous(), v.contiguous()
     tail_slot_mapping = index_list(tail_slot_mapping)
     if tail_k.stride(-1) != 1:
         raise ValueError("tail_k must be contiguous along head_dim")

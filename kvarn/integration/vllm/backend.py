@@ -370,7 +370,8 @@ class _DecodeBuffers:
 
     def __init__(self, max_tokens: int, max_reqs: int, device):
         self.mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
-        self.tail_slots = torch.zeros(max_reqs, dtype=torch.int64, device=device)
+        # int32: the attention kernel's type, so no cast launch per layer
+        self.tail_slots = torch.zeros(max_reqs, dtype=torch.int32, device=device)
         self.commit_slots = torch.zeros(max_reqs, dtype=torch.int64, device=device)
         self.commit_blocks = torch.zeros(max_reqs, dtype=torch.int64, device=device)
         self.commit_first = torch.zeros(max_reqs, dtype=torch.int64, device=device)
@@ -739,7 +740,11 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
             )
         else:
             qsl = None if meta.decode else meta.query_start_loc
-            out = paged.attend(plan, q, meta.block_table, meta.seq_lens, qsl, self.scale)
+            # the kernel writes vLLM's buffer: no copy launch per layer
+            dst = output[:n].view(q.shape) if output.dtype == q.dtype else None
+            out = paged.attend(plan, q, meta.block_table, meta.seq_lens, qsl, self.scale, out=dst)
+            if dst is not None:
+                return output
         output[:n] = out.view(output[:n].shape)
         return output
 
