@@ -49,17 +49,23 @@ ATTN_NUM_STAGES = 2
 """Default launch configuration of the attention kernel (the best of the sweep in ``benchmarks/RESULTS.md``)."""
 EDGE_NUM_WARPS = 4
 """Warps of the prologue and epilogue kernels."""
-WAVES = 8
+WAVES = 3
 """Split-K aims at this many waves of attention programs over the GPU ..."""
 PROGRAMS_PER_SM = 3
 """... at this many resident programs per SM (the kernel's register use allows 3 at 4 warps)."""
-MIN_TILES_PER_SPLIT = 2
+MIN_TILES_PER_SPLIT = 4
+SHORT_MIN_TILES = 2
+"""Tiles per split at least (``SHORT_MIN_TILES`` where ``MIN_TILES_PER_SPLIT`` would leave the launch
+under one wave). Measured on the H200 (``benchmarks/RESULTS.md``, 2026-12-01): 8 waves of 2-tile
+splits (the rule before) against 3 waves of 4-tile splits: 4K/B8 43.0 -> 37.9 µs, 4K/B64 171 -> 129,
+32K/B64 1016 -> 765, 32K/B8 149 -> 143, but 32K/B16 231 -> 237 and 32K/B32 413 -> 434."""
 MAX_SPLITS = 64
-FUSE_MAX_WAVES = 2
+FUSE_MAX_WAVES = 4
 FUSE_MAX_TILES = 8
 """Queries are rotated inside the attention kernel (no prologue launch) when the launch is at most
 ``FUSE_MAX_WAVES`` waves of ``PROGRAMS_PER_SM`` programs and a split walks at most ``FUSE_MAX_TILES``
-tiles: each program then pays the rotation (~half a tile of work) once, against one launch saved."""
+tiles: each program then pays the rotation (~half a tile of work) once, against one launch saved.
+The splits are merged in the attention launch up to the same number of waves (:func:`merge_in_kernel`)."""
 SMS_OFF_CUDA = 4
 """SM count the split choice assumes on a device without SMs (the CPU interpreter)."""
 DECODE_MAX_REGS = {64: 96, 128: 128}
@@ -119,15 +125,19 @@ def choose_splits(programs: int, max_units: int, device: torch.device, min_tiles
 
 
 def min_tiles_per_split(cfg: KVarNConfig, programs: int, max_units: int, device: torch.device) -> int:
-    """1 for 128-token tiles when even one-tile splits give at most ``ONE_TILE_MAX_WAVES`` programs per SM, else 2.
+    """Fewest tiles a split walks: 1, ``SHORT_MIN_TILES`` or ``MIN_TILES_PER_SPLIT``.
 
-    Measured (``benchmarks/RESULTS.md``, issue 9 round 2): batch 1 at 1K, 9 one-tile splits 16.4 us
-    against 21.5 us with 4; at batch 8 / 1K one-tile splits were slower (29.2 against 25.1 us).
-    64-token tiles keep 2 (a split then is one loop step of two tiles, ``pair_tiles``).
+    1 for 128-token tiles when even one-tile splits give at most ``ONE_TILE_MAX_WAVES`` programs per
+    SM (``benchmarks/RESULTS.md``, issue 9 round 2: batch 1 at 1K, 9 one-tile splits 16.4 us against
+    21.5 us with 4; at batch 8 / 1K one-tile splits were slower, 29.2 against 25.1 us).
+    ``SHORT_MIN_TILES`` when splits of ``MIN_TILES_PER_SPLIT`` tiles would fill less than one wave
+    (batch 8 / 1K: 4 splits of 2 tiles 24.9 us, 2 of 4 tiles 28.0 us); else ``MIN_TILES_PER_SPLIT``.
     """
     sms = _num_sms(device.index or 0) if device.type == "cuda" else SMS_OFF_CUDA
     if cfg.group_size >= 128 and programs * max_units <= ONE_TILE_MAX_WAVES * sms:
         return 1
+    if programs * (max_units // MIN_TILES_PER_SPLIT) < PROGRAMS_PER_SM * sms:
+        return SHORT_MIN_TILES
     return MIN_TILES_PER_SPLIT
 
 
@@ -136,7 +146,8 @@ def merge_in_kernel(programs: int, splits: int, device: torch.device) -> bool:
 
     The in-kernel merge costs every program an atomic (with its fences) and the last one the merge;
     it saves the epilogue launch. Measured at batch 64 / 4K (7 splits, ~9 waves) the epilogue was
-    2% faster (171.6 against 175.5 us); everywhere else the merge in the kernel was as fast or faster.
+    2% faster (171.6 against 175.5 us); everywhere else the merge in the kernel was as fast or faster
+    (3 splits at batch 64, ~4 waves: 4K 164 -> 129 us, 32K 1005 -> 765 us against the epilogue).
     """
     sms = _num_sms(device.index or 0) if device.type == "cuda" else SMS_OFF_CUDA
     return splits > EPILOGUE_MAX_SPLITS or programs * splits <= FUSE_MAX_WAVES * PROGRAMS_PER_SM * sms
