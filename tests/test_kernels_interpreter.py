@@ -274,6 +274,32 @@ def test_tokens_m_default_rule(monkeypatch):
     assert not attention.tokens_m_default(k4v2, False, 10 * wave2, cpu)
 
 
+def test_split_rule_on_an_h200(monkeypatch):
+    """The decode launch the defaults pick on 132 SMs (8 KV heads, 128-token tiles): (splits, merge in
+    the kernel, rotation in the kernel), the launches timed in ``benchmarks/RESULTS.md`` (2026-12-01)."""
+    monkeypatch.setattr(attention, "_num_sms", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    k4v2 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
+
+    def launch(batch, ctx):
+        programs, units = batch * 8, ctx // 128 + 1
+        splits = attention.choose_splits(
+            programs, units, cuda, attention.min_tiles_per_split(k4v2, programs, units, cuda)
+        )
+        merge = attention.merge_in_kernel(programs, splits, cuda)
+        fused = attention.fuse_query_rotation(k4v2, programs * splits, -(-units // splits), cuda)
+        return splits, merge, fused
+
+    assert launch(1, 4096) == (33, True, True)  # one-tile splits: a launch under 2 programs per SM
+    assert launch(1, 32768) == (64, True, True)  # MAX_SPLITS
+    assert launch(8, 1024) == (4, True, True)  # 4-tile splits would fill half a wave: 2-tile splits
+    assert launch(8, 4096) == (8, True, True)  # 3 waves wanted, at least 4 tiles per split
+    assert launch(32, 4096) == (5, True, True)  # rotation and merge in the kernel up to 4 waves
+    assert launch(64, 4096) == (3, True, False)  # 11 tiles per split: the prologue rotates
+    assert launch(16, 32768) == (10, True, False)
+    assert launch(64, 32768) == (3, True, False)
+
+
 def test_fold_offsets_default_rule():
     """``fold_offsets`` by default only with ``tokens_m`` at ``D = 128`` (measured faster only there)."""
     for preset in ("kvarn_k4v2_g128", "kvarn_k2v2_g128", "kvarn_k4v4_g128"):
