@@ -9,7 +9,9 @@ default compilation (decode CUDA graphs) and with ``enforce_eager``, and the bf1
 boundaries inside tiles (``max_num_batched_tokens`` 200), a prefix hit, ``n = 2`` sampling and 24
 concurrent requests. The graph run must give the eager run's tokens exactly (same kernels; the
 graph path adds the persistent plan buffers and the conditional commit), and every run must finish.
-Exit status 1 if not.
+``CHECK_PREEMPT=1`` adds two engines (graphs, eager) whose cache holds ``PREEMPT_BLOCKS`` blocks, so
+the 24 concurrent requests are preempted and recomputed: again the same tokens, and at least one
+preemption. Exit status 1 if not.
 
 ``bench`` knobs (environment): ``KV_GIB`` gives the engine an explicit KV budget of that many GiB
 (``kv_cache_memory_bytes``; the tail pool then comes on top) instead of vLLM's default memory,
@@ -163,7 +165,48 @@ def check(out_path: str) -> int:
     with open(out_path, "w") as f:
         json.dump(out | {"tokens": results}, f)
     ok = all(summary[f"graphs_vs_eager_{k}"] == 1.0 for k in ("cold", "prefix_hit", "many"))
+    if os.environ.get("CHECK_PREEMPT") == "1":
+        ok = _check_preemption(kvarn_dtype, many, greedy, out_path) and ok
     return 0 if ok else 1
+
+
+PREEMPT_BLOCKS = 40
+"""KV blocks (of 128 tokens for KVarN) of the preemption check: 24 requests of 100-400 prompt tokens
+plus 40 generated need ~7000 tokens, so vLLM must preempt and recompute some of them."""
+
+
+def _check_preemption(kvarn_dtype: str, many: list, greedy, out_path: str) -> bool:
+    """``CHECK_PREEMPT=1``: the 24 concurrent requests in ``PREEMPT_BLOCKS`` blocks, with decode CUDA
+    graphs and eager: the same tokens, and at least one preemption (``vllm:num_preemptions``)."""
+    runs = {}
+    for name, eager in (("graphs", False), ("eager", True)):
+        llm = _llm(
+            "tiny",
+            kvarn_dtype,
+            gpu_memory_utilization=0.15,
+            max_model_len=4096,
+            max_num_seqs=32,
+            max_num_batched_tokens=200,
+            enforce_eager=eager,
+            num_gpu_blocks_override=PREEMPT_BLOCKS,
+        )
+        toks = _tokens(llm.generate([{"prompt_token_ids": x} for x in many], greedy, use_tqdm=False))
+        preempted = sum(int(getattr(m, "value", 0)) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+        runs[name] = {"tokens": toks, "preemptions": preempted}
+        del llm
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
+    same = runs["graphs"]["tokens"] == runs["eager"]["tokens"]
+    res = {"blocks": PREEMPT_BLOCKS, "same_tokens": same}
+    res |= {f"preemptions_{k}": v["preemptions"] for k, v in runs.items()}
+    print(json.dumps({"preemption": res}), flush=True)
+    with open(out_path + ".preempt", "w") as f:
+        json.dump(res | {"runs": runs}, f)
+    return same and min(v["preemptions"] for v in runs.values()) > 0
 
 
 def bench(shape: str, kv: str, out_path: str) -> int:
