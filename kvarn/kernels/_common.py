@@ -107,6 +107,16 @@ def index_list(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.contiguous()
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host ints (``triton.cdiv`` is a constexpr function in newer Triton: ~2 µs a host call)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two ``>= n`` (1 for ``n <= 1``), for host ints (see :func:`cdiv`)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def inv_sqrt(d: int) -> float:
     """``1 / sqrt(d)``, the Hadamard normalization (rounded to fp32 inside a kernel)."""
     return 1.0 / math.sqrt(d)

@@ -26,16 +26,17 @@ import math
 from collections.abc import Callable
 
 import torch
-import triton
 
 from kvarn.config import KVarNConfig
 from kvarn.kernels._common import (
     LOG2E,
+    cdiv,
     check_cache,
     check_dtype,
     index_list,
     interpreting,
     inv_sqrt,
+    next_pow2,
     record_layout,
 )
 from kvarn.kernels.attention_decode import _attn_kernel
@@ -120,7 +121,7 @@ def choose_splits(programs: int, max_units: int, device: torch.device, min_tiles
     the latency of small batches; the splits are merged in the kernel or the epilogue.
     """
     sms = _num_sms(device.index or 0) if device.type == "cuda" else SMS_OFF_CUDA
-    want = triton.cdiv(WAVES * PROGRAMS_PER_SM * sms, programs)
+    want = cdiv(WAVES * PROGRAMS_PER_SM * sms, programs)
     return max(1, min(want, max_units // min_tiles, MAX_SPLITS))
 
 
@@ -273,7 +274,7 @@ def _launch_prologue(
         cache.stride(0),
         cache.stride(1),
         block_table.stride(0),
-        BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(hq)),
+        BLOCK_H=max(MIN_DOT_ROWS, next_pow2(hq)),
         LAYOUT=record_layout(cfg),
         ROTATE=cfg.rotate,
         IN_BF16=query.dtype == torch.bfloat16,
@@ -305,7 +306,7 @@ def _launch_epilogue(part, ws_m, ws_l, splits: int, hq: int, out_dtype, cfg: KVa
         hq,
         out.stride(0),
         out.stride(1),
-        BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(hq)),
+        BLOCK_H=max(MIN_DOT_ROWS, next_pow2(hq)),
         LAYOUT=record_layout(cfg),
         SPLIT=splits > 1,
         ROTATE=cfg.rotate,
@@ -392,9 +393,9 @@ def paged_attention(
     if nq == 0:
         return torch.empty_like(query) if out is None else out
     dev = query.device
-    gqp = triton.next_power_of_2(hq // hkv)
+    gqp = next_pow2(hq // hkv)
     block_q = max(1, MIN_DOT_ROWS // gqp) if multi_q else 1
-    n_blocks = triton.cdiv(nq, block_q) + batch if multi_q else batch  # one spare block per sequence
+    n_blocks = cdiv(nq, block_q) + batch if multi_q else batch  # one spare block per sequence
     max_units = block_table.shape[1] + 1
     if num_splits is None:
         min_tiles = min_tiles_per_split(cfg, n_blocks * hkv, max_units, dev)
@@ -410,7 +411,7 @@ def paged_attention(
     part, ws_m, ws_l = _workspaces(merge, splits, query.shape, dev, empty)
     fused_q = fuse_query
     if fused_q is None:
-        fused_q = fuse_query_rotation(cfg, n_blocks * hkv * splits, triton.cdiv(max_units, splits), dev)
+        fused_q = fuse_query_rotation(cfg, n_blocks * hkv * splits, cdiv(max_units, splits), dev)
     smooth_q = cfg.seq_smooth and not fused_q and not multi_q  # the prologue smooths the queries too
     q = q_s = query
     if not fused_q:
@@ -467,7 +468,7 @@ def _launch_attention(grid, qs, query, cache, block_table, seq_lens, qsl, pool, 
     hkv = grid[1]
     nq, hq, d = query.shape
     gqa = hq // hkv
-    gqp = triton.next_power_of_2(gqa)
+    gqp = next_pow2(gqa)
     multi_q = qsl is not None
     block_q = max(1, MIN_DOT_ROWS // gqp) if multi_q else 1
     tail_k, tail_v, tail_slots, sinks = pool

@@ -53,6 +53,7 @@ from kvarn.kernels._common import (
     STD_MIN,
     bf16_bits,
     bf16_round,
+    cdiv,
     check_cache,
     check_dtype,
     fp8e4m3_bits,
@@ -651,7 +652,7 @@ def write_tail(
         raise ValueError("tail_k must be contiguous along head_dim")
     n_heads = k.shape[1]
     n_rows = k.shape[0] * n_heads
-    _prepare_kernel[(triton.cdiv(n_rows, PREPARE_ROWS), 2)](
+    _prepare_kernel[(cdiv(n_rows, PREPARE_ROWS), 2)](
         k,
         v,
         tail_k,
