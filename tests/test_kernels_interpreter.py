@@ -408,6 +408,8 @@ def test_paged_attention_into_out_and_tail_from_views_of_qkv(merge):
     assert buf[[0, 4]].isnan().all() and buf[1:4, :, 64:].isnan().all(), "wrote outside out"
     with pytest.raises(ValueError, match="out must be"):
         attention.paged_attention(*args, out=torch.empty(3, 4, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="must not share memory with query"):
+        attention.paged_attention(*args, out=args[0])
     qkv = torch.randn(70, 8 * 64, generator=torch.Generator().manual_seed(12)).to(torch.float16)
     k, v = qkv[:, 4 * 64 : 6 * 64].view(70, 2, 64), qkv[:, 6 * 64 :].view(70, 2, 64)
     assert not k.is_contiguous() and k.stride() == v.stride()

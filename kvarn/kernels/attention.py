@@ -386,10 +386,10 @@ def paged_attention(
     batch = seq_lens.shape[0]
     multi_q = query_start_loc is not None
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    out = _check_out(out, query)
     if query.stride(-1) != 1:
         query = query.contiguous()
     seq_lens, query_start_loc = index_list(seq_lens), index_list(query_start_loc)
-    out = _check_out(out, query)
     if nq == 0:
         return torch.empty_like(query) if out is None else out
     dev = query.device
@@ -452,13 +452,15 @@ def _workspaces(merge: bool, splits: int, shape, dev, empty: Callable) -> tuple[
 
 def _check_out(out: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | None:
     """``out`` of :func:`paged_attention`, checked: the query's shape, dtype and device, unit last stride."""
-    if out is not None and (
-        out.shape != query.shape or out.dtype != query.dtype or out.device != query.device or out.stride(-1) != 1
-    ):
+    if out is None:
+        return None
+    if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device or out.stride(-1) != 1:
         raise ValueError(
             f"out must be {tuple(query.shape)} {query.dtype} on {query.device} with a unit last stride, "
             f"got {tuple(out.shape)} {out.dtype} on {out.device} with strides {out.stride()}"
         )
+    if out.untyped_storage().data_ptr() == query.untyped_storage().data_ptr():
+        raise ValueError("out must not share memory with query (programs read queries while others write out)")
     return out
 
 
