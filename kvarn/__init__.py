@@ -4,7 +4,7 @@
 """
 
 from kvarn.api import QuantizedKV, QuantizedTensor, dequantize, quantize
-from kvarn.config import DEFAULT_PRESET, PRESETS, KVarNConfig, LayerPolicy
+from kvarn.config import DEFAULT_PRESET, PRESETS, KVarNConfig, LayerPolicy, recommended_preset
 
 __version__ = "0.1.0"
 
@@ -18,4 +18,5 @@ __all__ = [
     "__version__",
     "dequantize",
     "quantize",
+    "recommended_preset",
 ]

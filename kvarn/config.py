@@ -71,6 +71,10 @@ KEY_SMOOTH_SUFFIX = "_ks"
 """A preset name ending in it (``kvarn_k4v2_g128_ks``) is the preset with key smoothing, one vector per
 sequence (``smooth_keys=True, smooth_scope="sequence"``): for models whose rotated keys lose to plain
 RTN, such as Qwen2.5 (``docs/fidelity.md``)."""
+KEY_BIAS_MODEL_TYPES = frozenset({"qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl", "qwen2_audio"})
+"""Hugging Face ``model_type`` values whose q/k/v projections always carry biases (Qwen1.5, Qwen2,
+Qwen2.5 and their variants; Qwen3 dropped them). On Qwen2.5-Coder-0.5B those biases give key channels
+means up to ~150 and make rotated keys lose to plain RTN (``docs/fidelity.md``)."""
 DEFAULT_PRESET = "kvarn_k4v2_g128"
 DEFAULT_HEAD_DIM = 128
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -257,6 +261,40 @@ class KVarNConfig:
     def capacity_vs_fp8(self) -> float:
         """How many more tokens fit than with an fp8 cache of the same size."""
         return 2 * self.head_dim / self.bytes_per_token
+
+
+def key_bias_reason(model_config) -> str | None:
+    """Why a model's keys likely carry large per-channel offsets, read from its Hugging Face config, or ``None``.
+
+    Biased q/k/v projections (``attention_bias=True``, ``qkv_bias=True``, or a model type of
+    :data:`KEY_BIAS_MODEL_TYPES`) add the same vector to every key of a head, which a rotation spreads
+    over all channels; such models want the ``_ks`` presets. A config nesting its language model
+    (``text_config``) is read there too.
+    """
+    for cfg in (model_config, getattr(model_config, "text_config", None)):
+        if cfg is None:
+            continue
+        for flag in ("attention_bias", "qkv_bias"):
+            if getattr(cfg, flag, False) is True:
+                return f"its config sets {flag}=True (biased key projections)"
+        model_type = getattr(cfg, "model_type", None)
+        if model_type in KEY_BIAS_MODEL_TYPES:
+            return f"model type {model_type!r} has biased key projections"
+    return None
+
+
+def recommended_preset(model_config, base: str = DEFAULT_PRESET) -> str:
+    """``base``, or ``base`` with key smoothing (``_ks``) when :func:`key_bias_reason` finds a reason.
+
+    >>> recommended_preset(transformers.AutoConfig.from_pretrained("Qwen/Qwen2.5-7B-Instruct"))
+    'kvarn_k4v2_g128_ks'
+    """
+    if not isinstance(base, str):
+        raise TypeError(f"base must be a preset name, got {type(base).__name__}")
+    check_preset(base)
+    if base.endswith(KEY_SMOOTH_SUFFIX) or key_bias_reason(model_config) is None:
+        return base
+    return base + KEY_SMOOTH_SUFFIX
 
 
 def check_head_dim(head_dim: int) -> None:

@@ -183,3 +183,25 @@ def test_layer_policy_formats_and_bits():
     for bad in ({"first": -1}, {"last": 1.5}, {"layers": ("0",)}, {"keep": "fp16"}):
         with pytest.raises(ValueError, match="LayerPolicy"):
             LayerPolicy(**bad)
+
+
+def test_key_bias_reason_and_recommended_preset():
+    """Models with biased key projections get the ``_ks`` preset recommended, read from their HF config."""
+    transformers = pytest.importorskip("transformers")
+    from kvarn.config import key_bias_reason, recommended_preset
+
+    qwen2 = transformers.Qwen2Config()
+    assert "qwen2" in key_bias_reason(qwen2)
+    assert recommended_preset(qwen2) == "kvarn_k4v2_g128_ks"
+    assert recommended_preset(qwen2, "kvarn_k2v2_g128") == "kvarn_k2v2_g128_ks"
+    assert recommended_preset(qwen2, "kvarn_k2v2_g128_ks") == "kvarn_k2v2_g128_ks"
+    llama = transformers.LlamaConfig()
+    assert key_bias_reason(llama) is None and recommended_preset(llama) == "kvarn_k4v2_g128"
+    assert "attention_bias=True" in key_bias_reason(transformers.LlamaConfig(attention_bias=True))
+    assert key_bias_reason(transformers.Qwen3Config()) is None  # Qwen3 dropped the biases
+    nested = type("Multimodal", (), {"model_type": "vlm", "text_config": qwen2})()
+    assert key_bias_reason(nested) is not None
+    with pytest.raises(ValueError, match="unknown KVarN preset"):
+        recommended_preset(qwen2, "kvarn_k3v2_g128")
+    with pytest.raises(TypeError, match="preset name"):
+        recommended_preset(qwen2, KVarNConfig.from_preset("kvarn_k4v2_g128"))

@@ -292,3 +292,21 @@ def test_where_the_backend_enum_takes_no_new_names_kvarn_registers_as_custom(mon
     assert plugin.install_backend_name() == "CUSTOM"
     assert registry.AttentionBackendEnum.CUSTOM in calls
     assert BACKENDS["kvarn_k4v2_g128"].get_name() == "CUSTOM"
+
+
+def test_key_bias_advice_names_the_ks_dtype():
+    """A preset without key smoothing on a Qwen2-type model gets a start-up warning naming the ``_ks`` dtype."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    def run(hf_config):
+        return SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config))
+
+    advice = checks.key_bias_advice(run(Qwen2Config()), "kvarn_k4v2_g128_sink")
+    assert "'qwen2'" in advice and "--kv-cache-dtype kvarn_k4v2_g128_ks_sink" in advice
+    assert "kvarn_k2v2_g128_ks " in checks.key_bias_advice(run(Qwen2Config()), "kvarn_k2v2_g128")
+    assert checks.key_bias_advice(run(Qwen2Config()), "kvarn_k4v2_g128_ks") is None
+    assert checks.key_bias_advice(run(LlamaConfig()), "kvarn_k4v2_g128") is None
+    assert checks.key_bias_advice(SimpleNamespace(), "kvarn_k4v2_g128") is None
+    for dtype in checks.CACHE_DTYPES:  # every suggestion is a dtype the plugin serves
+        advice = checks.key_bias_advice(run(Qwen2Config()), dtype)
+        assert advice is None or advice.split("--kv-cache-dtype ")[-1].split()[0] in checks.CACHE_DTYPES

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from kvarn.config import KEY_SMOOTH_SUFFIX, PRESETS, SUPPORTED_HEAD_DIMS, KVarNConfig
+from kvarn.config import KEY_SMOOTH_SUFFIX, PRESETS, SUPPORTED_HEAD_DIMS, KVarNConfig, key_bias_reason
 
 TAIL_SLOTS_ENV = "KVARN_TAIL_SLOTS"
 SINK_SLOTS_ENV = "KVARN_SINK_SLOTS"
@@ -144,6 +144,27 @@ def check_layer(selector_config, vllm_config=None) -> None:
         problems.extend(run_problems(vllm_config, preset))
     if problems:
         raise ValueError(f"{flag}: " + "; ".join(problems))
+
+
+def key_bias_advice(vllm_config, preset: str) -> str | None:
+    """A warning for a preset without key smoothing on a model whose keys likely carry large biases, or ``None``.
+
+    Read from the model's Hugging Face config (:func:`kvarn.config.key_bias_reason`); the run is not
+    refused (the model may be fine), the log names the ``_ks`` dtype to use instead.
+    """
+    if has_key_smoothing(preset):
+        return None
+    hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+    reason = None if hf_config is None else key_bias_reason(hf_config)
+    if reason is None:
+        return None
+    base = preset.removesuffix(SINK_SUFFIX)
+    better = base + KEY_SMOOTH_SUFFIX + (SINK_SUFFIX if has_sink(preset) else "")
+    return (
+        f"--kv-cache-dtype {preset}: {reason}; rotated keys with large per-channel offsets lose to plain "
+        f"RTN at 4 bits and collapse at 2 (Qwen2.5 in kvarn's docs/fidelity.md). Consider "
+        f"--kv-cache-dtype {better} (key smoothing, one vector per sequence)"
+    )
 
 
 def check_run(vllm_config, preset: str) -> None:
