@@ -240,6 +240,11 @@ def test_kvarn_report_on_a_local_folder_and_text_file(tmp_path):
     runs = json.loads((tmp_path / "r" / "results.json").read_text())
     assert runs[0]["model"] == str(folder) and runs[0]["text"] == str(text)
     assert runs[0]["commit"].startswith("kvarn ")
+    assert runs[0]["key_bias"] is None and "Key biases" not in report
+    biased = build_tiny_model(tmp_path / "biased", attention_bias=True)
+    argv = ["--model", str(biased), "--prefix", "128", "--continuation", "8", "--greedy", "0", "--quiet"]
+    assert main([*argv, "--methods", "kvarn_k4v2_g128", "--regions", "tail", "--out", str(tmp_path / "b")]) == 0
+    assert "Key biases: its config sets attention_bias=True" in (tmp_path / "b" / "report.md").read_text()
 
 
 @pytest.mark.hf

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pathlib
 
 
-def build_tiny_model(path: pathlib.Path) -> pathlib.Path:
+def build_tiny_model(path: pathlib.Path, attention_bias: bool = False) -> pathlib.Path:
     """A 2-layer random Llama (head_dim 64, GQA 4:2) with a byte-level BPE tokenizer, saved at ``path``."""
     if (path / "config.json").exists():
         return path
@@ -31,6 +31,7 @@ def build_tiny_model(path: pathlib.Path) -> pathlib.Path:
         bos_token_id=vocab["<s>"],
         eos_token_id=vocab["</s>"],
         initializer_range=0.05,
+        attention_bias=attention_bias,
     )
     torch.manual_seed(0)
     tmp = path.with_name(path.name + ".tmp")

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+from kvarn.config import key_bias_reason
 from kvarn.eval.methods import ALL_BASELINES, DEFAULT_METHODS, get_method
 from kvarn.eval.models import BUNDLED_MODELS, DEFAULT_MODEL
 
@@ -318,6 +319,8 @@ def write_markdown(runs: list[dict], out: pathlib.Path, command: str) -> pathlib
             *(goals(run) or ["- (the methods the goals compare were not run)"]),
             "",
         ]
+        if run.get("key_bias"):
+            lines += [f"Key biases: {run['key_bias']}: the `_ks` presets are meant for it (`docs/fidelity.md`).", ""]
         lines += [f"![{f}]({f})" for f in run.get("plots", [])]
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
@@ -383,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             if name in BUNDLED_MODELS
             else f"{pathlib.Path(name).expanduser().resolve()} (local)"
         )
+        run["key_bias"] = key_bias_reason(model.config)
         run["text"] = args.text or "bundled"
         run["text_label"] = label
         run["commit"] = commit
@@ -394,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
         print(table(run))
         for line in goals(run):
             print(line)
+        if run["key_bias"] is not None:
+            print(f"{name}: {run['key_bias']}: for it use the _ks presets (kvarn.recommended_preset, docs/fidelity.md)")
         del model
     (out / "results.json").write_text(json.dumps(runs, indent=1) + "\n")
     command = "kvarn report " + " ".join(argv)
