@@ -61,6 +61,7 @@ from kvarn.kernels._common import (
     fp8e4m3_to_f32,
     frexp_exponent,
     fwht_rows,
+    hadamard_pm,
     index_list,
     inv_sqrt,
     load_f32,
@@ -242,6 +243,15 @@ def _smoothing_vector(xm, SKIP: tl.constexpr):
 
 
 @triton.jit
+def _stored_vector(s_src, D: tl.constexpr):
+    """The fp8 smoothing vector at ``s_src`` as ``reference.smooth.stored_smoothing_vector`` reads it:
+    NaN bytes and values below ``SMOOTH_MIN`` -> ``SMOOTH_MIN``, above 1 -> 1."""
+    byte = tl.load(s_src + tl.arange(0, D))
+    s = tl.minimum(tl.maximum(fp8e4m3_to_f32(byte), SMOOTH_MIN), 1.0)
+    return tl.where((byte.to(tl.int32) & 0x7F) == 0x7F, SMOOTH_MIN, s)
+
+
+@triton.jit
 def _smooth_tile(x, dst, INV_SQRT_D: tl.constexpr, SKIP: tl.constexpr = 0, s_src=None):
     """Smooth one rotated K tile ``x: [G, D]`` fp32 (``kvarn.reference.smooth``); its ``s: [D]`` fp8 bytes to ``dst``.
 
@@ -252,12 +262,29 @@ def _smooth_tile(x, dst, INV_SQRT_D: tl.constexpr, SKIP: tl.constexpr = 0, s_src
     xm = fwht_rows(x, INV_SQRT_D)  # [G, D] model frame
     if s_src is None:
         s = _smoothing_vector(xm, SKIP)
-    else:  # as reference.smooth.stored_smoothing_vector: NaN bytes and values below SMOOTH_MIN -> SMOOTH_MIN
-        byte = tl.load(s_src + tl.arange(0, D))
-        s = tl.minimum(tl.maximum(fp8e4m3_to_f32(byte), SMOOTH_MIN), 1.0)
-        s = tl.where((byte.to(tl.int32) & 0x7F) == 0x7F, SMOOTH_MIN, s)
+    else:
+        s = _stored_vector(s_src, D)
     tl.store(dst + tl.arange(0, D), fp8e4m3_bits(s))
     return fwht_rows(tl.div_rn(xm, s[None, :]), INV_SQRT_D)
+
+
+@triton.jit
+def _smooth_tile_tc(x, dst, s_src, INV_SQRT_D: tl.constexpr):
+    """:func:`_smooth_tile` with the vector at ``s_src`` for ``D <= 128``, its rotations on tensor cores.
+
+    ``x`` is pool-form (fp16/bf16 values times a power of two), so ``x H`` has exact products; the
+    rotation back takes ``rotate(x) / s`` as a hi/lo pair of tf32 parts (the low part truncated: a
+    relative error ~2^-21). Only the order of the fp32 sums differs from the reference's butterflies,
+    so the tile matches it to fp32 rounding, not bit for bit; ``s`` (read, not computed) is exact.
+    """
+    D: tl.constexpr = x.shape[1]
+    s = _stored_vector(s_src, D)
+    tl.store(dst + tl.arange(0, D), fp8e4m3_bits(s))
+    h = hadamard_pm(D)
+    y = tl.div_rn(tl.dot(x, h, input_precision="tf32") * INV_SQRT_D, s[None, :])
+    hi = (y.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)  # low 13 mantissa bits cleared
+    back = tl.dot(hi, h, input_precision="tf32") + tl.dot(y - hi, h, input_precision="tf32")
+    return back * INV_SQRT_D
 
 
 @triton.jit
@@ -329,7 +356,9 @@ def _encode_kernel(
     elif t >= 0:  # a negative source (padding of a fixed-size commit list) writes nothing
         if half == 0:
             x = _load_tile(k_src + off, s_tok, L, IS_BF16)  # [G, D]
-            if FROM_SRC:
+            if FROM_SRC and L.D <= 128:
+                x = _smooth_tile_tc(x, out + L.K_SMOOTH, src_rec + L.K_SMOOTH, INV_SQRT_D)
+            elif FROM_SRC:
                 x = _smooth_tile(x, out + L.K_SMOOTH, INV_SQRT_D, SKIP, src_rec + L.K_SMOOTH)
             elif L.K_SMOOTH >= 0:
                 x = _smooth_tile(x, out + L.K_SMOOTH, INV_SQRT_D, SKIP)
