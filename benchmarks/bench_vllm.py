@@ -101,6 +101,20 @@ def _tokens(outs):
     return [[list(c.token_ids) for c in o.outputs] for o in outs]
 
 
+CHECK_ENGINE = dict(gpu_memory_utilization=0.15, max_model_len=4096, max_num_seqs=32, max_num_batched_tokens=200)
+"""Engine settings of ``check``: chunks of 200 tokens end inside tiles."""
+
+
+def _free_gpu() -> None:
+    """Let the next engine of the process have the GPU memory of the last one (its ``LLM`` deleted)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def check(out_path: str) -> int:
     from vllm import SamplingParams
 
@@ -116,15 +130,7 @@ def check(out_path: str) -> int:
         ("bf16_graphs", "auto", False),
     ):
         t0 = time.time()
-        llm = _llm(
-            "tiny",
-            kv,
-            gpu_memory_utilization=0.15,
-            max_model_len=4096,
-            max_num_seqs=32,
-            max_num_batched_tokens=200,
-            enforce_eager=eager,
-        )
+        llm = _llm("tiny", kv, enforce_eager=eager, **CHECK_ENGINE)
         res = {"start_s": round(time.time() - t0, 1)}
         cc = llm.llm_engine.vllm_config.compilation_config
         res["cudagraph_mode"] = str(cc.cudagraph_mode)
@@ -141,12 +147,7 @@ def check(out_path: str) -> int:
         with open(out_path + ".partial", "w") as f:  # what a cut-off call still returns
             json.dump(results, f)
         del llm
-        import gc
-
-        import torch
-
-        gc.collect()
-        torch.cuda.empty_cache()
+        _free_gpu()
 
     def agree(a, b):
         pairs = [(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)]
@@ -181,26 +182,12 @@ def _check_preemption(kvarn_dtype: str, many: list, greedy, out_path: str) -> bo
     graphs and eager: the same tokens, and at least one preemption (``vllm:num_preemptions``)."""
     runs = {}
     for name, eager in (("graphs", False), ("eager", True)):
-        llm = _llm(
-            "tiny",
-            kvarn_dtype,
-            gpu_memory_utilization=0.15,
-            max_model_len=4096,
-            max_num_seqs=32,
-            max_num_batched_tokens=200,
-            enforce_eager=eager,
-            num_gpu_blocks_override=PREEMPT_BLOCKS,
-        )
+        llm = _llm("tiny", kvarn_dtype, enforce_eager=eager, num_gpu_blocks_override=PREEMPT_BLOCKS, **CHECK_ENGINE)
         toks = _tokens(llm.generate([{"prompt_token_ids": x} for x in many], greedy, use_tqdm=False))
         preempted = sum(int(getattr(m, "value", 0)) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
         runs[name] = {"tokens": toks, "preemptions": preempted}
         del llm
-        import gc
-
-        import torch
-
-        gc.collect()
-        torch.cuda.empty_cache()
+        _free_gpu()
     same = runs["graphs"]["tokens"] == runs["eager"]["tokens"]
     res = {"blocks": PREEMPT_BLOCKS, "same_tokens": same}
     res |= {f"preemptions_{k}": v["preemptions"] for k, v in runs.items()}

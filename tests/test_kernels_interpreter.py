@@ -287,7 +287,7 @@ def test_split_rule_on_an_h200(monkeypatch):
             programs, units, cuda, attention.min_tiles_per_split(k4v2, programs, units, cuda)
         )
         merge = attention.merge_in_kernel(programs, splits, cuda)
-        fused = attention.fuse_query_rotation(k4v2, programs * splits, -(-units // splits), cuda)
+        fused = attention.fuse_query_rotation(k4v2, programs * splits, _common.cdiv(units, splits), cuda)
         return splits, merge, fused
 
     assert launch(1, 4096) == (33, True, True)  # one-tile splits: a launch under 2 programs per SM

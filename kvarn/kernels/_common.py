@@ -264,6 +264,24 @@ def rotate_rows_split(x1, x2, HALF: tl.constexpr, INV_SQRT_D: tl.constexpr):
     return tl.reshape(y, (x1.shape[0], 2 * HALF))
 
 
+TF32_HI_MASK = tl.constexpr(-8192)
+"""fp32 bits with the 13 low mantissa bits cleared, the ones tf32 drops."""
+
+
+@triton.jit
+def split_tf32(x):
+    """``x`` (fp32) as ``hi + lo`` with ``hi`` exact in tf32 (low 13 mantissa bits cleared)."""
+    hi = (x.to(tl.int32, bitcast=True) & TF32_HI_MASK).to(tl.float32, bitcast=True)
+    return hi, x - hi
+
+
+@triton.jit
+def hdot(x, h):
+    """``x @ h`` for fp32 ``x`` and a +-1 matrix ``h``: two tf32 dots on ``hi + lo`` (~22 bits kept)."""
+    hi, lo = split_tf32(x)
+    return tl.dot(lo, h, tl.dot(hi, h, input_precision="tf32"), input_precision="tf32")
+
+
 @triton.jit
 def frexp_exponent(x):
     """``frexp`` exponent of a positive normal fp32 scalar ``x`` (``x = m 2^e``, ``m`` in [0.5, 1)); 0 for 0."""

@@ -8,17 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvarn.kernels._common import NEG_BIG, rotate_rows, rotate_rows_split, store_model
-
-TF32_HI_MASK = tl.constexpr(-8192)
-"""fp32 bits with the 13 low mantissa bits cleared, the ones tf32 drops."""
-
-
-@triton.jit
-def _split_tf32(x):
-    """``x`` (fp32) as ``hi + lo`` with ``hi`` exact in tf32 (low 13 mantissa bits cleared)."""
-    hi = (x.to(tl.int32, bitcast=True) & TF32_HI_MASK).to(tl.float32, bitcast=True)
-    return hi, x - hi
+from kvarn.kernels._common import NEG_BIG, rotate_rows, rotate_rows_split, split_tf32, store_model
 
 
 @triton.jit
@@ -80,11 +70,11 @@ def _epilogue_kernel(
         if D > 128:
             o3 = tl.permute(tl.reshape(o, (BLOCK_H, 2, HALF)), (0, 2, 1))  # [BLOCK_H, HALF, 2]
             o1, o2 = tl.split(o3)
-            h1, l1 = _split_tf32(o1)
-            h2, l2 = _split_tf32(o2)
+            h1, l1 = split_tf32(o1)
+            h2, l2 = split_tf32(o2)
             o = rotate_rows_split(h1, h2, HALF, INV_SQRT_D) + rotate_rows_split(l1, l2, HALF, INV_SQRT_D)
         else:
-            hi, lo = _split_tf32(o)
+            hi, lo = split_tf32(o)
             o = rotate_rows(hi, D, INV_SQRT_D) + rotate_rows(lo, D, INV_SQRT_D)
     dst = out + t * s_o + heads[:, None] * s_oh + dd[None, :]
     store_model(dst, o, m2, OUT_BF16)

@@ -16,8 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvarn.kernels._common import NEG_BIG, hadamard_pm, store_model
-from kvarn.kernels.attention_epilogue import _split_tf32
+from kvarn.kernels._common import NEG_BIG, hadamard_pm, hdot, store_model
 
 
 @triton.jit
@@ -63,13 +62,6 @@ def _merge_rows(part, ws_m, ws_l, row_off, row_ok, num_splits, s_ws, D: tl.const
 
 
 @triton.jit
-def _hdot(x, h):
-    """``x @ h`` for fp32 ``x`` and a +-1 matrix ``h``: two tf32 dots on ``hi + lo`` (~22 bits kept)."""
-    hi, lo = _split_tf32(x)
-    return tl.dot(lo, h, tl.dot(hi, h, input_precision="tf32"), input_precision="tf32")
-
-
-@triton.jit
 def _h_pairs(x, h):
     """``x @ H_2n`` for ``x: [M, 2n]`` given ``h = H_n``, through index bit 0 of the channels.
 
@@ -79,7 +71,7 @@ def _h_pairs(x, h):
     M: tl.constexpr = x.shape[0]
     N2: tl.constexpr = x.shape[1]
     e, o = tl.split(tl.reshape(x, (M, N2 // 2, 2)))
-    return tl.reshape(tl.join(_hdot(e + o, h), _hdot(e - o, h)), (M, N2))
+    return tl.reshape(tl.join(hdot(e + o, h), hdot(e - o, h)), (M, N2))
 
 
 @triton.jit
@@ -88,7 +80,7 @@ def _unrotate(x, INV_SQRT_D: tl.constexpr):
     M: tl.constexpr = x.shape[0]
     D: tl.constexpr = x.shape[1]
     if D <= 64:
-        y = _hdot(x, hadamard_pm(D))
+        y = hdot(x, hadamard_pm(D))
     elif D == 128:
         y = _h_pairs(x, hadamard_pm(64))
     else:

@@ -62,6 +62,7 @@ from kvarn.kernels._common import (
     frexp_exponent,
     fwht_rows,
     hadamard_pm,
+    hdot,
     index_list,
     inv_sqrt,
     load_f32,
@@ -280,11 +281,8 @@ def _smooth_tile_tc(x, dst, s_src, INV_SQRT_D: tl.constexpr):
     D: tl.constexpr = x.shape[1]
     s = _stored_vector(s_src, D)
     tl.store(dst + tl.arange(0, D), fp8e4m3_bits(s))
-    h = hadamard_pm(D)
-    y = tl.div_rn(tl.dot(x, h, input_precision="tf32") * INV_SQRT_D, s[None, :])
-    hi = (y.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)  # low 13 mantissa bits cleared
-    back = tl.dot(hi, h, input_precision="tf32") + tl.dot(y - hi, h, input_precision="tf32")
-    return back * INV_SQRT_D
+    y = tl.div_rn(rotate_rows(x, D, INV_SQRT_D), s[None, :])
+    return hdot(y, hadamard_pm(D)) * INV_SQRT_D
 
 
 @triton.jit

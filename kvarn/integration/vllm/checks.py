@@ -154,8 +154,7 @@ def key_bias_advice(vllm_config, preset: str) -> str | None:
     """
     if has_key_smoothing(preset):
         return None
-    hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
-    reason = None if hf_config is None else key_bias_reason(hf_config)
+    reason = key_bias_reason(getattr(getattr(vllm_config, "model_config", None), "hf_config", None))
     if reason is None:
         return None
     base = preset.removesuffix(SINK_SUFFIX)
