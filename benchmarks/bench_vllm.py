@@ -1,6 +1,7 @@
 """kvarn inside vLLM on one GPU, dummy weights: engine checks and serving figures (one mode per process).
 
 usage: python benchmarks/bench_vllm.py check OUT.json
+       python benchmarks/bench_vllm.py preempt OUT.json                    (check's preemption scenario alone)
        python benchmarks/bench_vllm.py bench MODEL CACHE_DTYPE OUT.json     (MODEL: llama3-8b | qwen3-8b)
 
 ``check``: a tiny Llama (2 layers, head_dim 128, GQA 8/2) with ``kvarn_k4v2_g128`` (or the cache dtype
@@ -115,13 +116,20 @@ def _free_gpu() -> None:
     torch.cuda.empty_cache()
 
 
-def check(out_path: str) -> int:
+def _check_inputs():
+    """``check``'s prompts (8 of 17-700 tokens), its 24 concurrent requests and greedy sampling."""
     from vllm import SamplingParams
 
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 1000) for _ in range(n)] for n in (300, 131, 17, 520, 129, 128, 255, 700)]
     many = [[rng.randrange(1, 1000) for _ in range(rng.randrange(100, 400))] for _ in range(24)]
-    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    return prompts, many, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+def check(out_path: str) -> int:
+    from vllm import SamplingParams
+
+    prompts, many, greedy = _check_inputs()
     kvarn_dtype = os.environ.get("CHECK_DTYPE", "kvarn_k4v2_g128")
     results = {"kvarn_dtype": kvarn_dtype}
     for name, kv, eager in (
@@ -182,7 +190,14 @@ def _check_preemption(kvarn_dtype: str, many: list, greedy, out_path: str) -> bo
     graphs and eager: the same tokens, and at least one preemption (``vllm:num_preemptions``)."""
     runs = {}
     for name, eager in (("graphs", False), ("eager", True)):
-        llm = _llm("tiny", kvarn_dtype, enforce_eager=eager, num_gpu_blocks_override=PREEMPT_BLOCKS, **CHECK_ENGINE)
+        llm = _llm(
+            "tiny",
+            kvarn_dtype,
+            enforce_eager=eager,
+            num_gpu_blocks_override=PREEMPT_BLOCKS,
+            disable_log_stats=False,  # get_metrics() needs the stat loggers
+            **CHECK_ENGINE,
+        )
         toks = _tokens(llm.generate([{"prompt_token_ids": x} for x in many], greedy, use_tqdm=False))
         preempted = sum(int(getattr(m, "value", 0)) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
         runs[name] = {"tokens": toks, "preemptions": preempted}
@@ -279,4 +294,8 @@ def _capacity(llm, res: dict, prompt, plen: int, out: int) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "check":
         sys.exit(check(sys.argv[2]))
+    if sys.argv[1] == "preempt":  # the preemption scenario of check alone
+        _, many, greedy = _check_inputs()
+        ok = _check_preemption(os.environ.get("CHECK_DTYPE", "kvarn_k4v2_g128"), many, greedy, sys.argv[2])
+        sys.exit(0 if ok else 1)
     sys.exit(bench(sys.argv[2], sys.argv[3], sys.argv[4]))
