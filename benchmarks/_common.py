@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -51,6 +52,26 @@ def time_graph(fn, warmup_ms: float = 25, rep_ms: float = 200) -> float:
     torch.cuda.synchronize()
     ms = triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
     return ms * 1e3
+
+
+def time_eager(fn, calls: int = 200) -> tuple[float, float]:
+    """``fn`` called eagerly ``calls`` times back to back: (host µs per call, wall µs per call).
+
+    Host: the time the calling thread spends issuing the calls (measured before synchronizing, so
+    the GPU work overlaps it; ``calls`` launches stay well inside CUDA's launch queue). Wall: from
+    the first call to the end of the last one's GPU work. Where wall exceeds the CUDA-graph device
+    time, the difference is host time the GPU waited for.
+    """
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return (t1 - t0) / calls * 1e6, (t2 - t0) / calls * 1e6
 
 
 def copy_bandwidth(n_bytes: int = 2**31) -> float:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks._common import TOL, copy_bandwidth, environment, time_graph
+from benchmarks._common import TOL, copy_bandwidth, environment, time_eager, time_graph
 from kvarn import reference as R
 from kvarn.config import KVarNConfig
 from kvarn.kernels import attention as A
@@ -174,6 +174,52 @@ def bench_shape(
     }
 
 
+EAGER_SHAPES = [
+    ("kvarn_k4v2_g128", 1, 1024),
+    ("kvarn_k4v2_g128", 8, 1024),
+    ("kvarn_k4v2_g128", 1, 4096),
+    ("kvarn_k4v2_g128", 1, 32768),
+    ("kvarn_k4v2_g128", 16, 32768),
+    ("kvarn_k2v2_g128", 1, 4096),
+    ("kvarn_k4v2_g64", 1, 4096),
+]
+"""``--eager`` shapes (preset, batch, context; D = 128, 32/8 heads, fp16): where the host's share shows."""
+
+
+def eager_main(out_path: str, env: dict, copy_bw: float) -> None:
+    """Eager ``paged_attention`` calls against graph replays and eager flash SDPA (issue 9: <= 35 µs of host per call).
+
+    Each shape is first checked against the reference (``bench_shape``); then ``time_eager`` gives the
+    host time per call (the Python and launch work of the calling thread) and the wall time per call
+    of 200 back-to-back calls, for kvarn and for SDPA.
+    """
+    rows = []
+    print("| preset | B | ctx | graph us | eager host us | eager wall us | SDPA graph us | SDPA eager wall us |")
+    for preset, batch, ctx in EAGER_SHAPES:
+        r = bench_shape(preset, 128, 32, 8, batch, ctx, torch.float16, copy_bw, {})
+        cfg = smooth_config(preset, 128, None)
+        st = synthetic_cache(cfg, batch, ctx, 8, torch.float16, seed=batch * 7 + ctx)
+        q = torch.randn(batch, 32, 128, device="cuda").to(torch.float16)
+        args = args_of(st, q, cfg)
+        host, wall = time_eager(lambda args=args: A.paged_attention(*args))
+        k16 = torch.randn(batch, 8, ctx + TAIL, 128, device="cuda", dtype=torch.float16)
+        v16 = torch.randn_like(k16)
+        q4 = q[:, :, None, :]
+        sd_host, sd_wall = time_eager(lambda q4=q4, k16=k16, v16=v16: sdpa_flash(q4, k16, v16))
+        r |= {"eager_host_us": host, "eager_wall_us": wall}
+        r |= {"sdpa_eager_host_us": sd_host, "sdpa_eager_wall_us": sd_wall}
+        rows.append(r)
+        del st, args, k16, v16
+        torch.cuda.empty_cache()
+        print(
+            f"| {preset} | {batch} | {ctx} | {r['kvarn_us']:.1f} | {host:.1f} | {wall:.1f} | {r['sdpa_us']:.1f} | "
+            f"{sd_wall:.1f} |",
+            flush=True,
+        )
+        with open(out_path, "w") as f:
+            json.dump({"env": env, "copy_GBps": copy_bw, "eager": rows}, f, indent=1)
+
+
 def correctness_suite(configs, smooth: str | None = None) -> list[dict]:
     out = []
     for preset, d, dtype, hq, hkv in configs:
@@ -196,6 +242,11 @@ def main() -> None:
     ap.add_argument("--out", default="decode.json")
     ap.add_argument("--quick", action="store_true", help="a handful of shapes only")
     ap.add_argument(
+        "--eager",
+        action="store_true",
+        help="host cost of eager calls: a few shapes, eager (host and wall time per call) beside graph replays",
+    )
+    ap.add_argument(
         "--smooth", action="store_true", help="key smoothing: a few shapes, smoothed (per tile, per sequence) and not"
     )
     args = ap.parse_args()
@@ -204,6 +255,9 @@ def main() -> None:
     print(f"{env} copy bandwidth {copy_bw:.0f} GB/s", flush=True)
     if args.smooth:
         smooth_main(args.out, env, copy_bw)
+        return
+    if args.eager:
+        eager_main(args.out, env, copy_bw)
         return
     checks = correctness_suite(
         [
