@@ -168,9 +168,7 @@ def bench_shape(
         "kvarn_pct_copy": 100 * kv_bytes / t_kv / 1e3 / copy_bw,
         "sdpa_GBps": fp16_bytes / t_sd / 1e3,
         "check_rel_err": err,
-        "splits": A.choose_splits(
-            batch * hkv, n_full + 1, q.device, A.min_tiles_per_split(cfg, batch * hkv, n_full + 1, q.device)
-        ),
+        "splits": A.default_splits(cfg, batch * hkv, n_full + 1, False, q.device),
     }
 
 

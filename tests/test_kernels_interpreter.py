@@ -276,16 +276,15 @@ def test_tokens_m_default_rule(monkeypatch):
 
 def test_split_rule_on_an_h200(monkeypatch):
     """The decode launch the defaults pick on 132 SMs (8 KV heads, 128-token tiles): (splits, merge in
-    the kernel, rotation in the kernel), the launches timed in ``benchmarks/RESULTS.md`` (2026-12-01)."""
+    the kernel, rotation in the kernel), the launches timed in ``benchmarks/RESULTS.md`` (2026-12-01,
+    sessions 8 and 9)."""
     monkeypatch.setattr(attention, "_num_sms", lambda index: 132)
     cuda = torch.device("cuda", 0)
     k4v2 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
 
     def launch(batch, ctx):
         programs, units = batch * 8, ctx // 128 + 1
-        splits = attention.choose_splits(
-            programs, units, cuda, attention.min_tiles_per_split(k4v2, programs, units, cuda)
-        )
+        splits = attention.default_splits(k4v2, programs, units, False, cuda)
         merge = attention.merge_in_kernel(programs, splits, cuda)
         fused = attention.fuse_query_rotation(k4v2, programs * splits, _common.cdiv(units, splits), cuda)
         return splits, merge, fused
@@ -294,10 +293,22 @@ def test_split_rule_on_an_h200(monkeypatch):
     assert launch(1, 32768) == (64, True, True)  # MAX_SPLITS
     assert launch(8, 1024) == (4, True, True)  # 4-tile splits would fill half a wave: 2-tile splits
     assert launch(8, 4096) == (8, True, True)  # 3 waves wanted, at least 4 tiles per split
-    assert launch(32, 4096) == (5, True, True)  # rotation and merge in the kernel up to 4 waves
-    assert launch(64, 4096) == (3, True, False)  # 11 tiles per split: the prologue rotates
-    assert launch(16, 32768) == (10, True, False)
-    assert launch(64, 32768) == (3, True, False)
+    # tokens_m launches (over 2 waves of 3 programs per SM): at most 2 whole waves of 4 per SM (1056 programs)
+    assert launch(32, 4096) == (4, True, False)  # 9 tiles per split: the prologue rotates
+    assert launch(64, 4096) == (2, True, False)
+    assert launch(8, 32768) == (16, True, False)
+    assert launch(16, 32768) == (8, True, False)
+    assert launch(32, 32768) == (4, True, False)
+    assert launch(64, 32768) == (2, True, False)
+    assert launch(128, 32768) == (1, True, False)  # 1024 programs in one split
+    # still tokens_m: 700 programs (2 whole waves would allow 1 split, 1 wave and a third of 3 per SM)
+    programs = 700
+    assert attention.default_splits(k4v2, programs, 257, False, cuda) == 2
+    # D = 256 and 64-token tiles keep the rounded-up waves
+    d256 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=256)
+    assert attention.default_splits(d256, 128, 257, False, cuda) == 10
+    g64 = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=128)
+    assert attention.default_splits(g64, 128, 513, False, cuda) == 10
 
 
 def test_fold_offsets_default_rule():

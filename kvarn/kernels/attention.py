@@ -74,6 +74,15 @@ DECODE_MAX_REGS = {64: 96, 128: 128}
 ptxas takes 150-170 registers for some presets once the split merge is in the kernel, for the same main
 loop (local sm_90 compiles: same instruction count, no spills in the loop; a few values kept across
 the loop go to the stack). D = 256 (220+ either way) and multi-query launches are left alone."""
+TOKENS_M_WAVES = 2
+TOKENS_M_PROGRAMS_PER_SM = 4
+"""Split count of a ``tokens_m`` launch at ``D = 128`` (:func:`default_splits`): the most splits whose
+programs fill at most ``TOKENS_M_WAVES`` whole waves of ``TOKENS_M_PROGRAMS_PER_SM`` programs per SM
+(128 registers at 4 warps, ``DECODE_MAX_REGS``), where ``WAVES`` waves of ``PROGRAMS_PER_SM``, rounded
+up, could leave a last wave nearly empty (32K/batch 16: 1280 programs are 2.4 waves of 528). Measured
+on the H200 (``benchmarks/RESULTS.md``, 2026-12-01, session 9), default splits -> these: 32K/B16
+10 -> 8 splits 236.1 -> 212.7 µs, 32K/B32 5 -> 4 431.9 -> 393.2, 32K/B8 19 -> 16 142.6 -> 133.6,
+16K/B16 10 -> 8 137.4 -> 124.1, 4K/B32 5 -> 4 86.8 -> 79.5, 4K/B64 3 -> 2 129.0 -> 126.7."""
 ONE_TILE_MAX_WAVES = 2
 EPILOGUE_MAX_SPLITS = 8
 """See :func:`min_tiles_per_split` and :func:`merge_in_kernel`."""
@@ -123,6 +132,19 @@ def choose_splits(programs: int, max_units: int, device: torch.device, min_tiles
     sms = _num_sms(device.index or 0) if device.type == "cuda" else SMS_OFF_CUDA
     want = cdiv(WAVES * PROGRAMS_PER_SM * sms, programs)
     return max(1, min(want, max_units // min_tiles, MAX_SPLITS))
+
+
+def default_splits(cfg: KVarNConfig, programs: int, max_units: int, multi_q: bool, device: torch.device) -> int:
+    """The split-K factor a launch takes by default: :func:`choose_splits` with :func:`min_tiles_per_split`,
+    then, for a ``tokens_m`` launch at ``D = 128``, whole waves (``TOKENS_M_WAVES``) while staying ``tokens_m``."""
+    min_tiles = min_tiles_per_split(cfg, programs, max_units, device)
+    splits = choose_splits(programs, max_units, device, min_tiles)
+    if cfg.head_dim != 128 or not tokens_m_default(cfg, multi_q, programs * splits, device):
+        return splits
+    sms = _num_sms(device.index or 0)
+    whole = TOKENS_M_WAVES * TOKENS_M_PROGRAMS_PER_SM * sms // programs
+    still_tokens_m = TOKENS_M_MIN_WAVES * PROGRAMS_PER_SM * sms // programs + 1
+    return max(1, min(max(whole, still_tokens_m), max_units // min_tiles, MAX_SPLITS))
 
 
 def min_tiles_per_split(cfg: KVarNConfig, programs: int, max_units: int, device: torch.device) -> int:
@@ -349,7 +371,7 @@ def paged_attention(
     ``tail_slots: [B]``, ``query_start_loc: [B + 1]`` or ``None`` (one query per sequence),
     ``sink_slots: [B]`` or ``None``, ``scale`` default ``1 / sqrt(D)``.
 
-    Knobs (keyword only): ``num_splits`` forces the split-K factor (default :func:`choose_splits`);
+    Knobs (keyword only): ``num_splits`` forces the split-K factor (default :func:`default_splits`);
     ``num_warps``, ``num_stages`` launch the attention kernel; ``fuse_query`` forces where the
     queries are rotated (default :func:`fuse_query_rotation`); ``fuse_merge`` whether the attention
     launch merges the splits (else the epilogue launch; default :func:`merge_in_kernel`);
@@ -398,8 +420,7 @@ def paged_attention(
     n_blocks = cdiv(nq, block_q) + batch if multi_q else batch  # one spare block per sequence
     max_units = block_table.shape[1] + 1
     if num_splits is None:
-        min_tiles = min_tiles_per_split(cfg, n_blocks * hkv, max_units, dev)
-        num_splits = choose_splits(n_blocks * hkv, max_units, dev, min_tiles)
+        num_splits = default_splits(cfg, n_blocks * hkv, max_units, multi_q, dev)
     splits = num_splits
     if fuse_merge is None:
         fuse_merge = merge_in_kernel(n_blocks * hkv, splits, dev)
