@@ -5,7 +5,8 @@ usage: python benchmarks/bench_vllm.py check OUT.json
        python benchmarks/bench_vllm.py bench MODEL CACHE_DTYPE OUT.json     (MODEL: llama3-8b | qwen3-8b)
 
 ``check``: a tiny Llama (2 layers, head_dim 128, GQA 8/2) with ``kvarn_k4v2_g128`` (or the cache dtype
-in ``CHECK_DTYPE``, e.g. ``kvarn_k4v2_g128_ks``) under vLLM's
+in ``CHECK_DTYPE``, e.g. ``kvarn_k4v2_g128_ks``; ``CHECK_MODEL=tiny-biased``: the same Llama with
+biased q/k/v projections, which KVarN serves in the ``_ks`` form) under vLLM's
 default compilation (decode CUDA graphs) and with ``enforce_eager``, and the bf16 cache: chunk
 boundaries inside tiles (``max_num_batched_tokens`` 200), a prefix hit, ``n = 2`` sampling and 24
 concurrent requests. The graph run must give the eager run's tokens exactly (same kernels; the
@@ -49,6 +50,17 @@ SHAPES = {
         num_key_value_heads=2,
         head_dim=128,
         max_position_embeddings=8192,
+    ),
+    "tiny-biased": dict(  # biased q/k/v projections, as Qwen2.5: KVarN serves the _ks form
+        vocab_size=1024,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        max_position_embeddings=8192,
+        attention_bias=True,
     ),
     "llama3-8b": dict(
         vocab_size=128256,
@@ -138,8 +150,9 @@ def check(out_path: str) -> int:
         ("bf16_graphs", "auto", False),
     ):
         t0 = time.time()
-        llm = _llm("tiny", kv, enforce_eager=eager, **CHECK_ENGINE)
+        llm = _llm(os.environ.get("CHECK_MODEL", "tiny"), kv, enforce_eager=eager, **CHECK_ENGINE)
         res = {"start_s": round(time.time() - t0, 1)}
+        res["run_cache_dtype"] = llm.llm_engine.vllm_config.cache_config.cache_dtype
         cc = llm.llm_engine.vllm_config.compilation_config
         res["cudagraph_mode"] = str(cc.cudagraph_mode)
         res["kv_blocks"] = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
@@ -168,7 +181,7 @@ def check(out_path: str) -> int:
     }
     summary["prefix_hit_vs_cold_kvarn"] = agree(g["cold"], g["prefix_hit"])
     summary["prefix_hit_vs_cold_bf16"] = agree(b["cold"], b["prefix_hit"])
-    keep = ("_s", "mode", "blocks")
+    keep = ("_s", "mode", "blocks", "dtype")
     runs = {k: {kk: vv for kk, vv in v.items() if kk.endswith(keep)} for k, v in results.items() if k != "kvarn_dtype"}
     out = {"kvarn_dtype": kvarn_dtype, "summary": summary, "runs": runs}
     print(json.dumps(out, indent=1))
@@ -191,7 +204,7 @@ def _check_preemption(kvarn_dtype: str, many: list, greedy, out_path: str) -> bo
     runs = {}
     for name, eager in (("graphs", False), ("eager", True)):
         llm = _llm(
-            "tiny",
+            os.environ.get("CHECK_MODEL", "tiny"),
             kvarn_dtype,
             enforce_eager=eager,
             num_gpu_blocks_override=PREEMPT_BLOCKS,

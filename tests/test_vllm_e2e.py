@@ -249,7 +249,7 @@ def _sink_rows(llm_cls, model_dir, engine_args, ids, base) -> dict:
     return rows
 
 
-def run_scenarios(out_path: str, tiny_dir: str, smol_dir: str | None) -> None:
+def run_scenarios(out_path: str, tiny_dir: str, smol_dir: str | None, biased_dir: str | None = None) -> None:
     """The child process: every engine in turn, results as JSON at ``out_path``."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, TokensPrompt
@@ -303,6 +303,12 @@ def run_scenarios(out_path: str, tiny_dir: str, smol_dir: str | None) -> None:
         lambda w: sorted((g.backend.__name__, g.kernel_block_size) for gs in w.model_runner.attn_groups for g in gs)
     )[0]
     _shutdown(llm)
+    if biased_dir:  # key projections with biases: the plain preset is served in its _ks form
+        llm = LLM(model=biased_dir, kv_cache_dtype=TINY_PRESET, **tiny_args)
+        toks, _ = _generate(llm, [TokensPrompt(prompt_token_ids=p) for p in ids[:4]])
+        tiny["biased"] = {"finished": sum(len(t) == MAX_TOKENS for t in toks), **_engine_facts(llm)}
+        tiny["biased"]["run_cache_dtype"] = llm.llm_engine.vllm_config.cache_config.cache_dtype
+        _shutdown(llm)
     results["tiny_seconds"] = time.time() - t_start
 
     if smol_dir:
@@ -356,7 +362,8 @@ def tiny_dir(tmp_path_factory):
 def results(tiny_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e") / "results.json"
     smol = _smol_dir()
-    cmd = [sys.executable, __file__, str(out), str(tiny_dir), smol or ""]
+    biased = build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama-biased", attention_bias=True)
+    cmd = [sys.executable, __file__, str(out), str(tiny_dir), smol or "", str(biased)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=_engine_env())
     log = tmp_path_factory.getbasetemp() / "e2e.log"
     log.write_text(proc.stdout + proc.stderr)
@@ -381,6 +388,20 @@ def test_the_dtype_flag_alone_selects_kvarn_and_sizes_the_pool_from_the_record(r
     assert facts["num_gpu_blocks"] == results["tiny"]["kv_cache_memory_bytes"] // per_block
     assert f"{cfg.record_bytes} B per record" in results["log"]
     assert "the capacity" in results["log"]
+
+
+def test_a_model_with_key_biases_is_served_with_key_smoothing(results):
+    """``attention_bias=True`` (as Qwen2.5): ``--kv-cache-dtype kvarn_k4v2_g128`` alone serves ``_ks`` records."""
+    from kvarn.config import KVarNConfig
+
+    biased = results["tiny"]["biased"]
+    cfg = KVarNConfig.from_preset(KS_PRESET, head_dim=64)
+    assert biased["run_cache_dtype"] == KS_PRESET
+    assert biased["backends"] == ["KVarNBackend_k4v2_g128_ks"]
+    assert biased["cache_shape"][1:] == [2, cfg.group_size, -(-cfg.record_bytes // cfg.group_size)]
+    assert biased["finished"] == 4
+    assert f"--kv-cache-dtype {TINY_PRESET}: its config sets attention_bias=True" in results["log"]
+    assert f"serving it as {KS_PRESET}" in results["log"]
 
 
 def test_chunked_prefill_with_chunks_starting_inside_tiles(results):
@@ -582,4 +603,4 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 if __name__ == "__main__":
-    run_scenarios(sys.argv[1], sys.argv[2], sys.argv[3] or None)
+    run_scenarios(sys.argv[1], sys.argv[2], sys.argv[3] or None, sys.argv[4] if len(sys.argv) > 4 else None)

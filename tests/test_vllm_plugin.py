@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
@@ -294,19 +295,69 @@ def test_where_the_backend_enum_takes_no_new_names_kvarn_registers_as_custom(mon
     assert BACKENDS["kvarn_k4v2_g128"].get_name() == "CUSTOM"
 
 
-def test_key_bias_advice_names_the_ks_dtype():
-    """A preset without key smoothing on a Qwen2-type model gets a start-up warning naming the ``_ks`` dtype."""
+def test_a_model_with_key_biases_is_served_in_the_ks_form_unless_turned_off(monkeypatch):
+    """Qwen2-type configs (biased key projections): every KVarN dtype is served with ``_ks``; the note
+    names the reason and the opt-out; ``KVARN_KEY_SMOOTHING=off`` keeps the dtype and warns instead."""
     from transformers import LlamaConfig, Qwen2Config
 
-    def run(hf_config):
-        return SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config))
+    def run(hf_config, dtype):
+        return SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config), cache_config=CacheDtype(dtype))
 
-    advice = checks.key_bias_advice(run(Qwen2Config()), "kvarn_k4v2_g128_sink")
-    assert "'qwen2'" in advice and "--kv-cache-dtype kvarn_k4v2_g128_ks_sink" in advice
-    assert "kvarn_k2v2_g128_ks " in checks.key_bias_advice(run(Qwen2Config()), "kvarn_k2v2_g128")
-    assert checks.key_bias_advice(run(Qwen2Config()), "kvarn_k4v2_g128_ks") is None
-    assert checks.key_bias_advice(run(LlamaConfig()), "kvarn_k4v2_g128") is None
-    assert checks.key_bias_advice(SimpleNamespace(), "kvarn_k4v2_g128") is None
-    for dtype in checks.CACHE_DTYPES:  # every suggestion is a dtype the plugin serves
-        advice = checks.key_bias_advice(run(Qwen2Config()), dtype)
-        assert advice is None or advice.split("--kv-cache-dtype ")[-1].split()[0] in checks.CACHE_DTYPES
+    monkeypatch.delenv(checks.KEY_SMOOTHING_ENV, raising=False)
+    for dtype in checks.CACHE_DTYPES:
+        served = checks.served_dtype(dtype, run(Qwen2Config(), dtype))
+        assert served in checks.CACHE_DTYPES and checks.has_key_smoothing(served)
+        assert checks.has_sink(served) == checks.has_sink(dtype)
+        assert checks.preset_config(served).group_size == checks.preset_config(dtype).group_size
+        assert checks.served_dtype(dtype, run(LlamaConfig(), dtype)) == dtype
+        assert checks.served_dtype(dtype, SimpleNamespace()) == dtype
+    assert checks.with_key_smoothing("kvarn_k2v2_g128_sink") == "kvarn_k2v2_g128_ks_sink"
+
+    config = run(Qwen2Config(), "kvarn_k4v2_g128_sink")
+    note = checks.serve_key_smoothing(config)
+    assert config.cache_config.cache_dtype == "kvarn_k4v2_g128_ks_sink"
+    assert "'qwen2'" in note and "serving it as kvarn_k4v2_g128_ks_sink" in note and "KVARN_KEY_SMOOTHING=off" in note
+    assert checks.serve_key_smoothing(config) is None  # already smoothed: nothing more to say
+    plain = run(LlamaConfig(), "kvarn_k4v2_g128")
+    assert checks.serve_key_smoothing(plain) is None and plain.cache_config.cache_dtype == "kvarn_k4v2_g128"
+
+    monkeypatch.setenv(checks.KEY_SMOOTHING_ENV, "off")
+    config = run(Qwen2Config(), "kvarn_k2v2_g128")
+    note = checks.serve_key_smoothing(config)
+    assert config.cache_config.cache_dtype == "kvarn_k2v2_g128"
+    assert "KVARN_KEY_SMOOTHING=off" in note and "--kv-cache-dtype kvarn_k2v2_g128_ks" in note
+
+    monkeypatch.setenv(checks.KEY_SMOOTHING_ENV, "sometimes")
+    with pytest.raises(ValueError, match="KVARN_KEY_SMOOTHING must be one of auto, off"):
+        checks.serve_key_smoothing(run(Qwen2Config(), "kvarn_k4v2_g128"))
+    other = run(Qwen2Config(), "auto")  # not KVarN's: untouched, the variable not even read
+    assert checks.serve_key_smoothing(other) is None and other.cache_config.cache_dtype == "auto"
+
+
+TINY = "kvarn_k4v2_g128"
+
+
+@dataclass
+class CacheDtype:
+    cache_dtype: str
+
+
+def test_the_config_hook_serves_a_biased_model_in_the_ks_form(tmp_path, monkeypatch):
+    """vLLM builds the run's config: the platform hook has turned the dtype into ``_ks`` before any layer reads it."""
+    pytest.importorskip("transformers")
+    from tiny_model import build_tiny_model
+    from vllm.config import ModelConfig
+
+    monkeypatch.delenv(checks.KEY_SMOOTHING_ENV, raising=False)
+    biased = build_tiny_model(tmp_path / "biased", attention_bias=True)
+
+    def build():
+        return VllmConfig(model_config=ModelConfig(model=str(biased)), cache_config=CacheConfig(cache_dtype=TINY))
+
+    config = build()
+    assert config.cache_config.cache_dtype == "kvarn_k4v2_g128_ks"
+    config.parallel_config.distributed_executor_backend = "uni"
+    with set_current_vllm_config(config):
+        assert get_attn_backend(64, torch.bfloat16, config.cache_config.cache_dtype) is BACKENDS["kvarn_k4v2_g128_ks"]
+    monkeypatch.setenv(checks.KEY_SMOOTHING_ENV, "off")
+    assert build().cache_config.cache_dtype == TINY

