@@ -301,6 +301,7 @@ def test_split_rule_on_an_h200(monkeypatch):
     assert launch(32, 32768) == (4, True, False)
     assert launch(64, 32768) == (2, True, False)
     assert launch(128, 32768) == (1, True, False)  # 1024 programs in one split
+    assert launch(256, 32768)[:2] == (1, True)  # one split is finished in the kernel, however many programs
     # still tokens_m: 700 programs (2 whole waves would allow 1 split, 1 wave and a third of 3 per SM)
     programs = 700
     assert attention.default_splits(k4v2, programs, 257, False, cuda) == 2

@@ -171,9 +171,11 @@ def merge_in_kernel(programs: int, splits: int, device: torch.device) -> bool:
     it saves the epilogue launch. Measured at batch 64 / 4K (7 splits, ~9 waves) the epilogue was
     2% faster (171.6 against 175.5 us); everywhere else the merge in the kernel was as fast or faster
     (3 splits at batch 64, ~4 waves: 4K 164 -> 129 us, 32K 1005 -> 765 us against the epilogue).
+    One split is always finished in the kernel: there is nothing to merge, so the epilogue would
+    only add a launch and a round trip of fp32 partials (from batch ~200 at 8 KV heads; not timed).
     """
     sms = _num_sms(device.index or 0) if device.type == "cuda" else SMS_OFF_CUDA
-    return splits > EPILOGUE_MAX_SPLITS or programs * splits <= FUSE_MAX_WAVES * PROGRAMS_PER_SM * sms
+    return splits == 1 or splits > EPILOGUE_MAX_SPLITS or programs * splits <= FUSE_MAX_WAVES * PROGRAMS_PER_SM * sms
 
 
 def fuse_query_rotation(cfg: KVarNConfig, programs: int, tiles_per_split: int, device: torch.device) -> bool:
