@@ -53,7 +53,9 @@ EDGE_NUM_WARPS = 4
 WAVES = 3
 """Split-K aims at this many waves of attention programs over the GPU ..."""
 PROGRAMS_PER_SM = 3
-"""... at this many resident programs per SM (the kernel's register use allows 3 at 4 warps)."""
+"""... at this many resident programs per SM: the count the rules here were tuned with (``WAVES``, the
+``tokens_m`` threshold, ``FUSE_MAX_WAVES``); the row path's register use allows about 3 at 4 warps,
+the 128-register ``tokens_m`` kernel at ``D = 128`` 4 (``TOKENS_M_PROGRAMS_PER_SM``)."""
 MIN_TILES_PER_SPLIT = 4
 SHORT_MIN_TILES = 2
 """Tiles per split at least (``SHORT_MIN_TILES`` where ``MIN_TILES_PER_SPLIT`` would leave the launch
