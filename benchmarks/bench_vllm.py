@@ -1,7 +1,7 @@
 """kvarn inside vLLM on one GPU, dummy weights: engine checks and serving figures (one mode per process).
 
 usage: python benchmarks/bench_vllm.py check OUT.json
-       python benchmarks/bench_vllm.py preempt OUT.json                    (check's preemption scenario alone)
+       python benchmarks/bench_vllm.py preempt OUT.json   (check's preemption scenario alone: OUT.json.preempt)
        python benchmarks/bench_vllm.py bench MODEL CACHE_DTYPE OUT.json     (MODEL: llama3-8b | qwen3-8b)
 
 ``check``: a tiny Llama (2 layers, head_dim 128, GQA 8/2) with ``kvarn_k4v2_g128`` (or the cache dtype

@@ -302,9 +302,15 @@ def test_split_rule_on_an_h200(monkeypatch):
     assert launch(64, 32768) == (2, True, False)
     assert launch(128, 32768) == (1, True, False)  # 1024 programs in one split
     assert launch(256, 32768)[:2] == (1, True)  # one split is finished in the kernel, however many programs
-    # still tokens_m: 700 programs (2 whole waves would allow 1 split, 1 wave and a third of 3 per SM)
+    # still tokens_m: 700 programs (2 whole waves would allow 1 split, 1.33 waves of 4 per SM, which
+    # is not over the 792 programs of tokens_m)
     programs = 700
     assert attention.default_splits(k4v2, programs, 257, False, cuda) == 2
+    # launches that do not run the 128-register tokens_m kernel keep the rounded-up waves
+    assert attention.default_splits(k4v2, 128, 257, False, cuda, tokens_m=False) == 10
+    assert attention.default_splits(k4v2, 128, 257, False, cuda, num_warps=8) == 10
+    per_tile = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128, smooth_keys=True)
+    assert attention.default_splits(per_tile, 128, 257, False, cuda) == 10
     # D = 256 and 64-token tiles keep the rounded-up waves
     d256 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=256)
     assert attention.default_splits(d256, 128, 257, False, cuda) == 10

@@ -42,6 +42,7 @@ def test_register_is_idempotent_and_every_preset_is_a_valid_cache_dtype():
     kv.register()
     assert type(current_platform).get_attn_backend_cls == hooked
     assert not plugin.install_selection_hook(current_platform), "a second hook must not wrap the first"
+    assert not plugin.install_config_hook(current_platform), "a second hook must not wrap the first"
     expected_mode = "registry" if hasattr(cache_mod, "register_kv_cache_dtype") else "literal"
     assert kv.status()["mode"] == expected_mode
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
@@ -214,7 +215,10 @@ from vllm.config.cache import CacheConfig
 from vllm.platforms import current_platform
 from vllm.v1.attention.selector import get_attn_backend
 out = {"status": kv.status(), "warnings": [r.getMessage() for r in records if r.levelno == logging.WARNING]}
-out["hook_left"] = bool(getattr(type(current_platform).get_attn_backend_cls, "_kvarn_wrapped", False))
+out["hook_left"] = any(
+    getattr(getattr(type(current_platform), name), "_kvarn_wrapped", False)
+    for name in ("get_attn_backend_cls", "check_and_update_config")
+)
 try:
     CacheConfig(cache_dtype="kvarn_k4v2_g128")
     out["kvarn_dtype"] = "accepted"
@@ -225,6 +229,40 @@ with set_current_vllm_config(VllmConfig()):
 out["auto_config"] = CacheConfig(cache_dtype="auto").cache_dtype
 print("RESULT" + json.dumps(out))
 """
+
+
+def test_platform_hooks_come_off_as_they_went_on():
+    """A hook on a platform class that defines the method restores it; on one that inherits it, removes itself."""
+
+    class Base:
+        @classmethod
+        def check_and_update_config(cls, vllm_config):
+            return ("base", cls.__name__)
+
+        @classmethod
+        def get_attn_backend_cls(cls, *args, **kwargs):
+            return "platform backend"
+
+    class Own(Base):
+        @classmethod
+        def check_and_update_config(cls, vllm_config):
+            return ("own", cls.__name__)
+
+    class Inherits(Base):
+        pass
+
+    config = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="auto"))
+    for cls, want in ((Own, ("own", "Own")), (Inherits, ("base", "Inherits"))):
+        platform = cls()
+        assert plugin.install_config_hook(platform) and plugin.install_selection_hook(platform)
+        assert not plugin.install_config_hook(platform)
+        assert cls.check_and_update_config(config) == want  # not a KVarN dtype: passed through
+        assert plugin._unwrap(platform, "check_and_update_config") and plugin.uninstall_selection_hook(platform)
+        assert not plugin._unwrap(platform, "check_and_update_config")
+        assert cls.check_and_update_config(config) == want
+        assert ("check_and_update_config" in vars(cls)) == (cls is Own)
+        assert "get_attn_backend_cls" not in vars(cls)
+    assert Base.get_attn_backend_cls() == "platform backend"
 
 
 def test_a_failing_plugin_warns_once_and_leaves_vllm_working_without_kvarn():

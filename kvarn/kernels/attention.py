@@ -136,16 +136,29 @@ def choose_splits(programs: int, max_units: int, device: torch.device, min_tiles
     return max(1, min(want, max_units // min_tiles, MAX_SPLITS))
 
 
-def default_splits(cfg: KVarNConfig, programs: int, max_units: int, multi_q: bool, device: torch.device) -> int:
+def default_splits(
+    cfg: KVarNConfig,
+    programs: int,
+    max_units: int,
+    multi_q: bool,
+    device: torch.device,
+    tokens_m: bool | None = None,
+    num_warps: int = ATTN_NUM_WARPS,
+) -> int:
     """The split-K factor a launch takes by default: :func:`choose_splits` with :func:`min_tiles_per_split`,
-    then, for a ``tokens_m`` launch at ``D = 128``, whole waves (``TOKENS_M_WAVES``) while staying ``tokens_m``."""
+    then, for a launch of the register-capped ``tokens_m`` kernel at ``D = 128`` (``tokens_m`` as the
+    launch will take it, ``ATTN_NUM_WARPS``, records not smoothed per tile), whole waves
+    (``TOKENS_M_WAVES``) while staying ``tokens_m``."""
     min_tiles = min_tiles_per_split(cfg, programs, max_units, device)
     splits = choose_splits(programs, max_units, device, min_tiles)
-    if cfg.head_dim != 128 or not tokens_m_default(cfg, multi_q, programs * splits, device):
+    capped = num_warps == ATTN_NUM_WARPS and not (cfg.smooth_keys and not cfg.seq_smooth) and not multi_q
+    if tokens_m is None:
+        tokens_m = tokens_m_default(cfg, multi_q, programs * splits, device)
+    if cfg.head_dim != 128 or not capped or not tokens_m or device.type != "cuda":
         return splits
     sms = _num_sms(device.index or 0)
     whole = TOKENS_M_WAVES * TOKENS_M_PROGRAMS_PER_SM * sms // programs
-    still_tokens_m = TOKENS_M_MIN_WAVES * PROGRAMS_PER_SM * sms // programs + 1
+    still_tokens_m = tokens_m_min_programs(device) // programs + 1
     return max(1, min(max(whole, still_tokens_m), max_units // min_tiles, MAX_SPLITS))
 
 
@@ -225,7 +238,12 @@ def tokens_m_default(cfg: KVarNConfig, multi_q: bool, programs: int, device: tor
     """
     if multi_q or cfg.group_size != 128 or device.type != "cuda":
         return False
-    return programs > TOKENS_M_MIN_WAVES * PROGRAMS_PER_SM * _num_sms(device.index or 0)
+    return programs > tokens_m_min_programs(device)
+
+
+def tokens_m_min_programs(device: torch.device) -> int:
+    """``tokens_m`` is the default for decode launches of more programs than this (``TOKENS_M_MIN_WAVES`` waves)."""
+    return TOKENS_M_MIN_WAVES * PROGRAMS_PER_SM * _num_sms(device.index or 0)
 
 
 def fold_offsets_default(cfg: KVarNConfig, tokens_m: bool) -> bool:
@@ -424,7 +442,7 @@ def paged_attention(
     n_blocks = cdiv(nq, block_q) + batch if multi_q else batch  # one spare block per sequence
     max_units = block_table.shape[1] + 1
     if num_splits is None:
-        num_splits = default_splits(cfg, n_blocks * hkv, max_units, multi_q, dev)
+        num_splits = default_splits(cfg, n_blocks * hkv, max_units, multi_q, dev, tokens_m, num_warps)
     splits = num_splits
     if fuse_merge is None:
         fuse_merge = merge_in_kernel(n_blocks * hkv, splits, dev)

@@ -43,6 +43,8 @@ __all__ = ["check_layer", "check_run", "install", "run_problems"]
 logger = logging.getLogger("vllm.kvarn")
 
 _HOOK_MARK = "_kvarn_wrapped"
+_logged: set[str] = set()
+"""Key smoothing lines already logged by this process (once each, however many configs vLLM builds)."""
 
 
 def _quant_mode():
@@ -252,9 +254,7 @@ def install_selection_hook(platform=None) -> bool:
             )
         return backend_path(selector_config.kv_cache_dtype)
 
-    setattr(get_attn_backend_cls, _HOOK_MARK, True)
-    get_attn_backend_cls.__wrapped__ = original
-    platform_cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+    _wrap(platform_cls, "get_attn_backend_cls", get_attn_backend_cls, original)
     return True
 
 
@@ -269,22 +269,33 @@ def install_config_hook(platform=None) -> bool:
 
     def check_and_update_config(cls, vllm_config, *args, **kwargs):
         note = serve_key_smoothing(vllm_config)  # first: the platform may read the cache dtype
-        if note is not None:
+        if note is not None and note not in _logged:
+            _logged.add(note)
             logger.warning("KVarN: %s", note)
         return original(vllm_config, *args, **kwargs)
 
-    setattr(check_and_update_config, _HOOK_MARK, True)
-    check_and_update_config.__wrapped__ = original
-    platform_cls.check_and_update_config = classmethod(check_and_update_config)
+    _wrap(platform_cls, "check_and_update_config", check_and_update_config, original)
     return True
 
 
+def _wrap(platform_cls, name: str, wrapper, original) -> None:
+    """Install ``wrapper`` as classmethod ``name`` of ``platform_cls``, remembering what :func:`_unwrap` restores."""
+    setattr(wrapper, _HOOK_MARK, True)
+    wrapper.__wrapped__ = original
+    wrapper._kvarn_own = name in vars(platform_cls)  # else inherited: removing the wrapper restores it
+    setattr(platform_cls, name, classmethod(wrapper))
+
+
 def _unwrap(platform, name: str) -> bool:
+    """Undo :func:`_wrap` on ``type(platform)``; returns ``False`` if ``name`` is not wrapped."""
     platform_cls = type(platform)
     hooked = getattr(platform_cls, name)
     if not getattr(hooked, _HOOK_MARK, False):
         return False
-    setattr(platform_cls, name, classmethod(hooked.__wrapped__.__func__))
+    if hooked._kvarn_own:
+        setattr(platform_cls, name, classmethod(hooked.__wrapped__.__func__))
+    else:
+        delattr(platform_cls, name)
     return True
 
 
@@ -296,10 +307,11 @@ def uninstall_selection_hook(platform=None) -> bool:
 
 
 def install() -> str:
-    """Install the backend name, the selection hook, then the dtype names; returns how the names were added.
+    """Install the backend name, the selection and config hooks, then the dtype names; returns how
+    the names were added.
 
     The names come last: until they exist no layer can ask for a KVarN cache, so a failure part way
-    leaves vLLM as it was (the hook is taken out again).
+    leaves vLLM as it was (the platform hooks are taken out again).
     """
     from vllm.platforms import current_platform
 
@@ -310,9 +322,10 @@ def install() -> str:
     install_block_pool_hook()
     if current_platform.is_cuda_alike():
         install_runner_hook()
-    hooked = install_selection_hook(current_platform)
-    configured = install_config_hook(current_platform)
+    hooked = configured = False
     try:
+        hooked = install_selection_hook(current_platform)
+        configured = install_config_hook(current_platform)
         return install_dtypes()
     except Exception:
         if hooked:
