@@ -15,7 +15,7 @@ import torch
 
 from kvarn.config import KVarNConfig
 from kvarn.eval import models
-from kvarn.eval.methods import FP8_MAX, Codec, get_method
+from kvarn.eval.methods import DEFAULT_METHODS, FP8_MAX, Codec, get_method
 
 
 def test_bundled_text_is_long_real_prose():
@@ -245,6 +245,14 @@ def test_kvarn_report_on_a_local_folder_and_text_file(tmp_path):
     argv = ["--model", str(biased), "--prefix", "128", "--continuation", "8", "--greedy", "0", "--quiet"]
     assert main([*argv, "--methods", "kvarn_k4v2_g128", "--regions", "tail", "--out", str(tmp_path / "b")]) == 0
     assert "Key biases: its config sets attention_bias=True" in (tmp_path / "b" / "report.md").read_text()
+    ran = [r["method"] for r in json.loads((tmp_path / "b" / "results.json").read_text())[0]["results"]]
+    assert ran == ["kvarn_k4v2_g128"]  # an explicit list is run as given
+    # the default list adds each KVarN preset as kvarn's vLLM plugin serves it on this model, with its goals
+    assert main([*argv, "--regions", "tail", "--out", str(tmp_path / "d")]) == 0
+    ran = [r["method"] for r in json.loads((tmp_path / "d" / "results.json").read_text())[0]["results"]]
+    assert ran[ran.index("kvarn_k4v2_g128") + 1] == "kvarn_k4v2_g128_ks"
+    assert ran[ran.index("kvarn_k2v2_g128") + 1] == "kvarn_k2v2_g128_ks"
+    assert "KL kvarn_k2v2_g128_ks / KL kivi_k2v2_g128" in (tmp_path / "d" / "report.md").read_text()
 
 
 @pytest.mark.hf
@@ -312,6 +320,20 @@ def test_model_resolution_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--text", str(tmp_path / "missing.txt")])
     assert "no such file" in capsys.readouterr().err
+
+
+def test_served_methods_are_the_ks_presets_vllm_serves():
+    from kvarn.eval.methods import served_method, with_served_methods
+    from kvarn.integration.vllm.checks import with_key_smoothing
+
+    assert served_method("kvarn_k4v2_g128") == with_key_smoothing("kvarn_k4v2_g128") == "kvarn_k4v2_g128_ks"
+    assert served_method("kvarn_k2v2_g128+first1@k4v4") == "kvarn_k2v2_g128_ks+first1@k4v4"
+    for name in ("kvarn_k4v2_g128_ks", "kivi_k4v2_g128", "seqsmooth_k2v2_g128", "fp16", "fp8_e4m3_amax"):
+        assert served_method(name) == name
+    got = with_served_methods(["fp16", "kvarn_k4v2_g128", "kivi_k4v2_g128", "kvarn_k4v2_g128_ks"])
+    assert got == ["fp16", "kvarn_k4v2_g128", "kvarn_k4v2_g128_ks", "kivi_k4v2_g128"]
+    for m in with_served_methods(list(DEFAULT_METHODS)):
+        get_method(m)  # every added name is a method the harness knows
 
 
 def test_layer_policy_method_names():

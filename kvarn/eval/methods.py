@@ -188,6 +188,24 @@ def parse_policy(suffix: str, group_size: int) -> LayerPolicy:
     return LayerPolicy(first=first, last=last, layers=tuple(layers), keep=preset)
 
 
+def served_method(name: str) -> str:
+    """The KVarN method ``name`` as kvarn's vLLM plugin serves it on a model with biased key projections:
+    its preset with ``_ks`` (``kvarn_k4v2_g128`` -> ``kvarn_k4v2_g128_ks``, a layer policy kept); other
+    methods unchanged."""
+    base, plus, suffix = name.partition("+")
+    if not base.startswith("kvarn_") or base.endswith(KEY_SMOOTH_SUFFIX):
+        return name
+    return base + KEY_SMOOTH_SUFFIX + plus + suffix
+
+
+def with_served_methods(methods: list[str]) -> list[str]:
+    """``methods`` with :func:`served_method` of each KVarN method right after it (once)."""
+    out: list[str] = []
+    for m in methods:
+        out += [x for x in dict.fromkeys((m, served_method(m))) if x not in out]
+    return out
+
+
 def get_method(name: str) -> Method:
     """The :class:`Method` called ``name`` (see the module table)."""
     if name == "fp16":

@@ -19,7 +19,7 @@ import sys
 import time
 
 from kvarn.config import key_bias_reason
-from kvarn.eval.methods import ALL_BASELINES, DEFAULT_METHODS, get_method
+from kvarn.eval.methods import ALL_BASELINES, DEFAULT_METHODS, get_method, served_method, with_served_methods
 from kvarn.eval.models import BUNDLED_MODELS, DEFAULT_MODEL
 
 GOALS = {
@@ -97,7 +97,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "smooth_..., seqsmooth_..., fp16, fp8_e4m3, fp8_e4m3_amax) or 'all'; a KVarN-record method may take "
         "_ks (per-sequence key smoothing: kvarn_k4v2_g128_ks) and end in a layer policy: "
         "+first<N>, +last<M>, +layer<i> keep those layers in fp16, and @k<K>v<V> at that preset instead "
-        "(kvarn_k2v2_g128+first1+last1, kvarn_k2v2_g128+first1@k4v4)",
+        "(kvarn_k2v2_g128+first1+last1, kvarn_k2v2_g128+first1@k4v4). The default list also runs, on a model "
+        "with biased key projections, each kvarn_* preset's _ks form (what kvarn's vLLM plugin serves there)",
     )
     p.add_argument(
         "--regions",
@@ -213,9 +214,12 @@ def table(run: dict) -> str:
 def goals(run: dict) -> list[str]:
     """The issue's goals checked against one model's results (only where both methods ran)."""
     by = {(r["method"], r["region"]): r for r in run["results"]}
+    pairs = [*GOALS["*"], *GOALS.get(run.get("model"), ())]
+    if run.get("key_bias"):  # the same goals for the presets as vLLM serves this model
+        pairs += [(served_method(num), den, limit) for num, den, limit in pairs if served_method(num) != num]
     out = []
     for region in sorted({r["region"] for r in run["results"]}):
-        for num, den, limit in (*GOALS["*"], *GOALS.get(run.get("model"), ())):
+        for num, den, limit in pairs:
             if (num, region) in by and (den, region) in by:
                 a, b = by[(num, region)]["kl"], by[(den, region)]["kl"]
                 ratio = a / b if b > 0 else float("inf")
@@ -320,7 +324,11 @@ def write_markdown(runs: list[dict], out: pathlib.Path, command: str) -> pathlib
             "",
         ]
         if run.get("key_bias"):
-            lines += [f"Key biases: {run['key_bias']}: the `_ks` presets are meant for it (`docs/fidelity.md`).", ""]
+            lines += [
+                f"Key biases: {run['key_bias']}: the `_ks` presets are meant for it, and kvarn's vLLM plugin "
+                "serves them for such a model by itself (`docs/fidelity.md`, `docs/vllm.md`).",
+                "",
+            ]
         lines += [f"![{f}]({f})" for f in run.get("plots", [])]
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
@@ -352,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = []
+    default_methods = args.methods == ",".join(DEFAULT_METHODS)
     for name in args.models:
         t0 = time.perf_counter()
         print(f"kvarn report: {name} (converting it on first use), methods {', '.join(args.method_list)}")
@@ -360,9 +369,15 @@ def main(argv: list[str] | None = None) -> int:
         except (ModuleNotFoundError, ImportError, ValueError, FileNotFoundError) as e:
             print(f"kvarn report: {e}", file=sys.stderr)
             return 2
+        key_bias = key_bias_reason(model.config)
+        methods = args.method_list
+        if key_bias is not None and default_methods:  # what vLLM serves for this model, beside the plain presets
+            methods = with_served_methods(methods)
+            added = [m for m in methods if m not in args.method_list]
+            print(f"kvarn report: {name}: {key_bias}: adding {', '.join(added)} (kvarn's vLLM plugin serves these)")
         try:
             prepare_ids(tok, args.prefix, args.continuation, text, name=args.text or "the bundled text")
-            for m in args.method_list:
+            for m in methods:
                 policy = get_method(m).policy
                 if policy is not None:
                     policy.kept(model.config.num_hidden_layers)
@@ -372,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         run = evaluate(
             model,
             tok,
-            args.method_list,
+            methods,
             args.region_list,
             prefix=args.prefix,
             continuation=args.continuation,
@@ -386,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
             if name in BUNDLED_MODELS
             else f"{pathlib.Path(name).expanduser().resolve()} (local)"
         )
-        run["key_bias"] = key_bias_reason(model.config)
+        run["key_bias"] = key_bias
         run["text"] = args.text or "bundled"
         run["text_label"] = label
         run["commit"] = commit
@@ -399,7 +414,10 @@ def main(argv: list[str] | None = None) -> int:
         for line in goals(run):
             print(line)
         if run["key_bias"] is not None:
-            print(f"{name}: {run['key_bias']}: for it use the _ks presets (kvarn.recommended_preset, docs/fidelity.md)")
+            print(
+                f"{name}: {run['key_bias']}: the _ks presets are meant for it (kvarn.recommended_preset; "
+                "kvarn's vLLM plugin serves them by itself; docs/fidelity.md)"
+            )
         del model
     (out / "results.json").write_text(json.dumps(runs, indent=1) + "\n")
     command = "kvarn report " + " ".join(argv)
