@@ -225,6 +225,39 @@ class TilePlanner:
         self.stats["new_sinks"] += 1
         return slot
 
+    def _plan_sinks(self, qsl: list[int], lens: list[int], block_table: torch.Tensor, touched: set[int]) -> list[int]:
+        """Each row's sink slot (``-1`` for rows without tokens), whatever the rows' order.
+
+        First the sinks of blocks this step writes as later tiles are dropped (recycled blocks), then
+        rows that read an existing sink take it (so it is not evicted for a claim), then rows that
+        write their first tile from offset 0 claim one, then the remaining rows look theirs up: a
+        prefix hit may read a first tile that another row of the same step writes (vLLM caches a
+        block as soon as it schedules it, e.g. for the children of ``n > 1`` sampling).
+        """
+        g = self.group_size
+        rows: list[tuple[int, int, int]] = []
+        for r, length in enumerate(lens):
+            start = length - (qsl[r + 1] - qsl[r])
+            if start >= length or start < 0:  # no tokens (or an error the caller reports)
+                continue
+            row = block_table[r]
+            for tile in range(max(1, start // g), (length - 1) // g + 1):
+                if int(row[tile]) in self._sink_of:  # a block recycled as another tile
+                    self._drop_sink(int(row[tile]))
+                    self.stats["recycled_sinks"] += 1
+            rows.append((r, int(row[0]), start))
+        slots = [-1] * len(lens)
+        phases = (
+            lambda block, start: start > 0 and block in self._sink_of,
+            lambda block, start: start == 0,
+            lambda block, start: True,
+        )
+        for wanted in phases:
+            for r, block, start in rows:
+                if slots[r] < 0 and wanted(block, start):
+                    slots[r] = self._sink(block, start, touched)
+        return slots
+
     def _drop_sink(self, block: int) -> None:
         slot = self._sink_of.pop(block)
         self._sink_block[slot] = None
@@ -291,6 +324,8 @@ class TilePlanner:
         touched: set[int] = set()
         sink_touched: set[int] = set()
         full_rows: list[torch.Tensor] = []
+        if sink:
+            sink_slots = self._plan_sinks(qsl, lens, block_table, sink_touched)
         for r in range(batch):
             n = qsl[r + 1] - qsl[r]
             length = lens[r]
@@ -304,11 +339,7 @@ class TilePlanner:
             row = block_table[r]
             full_rows.append(row[: length // g])
             if sink:
-                for tile in range(max(1, start // g), (length - 1) // g + 1):
-                    if int(row[tile]) in self._sink_of:  # a block recycled as another tile
-                        self._drop_sink(int(row[tile]))
-                        self.stats["recycled_sinks"] += 1
-                sink_slot = sink_slots[r] = self._sink(int(row[0]), start, sink_touched)
+                sink_slot = sink_slots[r]
                 if start < g:
                     hi = min(length, g)
                     sink_mapping[qsl[r] : qsl[r] + hi - start] = torch.arange(sink_slot * g + start, sink_slot * g + hi)

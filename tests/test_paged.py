@@ -125,6 +125,21 @@ def test_a_prefix_hit_reads_the_sink_of_the_first_tile_it_shares():
     assert p.stats["new_sinks"] == 1
 
 
+@pytest.mark.parametrize("hit_first", [False, True])
+def test_a_hit_on_a_first_tile_written_in_the_same_step_reads_its_sink_in_either_row_order(hit_first):
+    """vLLM caches a block as it schedules it, so ``n > 1`` children (or equal prompts) admitted in one
+    step can hit the first tile another row of that step writes, and the runner may put that row first."""
+    p = TilePlanner(4, G, num_sink_slots=2, sink_pinned=lambda block: True)
+    writer, hit = ((2 * G + 3, 2 * G + 3), [5, 6, 7]), ((3, 2 * G + 3), [5, 6, 9])
+    rows = [hit, writer] if hit_first else [writer, hit]
+    out = plan(p, [c for c, _ in rows], [t for _, t in rows])
+    sink = p.live_sinks[5]
+    assert out.sink_slots.tolist() == [sink, sink]
+    written = out.sink_slot_mapping.tolist()
+    assert sorted(x for x in written if x >= 0) == [sink * G + i for i in range(G)], "the writer fills the sink once"
+    assert p.stats["new_sinks"] == 1
+
+
 def test_a_first_block_written_as_another_tile_loses_its_sink_and_cannot_be_read_as_a_first_tile():
     p = TilePlanner(4, G, num_sink_slots=2, sink_pinned=lambda block: False)
     plan(p, [(G, G)], [[5]])
