@@ -23,10 +23,28 @@ def _load_tolerances():
 TOL = _load_tolerances()
 
 
+def code_hash(root: Path | None = None) -> str:
+    """sha256 (12 hex digits) of the ``kvarn`` package's ``.py`` files, by path then content.
+
+    Names the code a run measured where the checkout's git state does not (a copied working tree
+    whose ``.git`` is older than its files); ``python -c "from benchmarks._common import code_hash;
+    print(code_hash())"`` at a commit gives the same digest for the same files.
+    """
+    import hashlib
+
+    root = Path(__file__).resolve().parents[1] if root is None else root
+    digest = hashlib.sha256()
+    for path in sorted((root / "kvarn").rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
 def environment() -> dict:
-    """GPU, torch, triton and the git commit the numbers belong to."""
+    """GPU, torch, triton, the git commit (``-dirty`` if the tree differs from it) and :func:`code_hash`."""
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True, text=True
+        ).stdout.strip()
     except OSError:
         commit = "unknown"
     return {
@@ -34,6 +52,7 @@ def environment() -> dict:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "commit": commit or "unknown",
+        "code": code_hash(),
     }
 
 
