@@ -132,9 +132,24 @@ def smooth_config(preset: str, d: int, smooth: str | None) -> KVarNConfig:
 
 
 def bench_shape(
-    preset, d, hq, hkv, batch, ctx, dtype, copy_bw, launch: dict, sdpa: bool = True, smooth: str | None = None
+    preset,
+    d,
+    hq,
+    hkv,
+    batch,
+    ctx,
+    dtype,
+    copy_bw,
+    launch: dict,
+    sdpa: bool = True,
+    smooth: str | None = None,
+    eager: bool = False,
 ) -> dict:
-    """Time one shape; ``launch`` holds the attention kernel's ``num_warps`` and ``num_stages``."""
+    """Time one shape; ``launch`` holds the attention kernel's ``num_warps`` and ``num_stages``.
+
+    ``eager`` (with ``sdpa``) adds :func:`time_eager`'s host and wall time per call of the same
+    kvarn and SDPA calls on the same inputs.
+    """
     cfg = smooth_config(preset, d, smooth)
     st = synthetic_cache(cfg, batch, ctx, hkv, dtype, seed=batch * 7 + ctx)
     q = torch.randn(batch, hq, d, device="cuda").to(dtype)
@@ -152,7 +167,14 @@ def bench_shape(
     sdpa_flash(q4, k16, v16)
     t_sd = time_graph(lambda: sdpa_flash(q4, k16, v16))
     fp16_bytes = 2 * k16.numel() * k16.element_size()
-    return {
+    timings = {}
+    if eager:
+        args = args_of(st, q, cfg)
+        host, wall = time_eager(lambda: A.paged_attention(*args, **launch))
+        sd_host, sd_wall = time_eager(lambda: sdpa_flash(q4, k16, v16))
+        timings = {"eager_host_us": host, "eager_wall_us": wall}
+        timings |= {"sdpa_eager_host_us": sd_host, "sdpa_eager_wall_us": sd_wall}
+    return timings | {
         "preset": preset,
         "d": d,
         "hq": hq,
@@ -194,24 +216,12 @@ def eager_main(out_path: str, env: dict, copy_bw: float) -> None:
     rows = []
     print("| preset | B | ctx | graph us | eager host us | eager wall us | SDPA graph us | SDPA eager wall us |")
     for preset, batch, ctx in EAGER_SHAPES:
-        r = bench_shape(preset, 128, 32, 8, batch, ctx, torch.float16, copy_bw, {})
-        cfg = smooth_config(preset, 128, None)
-        st = synthetic_cache(cfg, batch, ctx, 8, torch.float16, seed=batch * 7 + ctx)
-        q = torch.randn(batch, 32, 128, device="cuda").to(torch.float16)
-        args = args_of(st, q, cfg)
-        host, wall = time_eager(lambda args=args: A.paged_attention(*args))
-        k16 = torch.randn(batch, 8, ctx + TAIL, 128, device="cuda", dtype=torch.float16)
-        v16 = torch.randn_like(k16)
-        q4 = q[:, :, None, :]
-        sd_host, sd_wall = time_eager(lambda q4=q4, k16=k16, v16=v16: sdpa_flash(q4, k16, v16))
-        r |= {"eager_host_us": host, "eager_wall_us": wall}
-        r |= {"sdpa_eager_host_us": sd_host, "sdpa_eager_wall_us": sd_wall}
+        r = bench_shape(preset, 128, 32, 8, batch, ctx, torch.float16, copy_bw, {}, eager=True)
         rows.append(r)
-        del st, args, k16, v16
         torch.cuda.empty_cache()
         print(
-            f"| {preset} | {batch} | {ctx} | {r['kvarn_us']:.1f} | {host:.1f} | {wall:.1f} | {r['sdpa_us']:.1f} | "
-            f"{sd_wall:.1f} |",
+            f"| {preset} | {batch} | {ctx} | {r['kvarn_us']:.1f} | {r['eager_host_us']:.1f} | "
+            f"{r['eager_wall_us']:.1f} | {r['sdpa_us']:.1f} | {r['sdpa_eager_wall_us']:.1f} |",
             flush=True,
         )
         with open(out_path, "w") as f:

@@ -40,28 +40,19 @@ import sys
 import tempfile
 import time
 
+_TINY = dict(
+    vocab_size=1024,
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=128,
+    max_position_embeddings=8192,
+)
 SHAPES = {
-    "tiny": dict(
-        vocab_size=1024,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=128,
-        max_position_embeddings=8192,
-    ),
-    "tiny-biased": dict(  # biased q/k/v projections, as Qwen2.5: KVarN serves the _ks form
-        vocab_size=1024,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=128,
-        max_position_embeddings=8192,
-        attention_bias=True,
-    ),
+    "tiny": _TINY,
+    "tiny-biased": _TINY | {"attention_bias": True},  # biased q/k/v projections, as Qwen2.5: KVarN serves _ks
     "llama3-8b": dict(
         vocab_size=128256,
         hidden_size=4096,

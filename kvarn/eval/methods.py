@@ -192,10 +192,10 @@ def served_method(name: str) -> str:
     """The KVarN method ``name`` as kvarn's vLLM plugin serves it on a model with biased key projections:
     its preset with ``_ks`` (``kvarn_k4v2_g128`` -> ``kvarn_k4v2_g128_ks``, a layer policy kept); other
     methods unchanged."""
+    from kvarn.integration.vllm.checks import with_key_smoothing
+
     base, plus, suffix = name.partition("+")
-    if not base.startswith("kvarn_") or base.endswith(KEY_SMOOTH_SUFFIX):
-        return name
-    return base + KEY_SMOOTH_SUFFIX + plus + suffix
+    return with_key_smoothing(base) + plus + suffix if base.startswith("kvarn_") else name
 
 
 def with_served_methods(methods: list[str]) -> list[str]:
