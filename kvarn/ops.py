@@ -162,24 +162,28 @@ def paged_attention(
     query_start_loc=None,
     sink_slots=None,
     scale=None,
+    key=None,
+    value=None,
     *,
     out=None,
     impl: str = "auto",
 ) -> torch.Tensor:
-    """Attention over the paged cache. See :func:`kvarn.reference.paged_attention`.
+    """Attention over the paged cache under the own-tile rule. See :func:`kvarn.reference.paged_attention`.
 
-    ``out`` (``[Nq, Hq, D]``, ``query``'s dtype) receives the result and is returned: the kernel writes
-    it directly (no copy launch, e.g. into vLLM's output buffer); the reference's result is copied in.
+    ``key, value``: the step's own K/V, needed where a sequence's queries span tiles. ``out``
+    (``[Nq, Hq, D]``, ``query``'s dtype) receives the result and is returned: the kernel writes it
+    directly (no copy launch, e.g. into vLLM's output buffer); the reference's result is copied in.
     """
     fn = _pick("paged_attention", impl, query, _smoothed(cfg))
     args = (query, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, cfg, query_start_loc, sink_slots, scale)
+    kv = {} if key is None and value is None else {"key": key, "value": value}
     if out is None:
-        return fn(*args)
+        return fn(*args, **kv)
     if fn is not reference.paged_attention:
-        return fn(*args, out=out)
+        return fn(*args, **kv, out=out)
     if out.shape != query.shape or out.dtype != query.dtype:
         raise ValueError(f"out must be {tuple(query.shape)} {query.dtype}, got {tuple(out.shape)} {out.dtype}")
-    return out.copy_(fn(*args))
+    return out.copy_(fn(*args, **kv))
 
 
 def encode_half(tiles, role, cfg, smooth_vec=None, *, impl: str = "auto"):

@@ -13,8 +13,10 @@ carries the plan out through :mod:`kvarn.ops`:
   ``slot * G + offset``. A tile that becomes full in this step (a decode step or a chunk that
   ends the tile) is then quantized from its slot into its block (``commit_tiles``), in the same
   step and before attention: vLLM may publish that block to the prefix cache in this step.
-- Attention reads every full tile from its record and the last ``seq_len % G`` tokens from the
-  request's tail slot.
+- Attention follows the own-tile rule (:func:`kvarn.reference.paged_attention`): a query reads
+  the tiles before its own from their records and its own tile in full precision, from the slot
+  the step started in (:attr:`TilePlan.head_slots`, which keeps a tile completed in this step
+  until attention has read it) and from the step's own K/V.
 
 Tail slots are keyed by the block id of the incomplete tile. An incomplete block belongs to
 exactly one live request (vLLM shares only full, hashed blocks), so the key needs no request id,
@@ -58,14 +60,14 @@ every write, so the key stays true to the block's contents:
 
 Only committed tokens may be planned: speculative drafts would be frozen into a record.
 
-Prefill. A request with many queries in one step (a prompt chunk) can attend by reading its tiles
-back whole (:meth:`PagedKV.read_back`: the dequantize kernel and the tail) and attend in one
-varlen attention call for all such requests of the step (:data:`VarlenAttention`: vLLM's flash
-attention in the vLLM backend, :func:`sdpa_varlen` elsewhere) instead of through the paged decode
-kernel, whose programs serve one query block at a time; :func:`split_prefill` picks those requests
-and :meth:`PagedKV.attend_split` runs both paths in one step. The semantics are the same as
-:meth:`PagedKV.attend`'s (every full tile from its record, the rest from the tail slot, causal
-within the chunk); only the order of the arithmetic differs.
+Prefill. A request with many queries in one step (a prompt chunk) can attend through one varlen
+attention call for all such requests of the step (:data:`VarlenAttention`: vLLM's flash attention
+in the vLLM backend, :func:`sdpa_varlen` elsewhere) instead of through the paged kernel, whose
+programs serve one query block at a time: :meth:`PagedKV.read_pages` reads the tiles before each
+query's tile back as pages (the dequantize kernel) and builds one full-precision page per query
+tile, and each query tile attends over its own page table. :func:`split_prefill` picks those
+requests and :meth:`PagedKV.attend_split` runs both paths in one step. The semantics are
+:meth:`PagedKV.attend`'s; only the order of the arithmetic differs.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ import itertools
 import math
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -104,13 +106,18 @@ class TilePlan:
         store_blocks: ``[Ns]`` int64, the block of each whole tile.
         tail_slots: ``[B]`` int64, each request's tail slot after the step (``0`` when its length
             is a multiple of ``G``: the slot is then not read).
+        head_slots: ``[B]`` int64, the slot of the tile each request's step starts in (position
+            ``seq_len - n``): it holds that tile's tokens before the step and the step's tail
+            tokens of it, and keeps them until the step's attention has run (the own-tile rule,
+            :func:`kvarn.reference.paged_attention`; ``0`` where the step stores that tile whole).
         sink_slot_mapping: ``[T]`` int64, ``slot * G + offset`` in the sink pool of each token of a
             first tile, ``-1`` elsewhere; ``None`` without a sink.
         sink_slots: ``[B]`` int64, each request's sink slot; ``None`` without a sink.
         slots_needed: one past the highest pool row the plan touches (a pool may grow lazily).
-        late_tail_slot_mapping: ``[T]`` int64 or ``None``, tail tokens written after the commit
-            (:func:`plan_request_slots`: a chunk that completes its request's tile and starts
-            another reuses the slot), ``-1`` elsewhere.
+        late_tail_slot_mapping: ``[T]`` int64 or ``None``, tail tokens written after the step's
+            attention (a chunk that completes its request's tile and starts another hands the
+            slot to the new tile, and attention still reads the completed tile from it), ``-1``
+            elsewhere.
         commit_first, store_first: ``[Nc]``, ``[Ns]`` int64, the block of the first tile of each
             committed / stored tile's request (its block table entry 0): where formats with one
             smoothing vector per sequence read it (``smooth_src`` of :func:`kvarn.ops.store_tiles`).
@@ -123,6 +130,7 @@ class TilePlan:
     store_token_idx: torch.Tensor
     store_blocks: torch.Tensor
     tail_slots: torch.Tensor
+    head_slots: torch.Tensor
     sink_slot_mapping: torch.Tensor | None = None
     sink_slots: torch.Tensor | None = None
     slots_needed: int = 0
@@ -317,6 +325,7 @@ class TilePlanner:
         sink_mapping = torch.full((num_tokens,), -1, dtype=torch.int64) if sink else None
         sink_slots = [-1] * batch
         tail_slots = [0] * batch
+        head_slots = [0] * batch
         commits: list[tuple[int, int]] = []
         stores: list[tuple[int, int]] = []
         commit_first: list[int] = []
@@ -370,6 +379,8 @@ class TilePlanner:
                     slot = self._claim(block, touched)
                 touched.add(slot)
                 self._last_used[slot] = self._step
+                if tile == start // g:
+                    head_slots[r] = slot
                 target[first : first + hi - lo] = torch.arange(slot * g + lo - tile * g, slot * g + hi - tile * g)
                 if hi == (tile + 1) * g:
                     commits.append((slot, block))
@@ -404,6 +415,7 @@ class TilePlanner:
             store_token_idx=store_idx.to(device),
             store_blocks=tensor([b for _, b in stores]),
             tail_slots=tensor(tail_slots),
+            head_slots=tensor(head_slots),
             sink_slot_mapping=sink_mapping.to(device) if sink else None,
             sink_slots=tensor(sink_slots) if sink else None,
             slots_needed=max(used, default=-1) + 1,
@@ -512,14 +524,14 @@ class PagedKV:
         return bool((amax > finite) | (norm > limit))
 
     def store(self, plan: TilePlan, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store one step's ``k, v: [T, Hkv, D]`` (model frame) as ``plan`` says, in place.
+        """Store one step's ``k, v: [T, Hkv, D]`` (model frame) as ``plan`` says, in place, before attention.
 
         Tail (and sink) tokens first, then the tiles they complete, then the step's whole tiles:
-        :meth:`write_tail`, :meth:`commit`, :meth:`write_late_tail`, :meth:`store_whole` in that order.
+        :meth:`write_tail`, :meth:`commit`, :meth:`store_whole`. The tokens of a tile that the step
+        starts in a slot it takes over (:meth:`write_late_tail`) go in after the step's attention.
         """
         self.write_tail(plan, k, v)
         self.commit(plan)
-        self.write_late_tail(plan, k, v)
         self.store_whole(plan, k, v)
 
     def write_tail(self, plan: TilePlan, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -532,7 +544,11 @@ class PagedKV:
             ops.write_tail(k, v, self.tail_k, self.tail_v, plan.sink_slot_mapping, cfg, impl=impl)
 
     def write_late_tail(self, plan: TilePlan, k: torch.Tensor, v: torch.Tensor) -> None:
-        """The plan's tail tokens that go in after the commit (a slot reused in the same step)."""
+        """The plan's tail tokens that go in after the step's attention (a slot handed to the next tile).
+
+        Attention still reads the completed tile from the slot (:attr:`TilePlan.head_slots`);
+        call this once the step's attention (every layer's own) has run, before the next step.
+        """
         if plan.late_tail_slot_mapping is not None:
             ops.write_tail(k, v, self.tail_k, self.tail_v, plan.late_tail_slot_mapping, self.cfg, impl=self.impl)
 
@@ -568,14 +584,18 @@ class PagedKV:
         query: torch.Tensor,
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor,
+        query_start_loc: torch.Tensor | None,
         scale: float | None = None,
         out: torch.Tensor | None = None,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of one step's ``query: [T, Hq, D]`` after :meth:`store` -> ``[T, Hq, D]`` (``out`` if given).
 
-        Each request's tokens attend causally over its first ``seq_lens`` tokens: full tiles from
-        the records (the first from its sink slot, with a sink), the rest from its tail slot.
+        Each request's tokens attend causally over its first ``seq_lens`` tokens under the own-tile
+        rule: the tiles before a query's own from the records (the first from its sink slot, with a
+        sink), its own tile from the step's head slot and ``key, value: [T, Hkv, D]`` (the step's
+        K/V as stored; needed where a request's queries span tiles, e.g. a prompt chunk).
         """
         return ops.paged_attention(
             query,
@@ -584,67 +604,65 @@ class PagedKV:
             seq_lens,
             self.tail_k,
             self.tail_v,
-            plan.tail_slots,
+            plan.head_slots,
             self.cfg,
             query_start_loc,
             plan.sink_slots,
             scale,
+            key,
+            value,
             out=out,
             impl=self.impl,
         )
 
-    def read_back(
-        self, plan: TilePlan, block_table: torch.Tensor, requests: list[tuple[int, int]], dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Requests' tokens read back whole and packed: ``k, v: [sum of lengths, Hkv, D]`` ``dtype``, model frame.
+    def read_pages(
+        self,
+        plan: TilePlan,
+        block_table: torch.Tensor,
+        layout: PageLayout,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> PagedChunks:
+        """The K/V that the prompt chunks of ``layout`` attend over, as pages of ``G`` tokens, model frame, ``dtype``.
 
-        ``requests`` holds ``(row, seq_len)`` (host ints): the request's row in ``block_table`` and
-        ``plan`` and its first ``seq_len`` tokens, packed in that order. Full tiles are dequantized
-        (a sink tile read from its slot), the last ``seq_len % G`` tokens come from the tail slot:
-        the values :meth:`attend` reads for the same requests. The work is batched over all
-        requests (without sinks, a constant number of launches however many there are), and the values leave the
-        rotated frame through one matrix product with ``H`` per tensor (the elementwise butterfly
-        of :func:`kvarn.ops.rotate` would pass over them ``log2 D`` times), rounded once to ``dtype``.
+        Per request, the tiles before its last query's tile are dequantized into one page each (a
+        sink tile read from its slot), and each tile holding queries gets a full-precision page:
+        the tile's tokens before the step from the head slot, the step's from ``key, value:
+        [T, Hkv, D]`` through the pool form (the values a tail slot would hold). Batched over all
+        requests; values leave the rotated frame through one matrix product with ``H`` per tensor.
         """
         cfg, g = self.cfg, self.cfg.group_size
         heads, d = self.cache.shape[1], cfg.head_dim
         dev = self.cache.device
-        rows = np.array([r for r, _ in requests], dtype=np.int64)
-        lens = np.array([n for _, n in requests], dtype=np.int64)
-        start = np.concatenate([[0], np.cumsum(lens)[:-1]])
-        full, rem = lens // g, lens % g
-        out = [torch.empty(int(lens.sum()), heads, d, dtype=dtype, device=dev) for _ in range(2)]
         h = ops.hadamard_matrix(d, dev) if cfg.rotate else None
 
         def model_frame(x: torch.Tensor) -> torch.Tensor:
             return x if h is None else x @ h
 
-        def device(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(dev, non_blocking=True)
-
-        if full.any():
-            tile_req = np.repeat(np.arange(len(requests)), full)
-            tile_pos = np.arange(len(tile_req)) - np.repeat(np.cumsum(full) - full, full)  # tile index in its request
-            blocks = block_table[device(rows[tile_req]), device(tile_pos)].long()
-            dst = device((start[tile_req] + tile_pos * g)[:, None] + np.arange(g)).reshape(-1)
+        ix = layout.on(dev)
+        pages = [torch.zeros(layout.num_pages, g, heads, d, dtype=dtype, device=dev) for _ in range(2)]
+        n_rec = ix["rec_row"].shape[0]
+        if n_rec:
+            blocks = block_table[ix["rec_row"], ix["rec_tile"]].long()
             tiles = ops.decode_records(self.cache[blocks], cfg, impl=self.impl)  # [N, Hkv, G, D] fp32 each
-            for o, x in zip(out, tiles, strict=True):
-                o.index_copy_(0, dst, model_frame(x).transpose(1, 2).reshape(-1, heads, d).to(dtype))
-            if plan.sink_slots is not None:
-                sinks = plan.sink_slots[device(rows[full > 0])].tolist()
-                for i, slot in zip(np.flatnonzero(full > 0), sinks, strict=True):
-                    if slot >= 0:
-                        for o, pool in zip(out, (self.tail_k, self.tail_v), strict=True):
-                            o[start[i] : start[i] + g] = model_frame(ops.from_pool(pool[slot]))
-        if rem.any():
-            has = np.flatnonzero(rem)
-            slots = plan.tail_slots[device(rows[has])].long()
-            src = np.concatenate([k * g + np.arange(rem[i]) for k, i in enumerate(has)])
-            dst = np.concatenate([start[i] + full[i] * g + np.arange(rem[i]) for i in has])
-            for o, pool in zip(out, (self.tail_k, self.tail_v), strict=True):
-                tail = pool.index_select(0, slots).reshape(-1, heads, d).index_select(0, device(src))
-                o.index_copy_(0, device(dst), model_frame(ops.from_pool(tail)).to(dtype))
-        return out[0], out[1]
+            for page, x in zip(pages, tiles, strict=True):
+                page[:n_rec] = model_frame(x).transpose(1, 2).to(dtype)
+            if plan.sink_slots is not None and layout.sink_pages.size:
+                sinks = plan.sink_slots[ix["sink_rows"]].long()
+                for page, pool in zip(pages, (self.tail_k, self.tail_v), strict=True):
+                    held = ops.from_pool(pool.index_select(0, sinks.clamp(min=0)))
+                    keep = (sinks >= 0).view(-1, 1, 1, 1)
+                    page[ix["sink_pages"]] = torch.where(keep, model_frame(held).to(dtype), page[ix["sink_pages"]])
+        if ix["held_dst"].shape[0]:
+            slots = plan.head_slots[ix["held_rows"]].long()
+            for page, pool in zip(pages, (self.tail_k, self.tail_v), strict=True):
+                held = pool.index_select(0, slots).reshape(-1, heads, d).index_select(0, ix["held_src"])
+                page.view(-1, heads, d).index_copy_(0, ix["held_dst"], model_frame(ops.from_pool(held)).to(dtype))
+        for page, x in zip(pages, (key, value), strict=True):
+            new = ops.from_pool(ops.prepare(x[ix["tokens"]], self.tail_k.dtype, cfg.rotate, impl=self.impl))
+            page.view(-1, heads, d).index_copy_(0, ix["token_dst"], model_frame(new).to(dtype))
+        return PagedChunks(pages[0], pages[1], layout.cu_q, layout.seqused_k, ix["block_table"])
 
     def attend_split(
         self,
@@ -655,14 +673,20 @@ class PagedKV:
         split: PrefillSplit,
         scale: float | None = None,
         varlen: VarlenAttention | None = None,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`attend` for a step that :func:`split_prefill` split. ``query: [T, Hq, D]`` -> ``[T, Hq, D]``.
 
-        The prefill requests' K/V are read back whole (:meth:`read_back`) and attended in one
-        ``varlen`` call (default :func:`sdpa_varlen`; the vLLM backend passes flash attention),
-        queries aligned to the end of their sequence; the other requests go through the paged kernel.
+        The prefill requests attend over :meth:`read_pages` in one ``varlen`` call per group of
+        at most :data:`PREFILL_READ_TOKENS` tokens (default :func:`sdpa_varlen`; the vLLM backend
+        passes flash attention); the other requests go through the paged kernel.
+        ``key, value: [T, Hkv, D]``: the step's K/V, as for :meth:`attend`.
         """
+        if key is None or value is None:
+            raise ValueError("attend_split needs the step's key and value (the prompt chunks' own tiles)")
         out = torch.empty_like(query)
+        scale = query.shape[-1] ** -0.5 if scale is None else scale
         if split.rest_rows is not None:
             rows, tokens = split.rest_rows, split.rest_tokens
             sinks = None if plan.sink_slots is None else plan.sink_slots[rows]
@@ -673,11 +697,13 @@ class PagedKV:
                 seq_lens[rows],
                 self.tail_k,
                 self.tail_v,
-                plan.tail_slots[rows],
+                plan.head_slots[rows],
                 self.cfg,
                 split.rest_query_start_loc,
                 sinks,
                 scale,
+                key[tokens],
+                value[tokens],
                 impl=self.impl,
             ).to(out.dtype)
         groups, size = [[]], 0
@@ -688,28 +714,22 @@ class PagedKV:
             groups[-1].append(item)
             size += item[3]
         for group in groups:
-            self._attend_packed(plan, query, block_table, group, scale, varlen, out)
+            rows = tuple(group)
+            if rows not in split.layouts:  # the same for every layer of the step
+                split.layouts[rows] = PageLayout.of(group, self.cfg.group_size)
+            chunks = self.read_pages(plan, block_table, split.layouts[rows], key, value, query.dtype)
+            spans = [(first, end) for _, first, end, _ in group]
+            contiguous = all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+            q = query[spans[0][0] : spans[-1][1]] if contiguous else torch.cat([query[a:b] for a, b in spans])
+            att = (varlen or sdpa_varlen)(q, chunks, scale)
+            if contiguous:
+                out[spans[0][0] : spans[-1][1]] = att
+            else:
+                done = 0
+                for a, b in spans:
+                    out[a:b] = att[done : done + b - a]
+                    done += b - a
         return out
-
-    def _attend_packed(self, plan, query, block_table, rows, scale, varlen, out) -> None:
-        """One varlen attention call over the prompt chunks ``rows`` (``split.rows`` entries), written into ``out``."""
-        keys, values = self.read_back(plan, block_table, [(row, n) for row, _, _, n in rows], query.dtype)
-        cu_q, cu_k = [0], [0]
-        for _, first, end, seq_len in rows:
-            cu_q.append(cu_q[-1] + end - first)
-            cu_k.append(cu_k[-1] + seq_len)
-        spans = [(first, end) for _, first, end, _ in rows]
-        contiguous = all(a[1] == b[0] for a, b in itertools.pairwise(spans))
-        if contiguous:
-            q = query[spans[0][0] : spans[-1][1]]
-        else:
-            q = torch.cat([query[first:end] for first, end in spans])
-        att = (varlen or sdpa_varlen)(q, keys, values, cu_q, cu_k, query.shape[-1] ** -0.5 if scale is None else scale)
-        if contiguous:
-            out[spans[0][0] : spans[-1][1]] = att
-        else:
-            for (first, end), (a, b) in zip(spans, itertools.pairwise(cu_q), strict=True):
-                out[first:end] = att[a:b]
 
     def read_tiles(self, blocks: torch.Tensor, sink_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """Full tiles read back in the model frame: ``blocks: [B, n]`` -> ``k, v: [B, n * G, Hkv, D]`` fp32.
@@ -759,26 +779,48 @@ PREFILL_READ_TOKENS = 65536
 """Most tokens :meth:`PagedKV.attend_split` reads back for one varlen call (its fp32 temporaries scale
 with it; a single longer request is read alone)."""
 
-VarlenAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[int], list[int], float], torch.Tensor]
-"""``(q: [Tq, Hq, D], k, v: [Tk, Hkv, D], cu_q, cu_k, scale) -> [Tq, Hq, D]``: causal attention of
-packed sequences (sequence ``i`` is rows ``cu_q[i] .. cu_q[i + 1]`` of ``q`` and ``cu_k[i] ..
-cu_k[i + 1]`` of ``k, v``; host ints), queries aligned to the end of their keys, GQA heads grouped."""
+
+@dataclass
+class PagedChunks:
+    """Prompt chunks' keys and values as pages, one attention sequence per query tile (:meth:`PagedKV.read_pages`).
+
+    Attributes:
+        k, v: ``[pages, G, Hkv, D]`` model frame.
+        cu_q: ``[S + 1]`` host ints: query tile ``i``'s queries are rows ``cu_q[i] .. cu_q[i + 1]``
+            of the packed queries.
+        seqused_k: ``[S]`` host ints: its keys are the first ``seqused_k[i]`` tokens of its pages.
+        block_table: ``[S, W]`` int32: its pages, in position order (entries past
+            ``ceil(seqused_k[i] / G)`` are padding).
+    Queries sit at the end of their keys (causal, aligned bottom right).
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_q: list[int]
+    seqused_k: list[int]
+    block_table: torch.Tensor
 
 
-def sdpa_varlen(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list[int], cu_k: list[int], scale: float
-) -> torch.Tensor:
-    """:data:`VarlenAttention` by one ``scaled_dot_product_attention`` call per sequence (any device).
+VarlenAttention = Callable[[torch.Tensor, PagedChunks, float], torch.Tensor]
+"""``(q: [Tq, Hq, D], chunks, scale) -> [Tq, Hq, D]``: causal attention of each query tile of
+:class:`PagedChunks` over its pages (queries aligned to the end of their keys, GQA heads grouped)."""
 
-    An explicit end-aligned causal mask, and the KV heads repeated for GQA.
+
+def sdpa_varlen(q: torch.Tensor, chunks: PagedChunks, scale: float) -> torch.Tensor:
+    """:data:`VarlenAttention` by one ``scaled_dot_product_attention`` call per query tile (any device).
+
+    The pages gathered per query tile, an explicit end-aligned causal mask, the KV heads repeated for GQA.
     """
     out = torch.empty_like(q)
-    group = q.shape[1] // k.shape[1]
-    for (qa, qb), (ka, kb) in zip(itertools.pairwise(cu_q), itertools.pairwise(cu_k), strict=True):
-        n, length = qb - qa, kb - ka
-        keys = k[ka:kb].transpose(0, 1).repeat_interleave(group, 0)  # [Hq, L, D]
-        vals = v[ka:kb].transpose(0, 1).repeat_interleave(group, 0)
-        visible = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
+    g, hkv, d = chunks.k.shape[1:]
+    group = q.shape[1] // hkv
+    table = chunks.block_table.long()
+    for i, ((qa, qb), used) in enumerate(zip(itertools.pairwise(chunks.cu_q), chunks.seqused_k, strict=True)):
+        n = qb - qa
+        ids = table[i, : -(-used // g)]
+        keys = chunks.k[ids].reshape(-1, hkv, d)[:used].transpose(0, 1).repeat_interleave(group, 0)  # [Hq, L, D]
+        vals = chunks.v[ids].reshape(-1, hkv, d)[:used].transpose(0, 1).repeat_interleave(group, 0)
+        visible = torch.ones(n, used, dtype=torch.bool, device=q.device).tril(used - n)
         att = torch.nn.functional.scaled_dot_product_attention(
             q[qa:qb].transpose(0, 1)[None], keys[None], vals[None], attn_mask=visible, scale=scale
         )
@@ -796,12 +838,79 @@ class PrefillSplit:
         rest_rows: ``[Br]`` int64, the other requests (``None`` if there are none);
             ``rest_tokens: [Tr]`` int64 their query tokens; ``rest_query_start_loc: [Br + 1]``
             their queries' offsets within ``rest_tokens``.
+        layouts: the :class:`PageLayout` of each group of prefill rows (keyed by the rows), made
+            by the step's first layer and reused by the others.
     """
 
     rows: list[tuple[int, int, int, int]]
     rest_rows: torch.Tensor | None = None
     rest_tokens: torch.Tensor | None = None
     rest_query_start_loc: torch.Tensor | None = None
+    layouts: dict[tuple, PageLayout] = field(default_factory=dict)
+
+
+@dataclass
+class PageLayout:
+    """Where :meth:`PagedKV.read_pages` puts each prompt chunk's K/V: host index arrays, the same for every layer.
+
+    Made once per step (:meth:`of`) and moved to the device once (:meth:`on`). Record pages come
+    first (request by request, its tiles before its last query's tile), then one full-precision
+    page per query tile.
+    """
+
+    num_pages: int
+    cu_q: list[int]
+    seqused_k: list[int]
+    arrays: dict[str, np.ndarray]
+    sink_pages: np.ndarray
+    _device: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, rows: list[tuple[int, int, int, int]], g: int) -> PageLayout:
+        """The layout of :attr:`PrefillSplit.rows` entries ``(row, first, end, seq_len)`` for tiles of ``g``."""
+        r, first, end, lens = (np.array(c, dtype=np.int64) for c in zip(*rows, strict=True))
+        start = lens - (end - first)
+        own, last = start // g, (lens - 1) // g  # tiles of each request's first and last query
+        n_exact = last - own + 1
+        rec_base = np.concatenate([[0], np.cumsum(last)[:-1]])
+        exact_base = int(last.sum()) + np.concatenate([[0], np.cumsum(n_exact)[:-1]])
+        req = np.repeat(np.arange(len(rows)), last)
+        pre = start - own * g  # the first query tile's tokens before the step: in the head slot
+        has = np.flatnonzero(pre)
+        # one attention sequence per query tile
+        qreq = np.repeat(np.arange(len(rows)), n_exact)
+        qtile = own[qreq] + np.arange(len(qreq)) - np.repeat(np.cumsum(n_exact) - n_exact, n_exact)
+        lo = np.maximum(start[qreq], qtile * g)
+        hi = np.minimum(lens[qreq], (qtile + 1) * g)
+        width = int(qtile.max()) + 1
+        cols = np.arange(width)[None, :]
+        table = np.where(cols < qtile[:, None], rec_base[qreq][:, None] + cols, 0)
+        table[np.arange(len(qreq)), qtile] = exact_base[qreq] + qtile - own[qreq]
+        tokens = np.concatenate([np.arange(f, e) for f, e in zip(first, end, strict=True)])
+        token_dst = np.concatenate([exact_base[i] * g + pre[i] + np.arange(end[i] - first[i]) for i in range(len(r))])
+        with_rec = np.flatnonzero(last > 0)
+        arrays = {
+            "rec_row": r[req],
+            "rec_tile": np.arange(len(req)) - np.repeat(rec_base, last),
+            "sink_rows": r[with_rec],
+            "sink_pages": rec_base[with_rec],
+            "held_rows": r[has],
+            "held_src": np.concatenate([[0], *(k * g + np.arange(pre[i]) for k, i in enumerate(has))])[1:],
+            "held_dst": np.concatenate([[0], *(exact_base[i] * g + np.arange(pre[i]) for i in has)])[1:],
+            "tokens": tokens,
+            "token_dst": token_dst,
+            "block_table": table.astype(np.int32),
+        }
+        cu_q = np.concatenate([[0], np.cumsum(hi - lo)]).tolist()
+        return cls(int(exact_base[-1] + n_exact[-1]), cu_q, hi.tolist(), arrays, rec_base[with_rec])
+
+    def on(self, device: torch.device | str) -> dict[str, torch.Tensor]:
+        """The index arrays as tensors on ``device`` (copied once)."""
+        key = str(device)
+        if key not in self._device:
+            host = {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in self.arrays.items()}
+            self._device[key] = {k: t.to(device, non_blocking=True) for k, t in host.items()}
+        return self._device[key]
 
 
 def split_prefill(
@@ -909,6 +1018,7 @@ def plan_request_slots(
         store_token_idx=store_tok0[:, None] + torch.arange(g, device=device)[None, :],
         store_blocks=block_table[store_rows, store_tiles].long(),
         tail_slots=tail_slots,
+        head_slots=tail_slots,
         commit_first=block_table[commit_rows, 0].long(),
         store_first=block_table[store_rows, 0].long(),
     )

@@ -1,20 +1,24 @@
-"""How much a query reading its *own* complete tile from the records costs, against seeing it exactly.
+"""What a query sees of its own tile: the report's protocol against the paged path vLLM uses.
 
 ``kvarn report``'s protocol (and ``generate()`` with :class:`~kvarn.integration.hf.KVarNCache`) lets a
 token see the tile it belongs to in full precision: earlier tiles come from the records, the own tile
-from the chunk's exact K/V or the tail. vLLM's prefill (``kvarn.reference.paged_attention`` with
-several queries per sequence) reads every complete tile from its record, the query's own included.
-This script measures both on SmolLM2-135M with the sink (tile 0 in full precision either way), KL of
-the next-token distributions over ``CONT`` positions after a ``PREFIX``-token prefix, against the
-exact run (fp32, ``DynamicCache``):
+from the chunk's exact K/V or the tail. vLLM's prefill attends through
+``kvarn.reference.paged_attention`` with several queries per sequence; until 2026-12-01 that read
+every *complete* tile from its record, the query's own included (2.6x the report's KL at k4v2 on
+SmolLM2); since then it follows the own-tile rule (the tiles before a query's own from the records,
+its own tile in full precision). This script measures the three ways on SmolLM2-135M with the sink
+(tile 0 in full precision either way), KL of the next-token distributions over ``CONT`` positions
+after a ``PREFIX``-token prefix, against the exact run (fp32, ``DynamicCache``):
 
-- ``own tile exact``: prefix fed in 128-token chunks through the dequantizing cache (``paged=False``:
+- ``report protocol``: prefix fed in 128-token chunks through the dequantizing cache (``paged=False``:
   a chunk sees earlier tiles read back and itself exactly), then one token at a time;
-- ``prompt own tiles from records``: the same feeding through the paged cache
-  (``paged=True``, ``attn_implementation="kvarn"``): each prefix chunk reads its own tile from its
-  record, as a vLLM prompt does; the continuation one token at a time (decode, as vLLM generates);
-- ``every position from records``: prefix and continuation in 128-token chunks through the paged
+- ``paged prompt, then decode``: the same feeding through the paged cache (``paged=True``,
+  ``attn_implementation="kvarn"``, the attention a vLLM prompt gets), the continuation one token at a
+  time (decode, as vLLM generates);
+- ``paged, every position in chunks``: prefix and continuation in 128-token chunks through the paged
   cache: what vLLM's teacher-forced figure (``prompt_logprobs``) measures.
+
+Under the own-tile rule the three agree up to the order of the arithmetic.
 
     PYTHONPATH=. python scripts/own_tile_study.py [PRESET ...]
 """
@@ -55,7 +59,7 @@ def main(presets: list[str]) -> None:
             kl = float((ref.exp() * (ref - lp)).sum(-1).mean())
             return kl, float((lp.argmax(-1) == ref.argmax(-1)).float().mean())
 
-        print("| preset | own tile exact | prompt own tiles from records | every position from records |")
+        print("| preset | report protocol | paged prompt, then decode | paged, every position in chunks |")
         print("|---|---|---|---|")
         for preset in presets:
             cells = [run(preset, False, True), run(preset, True, True), run(preset, True, False)]

@@ -208,7 +208,21 @@ POISON_BLOCK = 2**30
 """Block id in the unused block table entries of per-sequence smoothed caches: a kernel that reads one faults."""
 
 
-def attention_args(state: dict, query: torch.Tensor, cfg: KVarNConfig, qsl=None, sink=False) -> tuple:
+def attention_args(state: dict, query: torch.Tensor, cfg: KVarNConfig, qsl=None, sink=False, step_kv=None) -> tuple:
+    """``paged_attention``'s positional arguments, the reference's and the kernel's alike.
+
+    ``step_kv`` (default: with ``qsl``): pass the step's own ``key, value``, random model-frame
+    ``[Nq, Hkv, D]`` in the query dtype (seeded by the shape); else the step's tokens are read
+    from the tail slot.
+    """
+    kv = (None, None)
+    if qsl is not None if step_kv is None else step_kv:
+        nq, _, d = query.shape
+        hkv = state["cache"].shape[1]
+        gen = torch.Generator().manual_seed(nq * 131 + hkv * 7 + d)
+        k = torch.randn(nq, hkv, d, generator=gen)
+        v = torch.randn(nq, hkv, d, generator=gen) * (0.1 + torch.rand(nq, 1, 1, generator=gen))
+        kv = (k.to(query.dtype).to(query.device), v.to(query.dtype).to(query.device))
     return (
         query,
         state["cache"],
@@ -221,6 +235,7 @@ def attention_args(state: dict, query: torch.Tensor, cfg: KVarNConfig, qsl=None,
         qsl,
         state["sink_slots"] if sink else None,
         None,
+        *kv,
     )
 
 

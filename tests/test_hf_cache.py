@@ -147,7 +147,7 @@ def test_generate_crosses_tiles_and_reports_memory(tiny):
     ids = _ids(60)
     cache = KVarNCache(PRESET)
     with torch.no_grad():
-        out = tiny.generate(ids, max_new_tokens=200, do_sample=False, past_key_values=cache)
+        out = tiny.generate(ids, min_new_tokens=200, max_new_tokens=200, do_sample=False, past_key_values=cache)
     assert out.shape == (1, 260)
     cfg = KVarNConfig.from_preset(PRESET, head_dim=64)
     length = 259

@@ -27,6 +27,7 @@ DECODE = {
     "default": ("kvarn_k4v2_g128", 128, True, True, True, {"HAS_SINK": True}),
     "prologue": ("kvarn_k2v2_g128", 64, False, False, False, {}),
     "multi_query": ("kvarn_k4v2_g64", 64, False, False, True, {"MULTI_Q": True, "BLOCK_Q": 4}),
+    "multi_query_kv": ("kvarn_k4v2_g64", 64, False, False, True, {"MULTI_Q": True, "BLOCK_Q": 4, "HAS_KV": True}),
     "seq_smooth_prologue": (("kvarn_k4v2_g128", SEQ), 64, True, True, False, {"SMOOTH_Q": True, "LATE_Q": True}),
     "seq_smooth_fused": (("kvarn_k2v2_g128", SEQ), 64, False, False, True, {"LATE_Q": True, "HAS_SINK": True}),
     "per_tile_smooth": (("kvarn_k4v2_g64", {"smooth_keys": True}), 64, False, False, True, {}),

@@ -230,6 +230,29 @@ def test_paged_attention_multi_query_gpu(splits, hq, fuse, merge):
     print(f"STATS multi_query hq={hq} splits={splits} fuse={fuse} merge={merge} rel_err={err:.2e}")
 
 
+@pytest.mark.parametrize("splits", [None, 1, 5])
+@pytest.mark.parametrize("preset,hq", [("kvarn_k4v2_g128", 32), ("kvarn_k4v2_g64", 64), ("kvarn_k2v2_g128", 8)])
+def test_paged_attention_own_tile_chunks_gpu(preset, hq, splits):
+    """Prompt chunks under the own-tile rule, the step's K/V given: starting mid-tile and at a tile's
+    start, across many tiles, a query alone in a full tile, a first token; then chunks within one
+    tile without the step's K/V (read from the tail slot)."""
+    cfg = KVarNConfig.from_preset(preset, head_dim=128)
+    g = cfg.group_size
+    lengths = [5 * g + 37, 9 * g, 2 * g + 1, 4 * g, 3, 7 * g + 100]
+    n_q = [3 * g + 50, 2 * g, 2, 1, 3, 1]
+    state = build_cache(cfg, lengths, 8, torch.float16, seed=10, device=DEV)
+    qsl = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    query = torch.randn(int(qsl[-1]), hq, 128, generator=torch.Generator().manual_seed(hq)).half().to(DEV)
+    args = attention_args(state, query, cfg, qsl=qsl, sink=True)
+    err = check_attention(attention.paged_attention(*args, num_splits=splits, empty=poisoned_empty), args)
+    one_tile = [2 * g + 40, g, 5 * g + 3, 3 * g]
+    state = build_cache(cfg, one_tile, 8, torch.float16, seed=11, device=DEV)
+    qsl = torch.tensor([0, 30, 30 + g, 33 + g, 34 + g], dtype=torch.int32, device=DEV)
+    args = attention_args(state, query[: 34 + g], cfg, qsl=qsl, sink=True, step_kv=False)
+    err_slot = check_attention(attention.paged_attention(*args, num_splits=splits, empty=poisoned_empty), args)
+    print(f"STATS own_tile {preset} hq={hq} splits={splits} rel_err={err:.2e} from_slot={err_slot:.2e}")
+
+
 def test_ops_auto_picks_triton_on_cuda():
     cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
     k, v = make_kv(1, 128, 1, 128, torch.float16, seed=0)

@@ -376,6 +376,74 @@ def test_paged_attention_multi_query(splits, fuse, merge, pair):
         check_attention(out, args)
 
 
+OWN_TILE_CASES = [
+    # preset, hq, hkv (block of 16 // next_pow2(hq // hkv) queries), splits, knobs
+    ("kvarn_k4v2_g64", 4, 2, 1, {}),
+    ("kvarn_k4v2_g64", 2, 2, 3, {"pair_tiles": True, "fold_offsets": True}),
+    ("kvarn_k2v2_g128", 8, 1, 2, {"fuse_query": False, "fuse_merge": False}),
+]
+
+
+@pytest.mark.parametrize("preset,hq,hkv,splits,knobs", OWN_TILE_CASES)
+def test_paged_attention_multi_query_own_tile(preset, hq, hkv, splits, knobs):
+    """Chunks under the own-tile rule, the step's K/V given: chunks starting mid-tile and at a tile's
+    start, spanning two and three tiles (query blocks across a tile boundary), a query alone in a
+    full tile, a first token; with the sink and split-K."""
+    cfg = KVarNConfig.from_preset(preset, head_dim=64)
+    g = cfg.group_size
+    lengths = [g + 26, 2 * g + 22, g + 6, 3 * g, 1, 2 * g + 5]
+    n_q = [40, g + 40, 6, 1, 1, 0]
+    state = build_cache(cfg, lengths, hkv, torch.float16, seed=12)
+    qsl = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(int(qsl[-1]), hq, 64, generator=torch.Generator().manual_seed(hq)).to(torch.float16)
+    args = attention_args(state, query, cfg, qsl=qsl, sink=True)
+    out = attention.paged_attention(*args, num_splits=splits, empty=poisoned_empty, **knobs)
+    check_attention(out, args)
+
+
+def test_paged_attention_multi_query_without_key():
+    """Without the step's K/V a chunk within one tile reads its own tokens from the tail slot (as the
+    reference); a chunk across a tile boundary is refused, as by the reference."""
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
+    lengths = [90, 70, 64, 130, 128]
+    n_q = [10, 6, 64, 2, 1]
+    state = build_cache(cfg, lengths, 2, torch.float16, seed=13)
+    qsl = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(int(qsl[-1]), 4, 64, generator=torch.Generator().manual_seed(13)).to(torch.float16)
+    args = attention_args(state, query, cfg, qsl=qsl, sink=True, step_kv=False)
+    assert args[-1] is None
+    check_attention(attention.paged_attention(*args, num_splits=2, empty=poisoned_empty), args)
+    one = torch.tensor([0, 3], dtype=torch.int32)  # positions 127 .. 129
+    spans = attention_args(build_cache(cfg, [130], 2, torch.float16, seed=14), query[:3], cfg, qsl=one, step_kv=False)
+    for fn in (R.paged_attention, attention.paged_attention):
+        with pytest.raises(ValueError, match="span tiles"):
+            fn(*spans)
+    with pytest.raises(ValueError, match="key and value"):
+        attention.paged_attention(*args[:-2], args[0][:, :2], None)
+    with pytest.raises(ValueError, match="key and value must both be"):
+        attention.paged_attention(*args[:-2], args[0], args[0])
+
+
+def test_paged_attention_decode_reads_the_step_from_the_slot():
+    """A decode launch reads the step's token from the tail slot: ``key, value`` change nothing (they
+    are the slot's token once ``write_tail`` put them there, as the lifecycle does before attention)."""
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
+    lengths = [64, 65, 128, 3 * 64 + 17]
+    state = build_cache(cfg, lengths, 2, torch.float16, seed=15)
+    query = torch.randn(len(lengths), 4, 64, generator=torch.Generator().manual_seed(15)).to(torch.float16)
+    k, v = make_kv(1, len(lengths), 2, 64, torch.float16, seed=15)
+    mapping = torch.tensor(
+        [int(slot) * 64 + (n - 1) % 64 for slot, n in zip(state["tail_slots"], lengths, strict=True)]
+    )
+    R.write_tail(k[0], v[0], state["tail_k"], state["tail_v"], mapping, cfg)
+    args = attention_args(state, query, cfg, sink=True)
+    want = attention.paged_attention(*args, num_splits=2)
+    check_attention(want, args)
+    with_kv = (*args[:-2], k[0], v[0])
+    assert torch.equal(attention.paged_attention(*with_kv, num_splits=2), want)
+    check_attention(want, with_kv)  # the reference, reading key/value, agrees
+
+
 def _strided(t: torch.Tensor) -> torch.Tensor:
     """``t`` again, as a view with every stride doubled (the kernels read index lists at base + i)."""
     return torch.stack([t, torch.full_like(t, 10**6)], dim=-1)[..., 0]  # the 10**6 must never be read

@@ -218,10 +218,66 @@ def test_dense_batch_reorder_moves_tails_and_sinks():
     assert moves == [(slots[2], slots[3]), (sinks[0], sinks[1]), (slots[3], slots[3]), (sinks[1], sinks[1])]
 
 
+def _run_chunks(chunks, k, v, q, sink=False, split=False, impl="reference"):
+    """One sequence fed in ``chunks`` (token counts) through TilePlanner + PagedKV: each position's attention output."""
+    from kvarn.config import KVarNConfig
+    from kvarn.paged import PagedKV, split_prefill
+
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
+    g, hkv = cfg.group_size, k.shape[1]
+    planner = TilePlanner(2, g, num_sink_slots=1 if sink else 0)
+    kv = PagedKV.allocate(cfg, 8, hkv, 2, k.dtype, "cpu", num_sink_slots=1 if sink else 0, impl=impl)
+    table = torch.arange(1, 9)[None]  # block 0 unused
+    outs, done = [], 0
+    for n in chunks:
+        qsl, lens = torch.tensor([0, n]), torch.tensor([done + n])
+        step = planner.plan(qsl, lens, table, n)
+        kn, vn = k[done : done + n], v[done : done + n]
+        kv.store(step, kn, vn)
+        parts = split_prefill(qsl.numpy(), lens.numpy(), "cpu", min_queries=2) if split else None
+        if parts is not None:
+            outs.append(kv.attend_split(step, q[done : done + n], table, lens, parts, key=kn, value=vn))
+        else:
+            outs.append(kv.attend(step, q[done : done + n], table, lens, qsl, key=kn, value=vn))
+        kv.write_late_tail(step, kn, vn)
+        done += n
+    return torch.cat(outs), kv.cache
+
+
+@pytest.mark.parametrize("sink", [False, True])
+def test_attention_depends_on_positions_not_on_chunks(sink):
+    """The own-tile rule: every position attends the same, bit for bit, however the prompt was cut.
+
+    Chunks that start inside a tile, complete it and start the next (the slot is handed over and
+    its new tokens written after attention), whole tiles, and decode; the records are the same too.
+    """
+    gen = torch.Generator().manual_seed(3)
+    length = 300
+    k, v = (torch.randn(length, 2, 64, generator=gen).half() for _ in range(2))
+    q = torch.randn(length, 4, 64, generator=gen).half()
+    want, records = _run_chunks([length], k, v, q, sink)
+    for chunks in ([37, 100, 63, 100], [64, 64, 1, 1, 100, 70], [5] * 60, [130, 1, 1, 1, 167]):
+        got, got_records = _run_chunks(chunks, k, v, q, sink)
+        assert torch.equal(got, want), chunks
+        assert torch.equal(got_records, records), chunks
+
+
+@pytest.mark.parametrize("sink", [False, True])
+def test_prefill_split_attends_as_the_paged_path_chunk_by_chunk(sink):
+    """attend_split (pages + varlen) gives the paged path's outputs for every chunking."""
+    gen = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(300, 2, 64, generator=gen) for _ in range(2))
+    q = torch.randn(300, 4, 64, generator=gen)
+    for chunks in ([300], [37, 100, 63, 100], [130, 1, 1, 1, 167]):
+        want, _ = _run_chunks(chunks, k, v, q, sink)
+        got, _ = _run_chunks(chunks, k, v, q, sink, split=True)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("sink", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_prefill_split_attends_as_the_paged_path(sink, dtype):
-    """A prompt chunk read back whole (attend_split) gives what the paged attention gives, beside a decode row."""
+    """A prompt chunk attended through pages + varlen (attend_split) as the paged path does, beside a decode row."""
     from kvarn.config import KVarNConfig
     from kvarn.paged import PagedKV, split_prefill
 
@@ -237,19 +293,23 @@ def test_prefill_split_attends_as_the_paged_path(sink, dtype):
         step_plan = planner.plan(qsl, torch.tensor(lens), table, int(qsl[-1]))
         k, v = (torch.randn(int(qsl[-1]), hkv, 64, generator=gen).to(dtype) for _ in range(2))
         kv.store(step_plan, k, v)
+        if news[1] == 70:
+            kv.write_late_tail(step_plan, k, v)
     q = torch.randn(81, hq, 64, generator=gen).to(dtype)
     lens = torch.tensor([230, 71])
-    want = kv.attend(step_plan, q, table, lens, qsl)
+    want = kv.attend(step_plan, q, table, lens, qsl, key=k, value=v)
     split = split_prefill(qsl.numpy(), lens.numpy(), "cpu")
     assert [r[:3] for r in split.rows] == [(0, 0, 80)] and split.rest_rows.tolist() == [1]
-    got = kv.attend_split(step_plan, q, table, lens, split)
+    got = kv.attend_split(step_plan, q, table, lens, split, key=k, value=v)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     assert split_prefill(qsl.numpy(), lens.numpy(), "cpu", min_queries=81) is None
+    with pytest.raises(ValueError, match="key and value"):
+        kv.attend_split(step_plan, q, table, lens, split)
 
 
 def test_prefill_split_packs_chunks_around_a_decode_row():
-    """Two prompt chunks with a decode row between them: one varlen call, each chunk's rows back in place."""
+    """Two prompt chunks with a decode row between them: one varlen call, one sequence per query tile."""
     from kvarn.config import KVarNConfig
     from kvarn.paged import PagedKV, sdpa_varlen, split_prefill
 
@@ -265,27 +325,32 @@ def test_prefill_split_packs_chunks_around_a_decode_row():
         step_plan = planner.plan(qsl, torch.tensor(lens), table, int(qsl[-1]))
         k, v = (torch.randn(int(qsl[-1]), hkv, 64, generator=gen) for _ in range(2))
         kv.store(step_plan, k, v)
+        if news[0] == 100:
+            kv.write_late_tail(step_plan, k, v)
     q = torch.randn(int(qsl[-1]), hq, 64, generator=gen)
     lens = torch.tensor(steps[-1][1])
-    want = kv.attend(step_plan, q, table, lens, qsl)
+    want = kv.attend(step_plan, q, table, lens, qsl, key=k, value=v)
     split = split_prefill(qsl.numpy(), lens.numpy(), "cpu")
     assert [r[:3] for r in split.rows] == [(0, 0, 90), (2, 91, 221)]
     calls = []
 
-    def spy(*args):
-        calls.append([a.shape[0] for a in args[:3]] + list(args[3:5]))
-        return sdpa_varlen(*args)
+    def spy(q, chunks, scale):
+        calls.append((q.shape[0], chunks.k.shape[0], chunks.cu_q, chunks.seqused_k, chunks.block_table.tolist()))
+        return sdpa_varlen(q, chunks, scale)
 
-    got = kv.attend_split(step_plan, q, table, lens, split, varlen=spy)
-    assert calls == [[220, 384, 384, [0, 90, 220], [0, 190, 384]]]
+    got = kv.attend_split(step_plan, q, table, lens, split, varlen=spy, key=k, value=v)
+    # record pages first (request 0: tiles 0-1, request 2: tiles 0-2), then one exact page per query
+    # tile (request 0: queries 100..189 in tiles 1-2, request 2: 64..193 in tiles 1-3)
+    table_rows = [[0, 5, 0, 0], [0, 1, 6, 0], [2, 7, 0, 0], [2, 3, 8, 0], [2, 3, 4, 9]]
+    assert calls == [(220, 10, [0, 28, 90, 154, 218, 220], [128, 190, 128, 192, 194], table_rows)]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     calls.clear()
     import kvarn.paged
 
     old, kvarn.paged.PREFILL_READ_TOKENS = kvarn.paged.PREFILL_READ_TOKENS, 200  # one request per read-back
     try:
-        got = kv.attend_split(step_plan, q, table, lens, split, varlen=spy)
+        got = kv.attend_split(step_plan, q, table, lens, split, varlen=spy, key=k, value=v)
     finally:
         kvarn.paged.PREFILL_READ_TOKENS = old
-    assert calls == [[90, 190, 190, [0, 90], [0, 190]], [130, 194, 194, [0, 130], [0, 194]]]
+    assert [c[:2] for c in calls] == [(90, 4), (130, 6)]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -16,7 +16,7 @@ from kvarn.reference import (
     decode_records,
     encode_records,
     from_pool,
-    gather_sequence,
+    gather_tiles,
     paged_attention,
     pool_exponent,
     prepare,
@@ -162,11 +162,17 @@ def test_an_fp16_pool_holds_rotations_past_65504_and_attends_like_an_fp32_one(d)
 # --- attention ----------------------------------------------------------------------------------
 
 
-def _paged_setup(cfg, seq_lens, hkv, dtype, seed, sink=False):
-    """Random sequences stored in a permuted paged cache (block 0 unused), tails in the pool."""
+def _paged_setup(cfg, seq_lens, hkv, dtype, seed, sink=False, n_q=None):
+    """Random sequences in a permuted paged cache (block 0 unused) as a step with ``n_q[b]`` new tokens leaves it.
+
+    Every tile before the last token's is a record; the tile the step starts in (position
+    ``seq_len - n_q``) is in tail slot ``2 b``, the step's tokens of it included; with ``sink`` the
+    first tile is also in slot ``2 b + 1``. ``n_q`` defaults to one query per sequence (decode).
+    """
     g = torch.Generator().manual_seed(seed)
     gs, d = cfg.group_size, cfg.head_dim
-    n_tiles = [s // gs for s in seq_lens]
+    n_q = [1] * len(seq_lens) if n_q is None else n_q
+    n_tiles = [(s - 1) // gs for s in seq_lens]
     num_blocks = sum(n_tiles) + 1
     perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
     cache = torch.zeros(num_blocks, hkv, cfg.record_bytes, dtype=torch.uint8)
@@ -184,8 +190,9 @@ def _paged_setup(cfg, seq_lens, hkv, dtype, seed, sink=False):
         table[b, : n_tiles[b]] = blocks
         full = n_tiles[b] * gs
         store_tiles(k[:full].view(-1, gs, hkv, d), v[:full].view(-1, gs, hkv, d), blocks, cache, cfg)
-        rem = torch.arange(s - full)
-        write_tail(k[full:], v[full:], tail_k, tail_v, 2 * b * gs + rem, cfg)
+        head = (s - n_q[b]) // gs * gs
+        held = torch.arange(head, min(s, head + gs))
+        write_tail(k[held], v[held], tail_k, tail_v, 2 * b * gs + held - head, cfg)
         if sink and n_tiles[b]:
             write_tail(k[:gs], v[:gs], tail_k, tail_v, (2 * b + 1) * gs + torch.arange(gs), cfg)
     tail_slots = torch.arange(len(seq_lens)) * 2
@@ -207,28 +214,57 @@ def _sdpa(q, k, v, n_q):
     return out.transpose(0, 1)
 
 
+def _own_tile_keys(cache, table, b, p, kv, pool_dtype, sink, cfg):
+    """What a query at position ``p`` of sequence ``b`` sees, model frame: records before its tile, its tile exact."""
+    gs = cfg.group_size
+    own = p // gs
+    dummy = torch.zeros(1, gs, cache.shape[1], cfg.head_dim)
+    k, v = gather_tiles(cache, table[b], own, dummy, dummy, cfg)
+    if sink and own > 0:  # the sink: the exact first tile
+        k[:gs] = from_pool(prepare(kv[b][0][:gs], pool_dtype))
+        v[:gs] = from_pool(prepare(kv[b][1][:gs], pool_dtype))
+    exact_k = from_pool(prepare(kv[b][0][own * gs : p + 1], pool_dtype))
+    exact_v = from_pool(prepare(kv[b][1][own * gs : p + 1], pool_dtype))
+    return rotate(torch.cat([k, exact_k])), rotate(torch.cat([v, exact_v]))
+
+
 @pytest.mark.parametrize("preset", ["kvarn_k4v2_g64", "kvarn_k2v2_g128"])
 @pytest.mark.parametrize("sink", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_attention_equals_sdpa_over_dequantized_cache(preset, sink, dtype):
+def test_attention_follows_the_own_tile_rule(preset, sink, dtype):
+    """Each query: SDPA over the tiles before its own (records, the first from the sink) and its own tile exact.
+
+    Decode rows (tile in the slot, a full one when ``seq_len % G == 0``) and chunks that start
+    inside a tile and span tiles (the slot's tokens, then the step's ``key``/``value``) in one batch.
+    """
     cfg = _cfg(preset, 64)
     gs = cfg.group_size
-    seq_lens = [1, gs - 1, gs, gs + 1, 3 * gs + 17]
+    seq_lens = [1, gs - 1, gs, gs + 1, 3 * gs + 17, 2 * gs, 2 * gs + 5]
+    n_q = [1, 3, 1, 2, 5, gs + 9, gs + 5]  # the last two span tiles, one from inside a tile
     hq, hkv = 8, 2
-    cache, table, tk, tv, ts, ss, kv = _paged_setup(cfg, seq_lens, hkv, dtype, seed=1, sink=sink)
-    n_q = [1, 3, 1, 2, 5]  # decode and multi-query sequences in one batch
+    cache, table, tk, tv, ts, ss, kv = _paged_setup(cfg, seq_lens, hkv, dtype, seed=1, sink=sink, n_q=n_q)
     qsl = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()])
     q = torch.randn(int(qsl[-1]), hq, 64).to(dtype)
-    out = torch.full_like(q, float("nan"))
-    out[:] = paged_attention(q, cache, table, torch.tensor(seq_lens), tk, tv, ts, cfg, qsl, ss)
-    for b, s in enumerate(seq_lens):
-        k, v = gather_sequence(cache, table[b], s, tk, tv, int(ts[b]), cfg, -1 if ss is None else int(ss[b]))
-        k, v = rotate(k), rotate(v)  # back to the model frame
-        expect = _sdpa(q[qsl[b] : qsl[b + 1]], k, v, n_q[b])
-        torch.testing.assert_close(out[qsl[b] : qsl[b + 1]].float(), expect, atol=ATTENTION_VS_SDPA * 4, rtol=0.02)
-        if sink and s >= gs:  # the sink tile is the exact (rounded, rotated) first tile
-            torch.testing.assert_close(k[:gs], kv[b][0][:gs].float(), atol=0.02, rtol=0.01)
+    key = torch.cat([k[s - n :] for (k, _), s, n in zip(kv, seq_lens, n_q, strict=True)])
+    value = torch.cat([v[s - n :] for (_, v), s, n in zip(kv, seq_lens, n_q, strict=True)])
+    lens = torch.tensor(seq_lens)
+    out = paged_attention(q, cache, table, lens, tk, tv, ts, cfg, qsl, ss, key=key, value=value)
     assert not torch.isnan(out).any()
+    for b, s in enumerate(seq_lens):
+        for i in range(n_q[b]):
+            p = s - n_q[b] + i
+            k, v = _own_tile_keys(cache, table, b, p, kv, dtype, sink, cfg)
+            expect = _sdpa(q[qsl[b] + i : qsl[b] + i + 1], k, v, 1)
+            torch.testing.assert_close(out[qsl[b] + i].float(), expect[0], atol=ATTENTION_VS_SDPA * 4, rtol=0.02)
+    # one tile per sequence: the step's tokens may come from the slot instead (same values)
+    single = [b for b, (s, n) in enumerate(zip(seq_lens, n_q, strict=True)) if (s - n) // gs == (s - 1) // gs]
+    rows = torch.cat([torch.arange(int(qsl[b]), int(qsl[b + 1])) for b in single])
+    sub_qsl = torch.tensor([0, *torch.tensor([n_q[b] for b in single]).cumsum(0).tolist()])
+    sinks = None if ss is None else ss[single]
+    sub = paged_attention(q[rows], cache, table[single], lens[single], tk, tv, ts[single], cfg, sub_qsl, sinks)
+    assert torch.equal(sub, out[rows])
+    with pytest.raises(ValueError, match="span tiles"):
+        paged_attention(q, cache, table, lens, tk, tv, ts, cfg, qsl, ss)
 
 
 def test_decode_default_is_one_query_per_sequence():

@@ -204,7 +204,17 @@ class Sim:
         self.last_meta = meta
         output = torch.full((num_tokens, HQ, D), float("nan"), dtype=self.dtype)
         self.impl.forward(self.layer, query, key, value, self.kv_cache, meta, output=output)
+        self.step_kv = (key[: qsl[-1]], value[: qsl[-1]])
         self.check(order, query[: qsl[-1]], qsl_t, lens_t, table, output[: qsl[-1]])
+
+    def held(self, i, order, qsl, dtype=None):
+        """The tokens the own-tile rule reads from request ``order[i]``'s slot: its step's first tile, as prepared."""
+        req = self.reqs[order[i]]
+        start = req["len"] - int(qsl[i + 1] - qsl[i])
+        head = start // self.g * self.g
+        k = torch.stack(req["k"][head : min(req["len"], head + self.g)])
+        v = torch.stack(req["v"][head : min(req["len"], head + self.g)])
+        return reference.prepare(k, dtype), reference.prepare(v, dtype)
 
     def check(self, order, query, qsl, lens, table, output):
         cache = self.kv_cache.view(self.kv_cache.shape[0], HKV, -1)[..., : self.cfg.record_bytes]
@@ -227,10 +237,8 @@ class Sim:
                 blocks = torch.tensor(req["blocks"][:full])
                 expect[blocks] = torch.stack(req["rec"][:full])
                 assert torch.equal(cache[blocks], expect[blocks]), f"records of request {rid} differ"
-            rem = req["len"] - full * self.g
-            if rem:
-                tail_k[i, :rem] = reference.prepare(torch.stack(req["k"][full * self.g :]), self.dtype)
-                tail_v[i, :rem] = reference.prepare(torch.stack(req["v"][full * self.g :]), self.dtype)
+            k, v = self.held(i, order, qsl, self.dtype)
+            tail_k[i, : k.shape[0]], tail_v[i, : v.shape[0]] = k, v
         sinks = None
         if self.sink:  # the first tile of each request from its tokens, in full precision (pool rows B..2B-1)
             batch = len(order)
@@ -243,8 +251,10 @@ class Sim:
                     sinks[i] = batch + i
                     tail_k[batch + i] = reference.prepare(torch.stack(req["k"][: self.g]), self.dtype)
                     tail_v[batch + i] = reference.prepare(torch.stack(req["v"][: self.g]), self.dtype)
+        key, value = self.step_kv
+        slots = torch.arange(len(order))
         want = reference.paged_attention(
-            query, expect, table, lens, tail_k, tail_v, torch.arange(len(order)), self.cfg, qsl, sinks, 0.125
+            query, expect, table, lens, tail_k, tail_v, slots, self.cfg, qsl, sinks, 0.125, key, value
         )
         assert not output.isnan().any(), "the backend left output rows unwritten"
         if self.builder.prefill_split:  # prompt chunks attend by another order of arithmetic
@@ -381,12 +391,12 @@ class WideSim(Sim):
                 reference.store_tiles(
                     k[: full * self.g].view(tiles), v[: full * self.g].view(tiles), blocks, cache, self.cfg, src
                 )
-            rem = req["len"] - full * self.g
-            tail_k[i, :rem] = reference.prepare(k[full * self.g :])
-            tail_v[i, :rem] = reference.prepare(v[full * self.g :])
+            hk, hv = self.held(i, order, qsl, torch.float32)
+            tail_k[i, : hk.shape[0]], tail_v[i, : hv.shape[0]] = hk, hv
         slots = torch.arange(len(order))
+        key, value = (x.float() for x in self.step_kv)
         want = reference.paged_attention(
-            query.float(), cache, table, lens, tail_k, tail_v, slots, self.cfg, qsl, None, 0.125
+            query.float(), cache, table, lens, tail_k, tail_v, slots, self.cfg, qsl, None, 0.125, key, value
         )
         rel = float((output.float() - want).norm() / want.norm())
         assert rel < 5e-3, f"the fp16 backend is {rel:.3g} away from storing the same values in fp32"

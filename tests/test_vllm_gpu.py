@@ -139,13 +139,15 @@ def test_backend_steps_on_cuda_match_the_reference(preset, d, dtype):
         query = (torch.randn(qsl[-1], HQ, d, generator=gen) * 2).to(dtype).to(DEV)
         table, lens, qsl_t = table.to(DEV, torch.int32), lens.to(DEV, torch.int32), qsl_t.to(DEV, torch.int32)
         scale = d**-0.5
-        out = paged.attend(plan, query, table, lens, qsl_t, scale)
-        args = (query, cache, table, lens, tail_k, tail_v, plan.tail_slots, cfg, qsl_t, None, scale)
+        out = paged.attend(plan, query, table, lens, qsl_t, scale, key=k_all, value=v_all)
+        args = (query, cache, table, lens, tail_k, tail_v, plan.head_slots, cfg, qsl_t, None, scale, k_all, v_all)
         check_attention(out, args)
         split = split_prefill(qsl, lens.cpu().numpy(), DEV, min_queries=g // 2)
         for varlen in varlens if split is not None else ():
-            check_attention(paged.attend_split(plan, query, table, lens, split, scale, varlen=varlen), args)
+            got = paged.attend_split(plan, query, table, lens, split, scale, varlen, k_all, v_all)
+            check_attention(got, args)
             prefill_checks += 1
+        paged.write_late_tail(plan, k_all, v_all)
         for rid in order:
             req = reqs[rid]
             full = req["len"] // g

@@ -171,6 +171,7 @@ class KVarNLayer(CacheLayerMixin):
         self.first_chunk = True
         self.saw_kvarn_attention = False
         self.step = None  # the step of this layer's last update
+        self.pending = None  # the last step's K/V until its late tail tokens are written (finish_step)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate the pool (and the records, given ``max_cache_len``) for ``key_states: [B, Hkv, T, D]``."""
@@ -217,6 +218,7 @@ class KVarNLayer(CacheLayerMixin):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self.finish_step()
         if key_states.shape[0] != self.batch_size or key_states.shape[1] != self.num_heads:
             raise ValueError(
                 f"key_states must be [{self.batch_size}, {self.num_heads}, n, {self.cfg.head_dim}] for this "
@@ -250,30 +252,44 @@ class KVarNLayer(CacheLayerMixin):
             )
         k, v = k.to(self.store_dtype), v.to(self.store_dtype)
         kv.store(step.plan, k, v)
+        self.pending = (k, v)
         self.length = past + step.n
         if self.paged:
             _ATTENDING.set((self, key_states))
             return key_states, value_states
         if past == 0:
+            self.finish_step()
             return key_states, value_states
         hist_k, hist_v = self.history(step.before, past)
+        self.finish_step()
         return torch.cat([hist_k, key_states], dim=2), torch.cat([hist_v, value_states], dim=2)
+
+    def finish_step(self) -> None:
+        """Write the tail tokens of the last step that waited for its attention (``PagedKV.write_late_tail``)."""
+        if self.pending is not None:
+            self.kv.write_late_tail(self.step.plan, *self.pending)
+            self.pending = None
 
     def history(self, lengths: list[int] | None = None, positions: int | None = None):
         """The first ``lengths[b]`` real tokens of each row read back from the cache, right-aligned in
         ``[B, Hkv, positions, D]`` (model frame and dtype; zeros where a row has fewer tokens).
 
         Full tiles come from their records (tile 0 from the sink slot with ``sink=True``), the rest
-        from the row's tail slot. Default: every stored token.
+        from the row's tail slot. Default: every stored token (after the step); ``lengths`` the
+        step's ``before``: the tokens before it, the last partial tile from the slot the step
+        started in (the own-tile rule: the step's tokens see it in full precision).
         """
         step = self.step
+        before = lengths is not None and list(lengths) == list(step.before)
+        if lengths is None:
+            self.finish_step()
         lengths = list(step.after) if lengths is None else lengths
         positions = self.length if positions is None else positions
         g = self.cfg.group_size
-        committed = [a // g for a in step.after]  # tiles of each row with a record after the step
+        committed = [n // g for n in (lengths if before else step.after)]  # tiles read from records
         n_full = max((min(math.ceil(n / g), c) for n, c in zip(lengths, committed, strict=True)), default=0)
         tiles_k, tiles_v = self._tiles(n_full)
-        tail_k, tail_v = self.kv.read_tail(step.plan.tail_slots, g)
+        tail_k, tail_v = self.kv.read_tail(step.plan.head_slots if before else step.plan.tail_slots, g)
         out_k = key_like = torch.zeros(
             self.batch_size, positions, self.num_heads, self.cfg.head_dim, dtype=self.dtype, device=self.device
         )
@@ -309,7 +325,9 @@ class KVarNLayer(CacheLayerMixin):
         if any(a - b != n for a, b in zip(step.after, step.before, strict=True)):
             raise ValueError("KVarNCache(paged=True) attends only chunks without padding after the prompt")
         q = query.transpose(1, 2).reshape(batch * n, hq, d).to(self.store_dtype)
-        out = self.kv.attend(step.plan, q, step.block_table, step.seq_lens, step.query_start_loc, scale)
+        k, v = self.pending
+        out = self.kv.attend(step.plan, q, step.block_table, step.seq_lens, step.query_start_loc, scale, None, k, v)
+        self.finish_step()
         return out.reshape(batch, n, hq, d).to(query.dtype)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -328,6 +346,7 @@ class KVarNLayer(CacheLayerMixin):
         self.first_chunk = True
         self.saw_kvarn_attention = False
         self.step = None
+        self.pending = None
         self.is_initialized = False
 
     def reorder_rows(self, beam_idx: torch.Tensor, moves: list[tuple[int, int]]) -> None:
@@ -598,7 +617,10 @@ def kvarn_attention(
         )
     layer.saw_kvarn_attention = True
     if layer.first_chunk or not layer.quantized:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout)
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout)
+        if layer.quantized:
+            layer.finish_step()
+        return out
     return layer.attend(query, scaling), None
 
 

@@ -42,6 +42,7 @@ from kvarn.kernels._common import (
 from kvarn.kernels.attention_decode import _attn_kernel
 from kvarn.kernels.attention_epilogue import _epilogue_kernel
 from kvarn.kernels.attention_prologue import _prologue_kernel
+from kvarn.kernels.store import write_tail
 
 MIN_DOT_ROWS = 16
 """``tl.dot`` needs at least 16 rows: blocks of (query, head) rows are padded up to it."""
@@ -258,7 +259,7 @@ def fold_offsets_default(cfg: KVarNConfig, tokens_m: bool) -> bool:
     return tokens_m and cfg.head_dim == 128
 
 
-def _check_args(query, cache, block_table, seq_lens, tail_k, tail_v, cfg, query_start_loc) -> None:
+def _check_args(query, cache, block_table, seq_lens, tail_k, tail_v, cfg, query_start_loc, kv=(None, None)) -> None:
     check_dtype("query", query)
     check_cache(cache, cfg)
     check_dtype("tail_k", tail_k)
@@ -285,6 +286,55 @@ def _check_args(query, cache, block_table, seq_lens, tail_k, tail_v, cfg, query_
         raise ValueError(f"query_start_loc must be [B + 1] = [{batch + 1}], got {tuple(query_start_loc.shape)}")
     if block_table.dim() != 2 or block_table.shape[0] < batch or block_table.stride(-1) != 1:
         raise ValueError(f"block_table must be [B, max_blocks] with unit last stride, got {tuple(block_table.shape)}")
+    _check_kv(*kv, query, cache)
+
+
+def _check_kv(key, value, query, cache) -> None:
+    """``key, value``: both ``None``, or both ``[Nq, Hkv, D]`` in fp16/bf16."""
+    if key is None and value is None:
+        return
+    if key is None or value is None:
+        raise ValueError("key and value come together")
+    check_dtype("key", key)
+    want = (query.shape[0], cache.shape[1], query.shape[2])
+    if key.shape != want or value.shape != want or value.dtype != key.dtype:
+        raise ValueError(f"key and value must both be {list(want)} of one dtype, got {tuple(key.shape)}")
+
+
+def _step_kv(key, value, qsl, seq_lens, tail_k, cfg: KVarNConfig, empty: Callable):
+    """Where a launch reads the step's own tokens: ``(key, value)`` in the pool form, or ``None`` (the tail slot).
+
+    Only a multi-query launch (``qsl`` given) reads ``key, value``: :func:`~kvarn.kernels.store.write_tail`
+    takes them into a scratch pool of ``tail_k``'s dtype (one more launch), contiguous ``[Nq, Hkv, D]``
+    rows. Without them the step's tokens come from the tail slot, which holds them only where each
+    sequence's queries lie in one tile: a ``ValueError`` otherwise (a check that reads ``seq_lens``
+    back to the host, skipped during graph capture). Decode gives ``None``.
+    """
+    if qsl is None:
+        return None
+    if key is None:
+        _check_one_tile(seq_lens, qsl, cfg.group_size)
+        return None
+    nq, hkv, d = key.shape
+    g = cfg.group_size
+    k = empty(cdiv(nq, g), g, hkv, d, dtype=tail_k.dtype, device=key.device)
+    v = empty(cdiv(nq, g), g, hkv, d, dtype=tail_k.dtype, device=key.device)
+    write_tail(key, value, k, v, torch.arange(nq, dtype=torch.int32, device=key.device), cfg)
+    return k, v
+
+
+def _check_one_tile(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, g: int) -> None:
+    """Raise where a sequence's queries span tiles (they need the step's ``key, value``); not while capturing."""
+    if seq_lens.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return
+    n = (query_start_loc[1:] - query_start_loc[:-1]).to(seq_lens.device)
+    first, last = (seq_lens - n) // g, (seq_lens - 1) // g
+    span = (n > 0) & (first != last)
+    if bool(span.any()):
+        b = int(span.nonzero()[0, 0])
+        raise ValueError(
+            f"sequence {b}'s queries span tiles {int(first[b])}..{int(last[b])}: pass the step's key and value"
+        )
 
 
 def _as_int32(t: torch.Tensor) -> torch.Tensor:
@@ -373,6 +423,8 @@ def paged_attention(
     query_start_loc: torch.Tensor | None = None,
     sink_slots: torch.Tensor | None = None,
     scale: float | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
     num_warps: int = ATTN_NUM_WARPS,
@@ -391,7 +443,9 @@ def paged_attention(
     Same contract as :func:`kvarn.reference.paged_attention`: ``cache: [num_blocks, Hkv, record_bytes]``,
     ``block_table: [B, max_blocks]``, ``seq_lens: [B]``, ``tail_k, tail_v: [num_slots, G, Hkv, D]``,
     ``tail_slots: [B]``, ``query_start_loc: [B + 1]`` or ``None`` (one query per sequence),
-    ``sink_slots: [B]`` or ``None``, ``scale`` default ``1 / sqrt(D)``.
+    ``sink_slots: [B]`` or ``None``, ``scale`` default ``1 / sqrt(D)``, ``key, value: [Nq, Hkv, D]``
+    or ``None``, the own-tile rule. A decode launch (one query per sequence) reads the step's token
+    from the tail slot (written there before attention) and ignores ``key, value``; see :func:`_step_kv`.
 
     Knobs (keyword only): ``num_splits`` forces the split-K factor (default :func:`default_splits`);
     ``num_warps``, ``num_stages`` launch the attention kernel; ``fuse_query`` forces where the
@@ -404,10 +458,10 @@ def paged_attention(
     ``fold_offsets`` unpacks the codes with one shift per code word and no subtraction
     (:func:`~kvarn.kernels.attention_tiles._unpack_raw`) and takes their offsets out of the
     zero-point terms instead (default :func:`fold_offsets_default`; ``False`` is the per-field
-    shift-mask-subtract unpack); ``empty``
-    allocates the output and the workspaces (``torch.empty``'s signature; tests pass one that fills with NaN);
-    ``out`` (``[Nq, Hq, D]`` in ``query.dtype``, unit last stride, e.g. a view of the caller's buffer)
-    receives the result instead of a new tensor and is returned (no copy launch after the kernel).
+    shift-mask-subtract unpack); ``empty`` allocates the output and the workspaces (``torch.empty``'s
+    signature; tests pass one that fills with NaN); ``out`` (``[Nq, Hq, D]`` in ``query.dtype``, unit
+    last stride, e.g. a view of the caller's buffer) receives the result instead of a new tensor and
+    is returned (no copy launch after the kernel).
 
     A ``smooth_keys`` config with per-tile vectors rotates each record tile's smoothed queries in
     the attention kernel itself: it needs ``fuse_query`` and ``tokens_m`` left at their defaults
@@ -415,14 +469,8 @@ def paged_attention(
     sequence (``smooth_scope="sequence"``) the queries are smoothed once per program and every
     variant runs as for an unsmoothed config.
     """
-    _check_args(query, cache, block_table, seq_lens, tail_k, tail_v, cfg, query_start_loc)
-    if cfg.smooth_keys and not cfg.seq_smooth:
-        if fuse_query is False or tokens_m:
-            raise ValueError(
-                "smooth_keys records need the queries rotated per tile in the attention kernel: "
-                f"fuse_query=False and tokens_m=True are not implemented for them (got {fuse_query=}, {tokens_m=})"
-            )
-        fuse_query, tokens_m = True, False
+    _check_args(query, cache, block_table, seq_lens, tail_k, tail_v, cfg, query_start_loc, (key, value))
+    fuse_query, tokens_m = _per_tile_smooth_knobs(cfg, fuse_query, tokens_m)
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
     nq, hq, d = query.shape
@@ -436,6 +484,7 @@ def paged_attention(
     seq_lens, query_start_loc = index_list(seq_lens), index_list(query_start_loc)
     if nq == 0:
         return torch.empty_like(query) if out is None else out
+    step = _step_kv(key, value, query_start_loc, seq_lens, tail_k, cfg, empty)
     dev = query.device
     gqp = next_pow2(hq // hkv)
     block_q = max(1, MIN_DOT_ROWS // gqp) if multi_q else 1
@@ -462,13 +511,12 @@ def paged_attention(
     final = (empty(nq, hq, d, dtype=query.dtype, device=dev) if out is None else out) if merge else part
     grid = (n_blocks, hkv, splits)
     slots = _as_int32(tail_slots)  # a no-op for int32 lists: no cast launch per call
-    pool = (tail_k, tail_v, slots, slots if sink_slots is None else _as_int32(sink_slots))
+    pool = (tail_k, tail_v, slots, slots if sink_slots is None else _as_int32(sink_slots), *(step or (tail_k, tail_v)))
     ws = (part, ws_m, ws_l, final, part if counters is None else counters)
     flags = (splits > 1, merge, cfg.rotate, query.dtype == torch.bfloat16, inv_sqrt(d))
     launch = {"num_warps": num_warps, "num_stages": num_stages, "FUSED_Q": fused_q, "FACTOR": _query_factor(cfg, scale)}
-    launch["SMOOTH_Q"] = smooth_q
-    launch["LATE_Q"] = smooth_q or (cfg.seq_smooth and fused_q)
-    launch["HAS_SINK"] = sink_slots is not None
+    launch.update(SMOOTH_Q=smooth_q, LATE_Q=smooth_q or (cfg.seq_smooth and fused_q))
+    launch.update(HAS_SINK=sink_slots is not None, HAS_KV=step is not None)
     launch["PAIR"] = pair_tiles_default(cfg) if pair_tiles is None else pair_tiles
     if tokens_m is None:
         tokens_m = tokens_m_default(cfg, multi_q, n_blocks * hkv * splits, dev)
@@ -480,6 +528,18 @@ def paged_attention(
     if merge:
         return final
     return _launch_epilogue(part, ws_m, ws_l, splits, hq, query.dtype, cfg, empty, out)
+
+
+def _per_tile_smooth_knobs(cfg: KVarNConfig, fuse_query, tokens_m) -> tuple:
+    """``(fuse_query, tokens_m)`` as launched: per-tile smoothed records take ``(True, False)`` and refuse others."""
+    if not cfg.smooth_keys or cfg.seq_smooth:
+        return fuse_query, tokens_m
+    if fuse_query is False or tokens_m:
+        raise ValueError(
+            "smooth_keys records need the queries rotated per tile in the attention kernel: "
+            f"fuse_query=False and tokens_m=True are not implemented for them (got {fuse_query=}, {tokens_m=})"
+        )
+    return True, False
 
 
 def _workspaces(merge: bool, splits: int, shape, dev, empty: Callable) -> tuple[torch.Tensor, ...]:
@@ -516,7 +576,7 @@ def _launch_attention(grid, qs, query, cache, block_table, seq_lens, qsl, pool, 
     gqp = next_pow2(gqa)
     multi_q = qsl is not None
     block_q = max(1, MIN_DOT_ROWS // gqp) if multi_q else 1
-    tail_k, tail_v, tail_slots, sinks = pool
+    tail_k, tail_v, tail_slots, sinks, key, value = pool
     part, ws_m, ws_l, final, counters = ws
     _attn_kernel[grid](
         q,
@@ -529,6 +589,8 @@ def _launch_attention(grid, qs, query, cache, block_table, seq_lens, qsl, pool, 
         tail_slots,
         sinks,
         qsl if multi_q else seq_lens,
+        key,
+        value,
         part,
         ws_m,
         ws_l,

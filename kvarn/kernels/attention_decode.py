@@ -2,10 +2,12 @@
 
 A program serves ``BLOCK_Q`` queries x all ``Hq / Hkv`` query heads of one KV head (the rows of
 its ``[BLOCK_M, ...]`` blocks), so each tile is read from memory once per KV head. It walks its
-split's share of the sequence's tiles: quantized tiles first (:mod:`kvarn.kernels.attention_tiles`),
-then the full-precision sink and tail tiles, and ends in :mod:`kvarn.kernels.attention_merge`:
-the output itself (one split, or the last split of its rows to finish merges them all), or its
-split's partial for the epilogue kernel. The launcher is :mod:`kvarn.kernels.attention`.
+split's share of the sequence's tiles under the own-tile rule (:mod:`kvarn.reference.attention`):
+quantized tiles first (:mod:`kvarn.kernels.attention_tiles`), those before each row's own tile,
+then the full-precision sink and the own tile (tail slot, and the step's K/V for a multi-query
+block), and ends in :mod:`kvarn.kernels.attention_merge`: the output itself (one split, or the
+last split of its rows to finish merges them all), or its split's partial for the epilogue
+kernel. The launcher is :mod:`kvarn.kernels.attention`.
 
 Each query row is divided by a power of two so ``|q| < 1``; the range guard keeps every row
 parameter under ``2^15``, so ``q * k_scale`` and ``p * v_scale`` fit fp16 without a per-tile scale.
@@ -33,6 +35,7 @@ from kvarn.kernels._common import NEG_BIG, fp8e4m3_to_f32, frexp_exponent, hadam
 from kvarn.kernels.attention_merge import _finish, _unrotate
 from kvarn.kernels.attention_tiles import (
     _causal,
+    _fp_rows,
     _fp_tile,
     _split_fields,
     _tile_scores,
@@ -404,19 +407,38 @@ def _split_units(
     BLOCK_Q: tl.constexpr,
     MULTI_Q: tl.constexpr,
     HAS_SINK: tl.constexpr,
+    HAS_KV: tl.constexpr,
 ):
-    """What split ``split`` of sequence ``seq`` reads: ``(n_full, rem, u0, u1, qt0, sink_slot, has_sink)``.
+    """What split ``split`` of sequence ``seq`` reads: ``(n_full, own, u0, u1, qt0, sink_slot, has_sink)``.
 
-    ``n_full`` quantized tiles, then ``rem`` tail tokens; the split's units (tiles, the tail last)
-    are ``u0 .. u1 - 1`` (a multi-query block stops at the unit of its last query), its records
-    from ``qt0``; with ``has_sink`` tile 0 is read from pool slot ``sink_slot`` instead of its record.
+    The program's units are ``n_full`` record tiles, then one full-precision unit (the own tile,
+    :func:`_fp_tiles`) ``own = (n_slot, fp0, j0, n_step)``: ``n_slot`` tail slot tokens at
+    positions ``fp0 ..`` and, with ``HAS_KV``, ``n_step`` of the step's tokens at positions
+    ``j0 ..``. Decode: ``(seq_len - 1) // G`` records and the other ``1 .. G`` tokens from the
+    slot. A multi-query block: the records before the tile of its last query, the own-tile unit
+    from the tile of its first query on, the step's tokens (``HAS_KV``) or the slot's (the
+    sequence's queries in one tile) up to its last query. The split's units are
+    ``u0 .. u1 - 1``, its records from ``qt0``; with ``has_sink`` tile 0 is read from pool slot
+    ``sink_slot`` instead of its record.
     """
-    n_full = seq_len // G
-    rem = seq_len % G
-    n_units = n_full + (rem > 0).to(tl.int32)
     if MULTI_Q:
-        last_pos = seq_len - n_q + tl.minimum(n_q, q_first + BLOCK_Q) - 1
-        n_units = tl.minimum(n_units, last_pos // G + 1)
+        first = seq_len - n_q  # the step's first position
+        p_last = first + tl.minimum(n_q, q_first + BLOCK_Q) - 1
+        n_full = p_last // G
+        fp0 = (first + q_first) // G * G
+        if HAS_KV:
+            n_slot = tl.maximum(first - fp0, 0)
+        else:
+            n_slot = p_last + 1 - fp0
+        j0 = tl.maximum(first, fp0)
+        n_units = n_full + 1
+    else:
+        n_full = (seq_len - 1) // G  # Triton's // and % truncate: an empty sequence reads nothing
+        n_slot = (seq_len - 1) % G + 1  # of the forms timed on the H200, the one as fast as before
+        fp0 = n_full * G
+        j0 = seq_len
+        p_last = seq_len - 1
+        n_units = n_full + (n_slot > 0).to(tl.int32)
     per = tl.cdiv(n_units, num_splits)
     u0 = split * per
     u1 = tl.minimum(u0 + per, n_units)
@@ -428,7 +450,7 @@ def _split_units(
     qt0 = u0
     if has_sink & (u0 == 0):
         qt0 = 1
-    return n_full, rem, u0, u1, qt0, sink_slot, has_sink
+    return n_full, (n_slot, fp0, j0, p_last + 1 - j0), u0, u1, qt0, sink_slot, has_sink
 
 
 @triton.jit
@@ -493,28 +515,47 @@ def _fp_tiles(
     FUSED_Q: tl.constexpr,
     POOL_BF16: tl.constexpr,
     LATE_Q: tl.constexpr,
+    MULTI_Q: tl.constexpr,
+    HAS_KV: tl.constexpr,
 ):
-    """The full-precision units of a split, the sink (tile 0) and the tail, into ``state = (m, l, acc)``.
+    """The full-precision units of a split, the sink (tile 0) and the own tile, into ``state = (m, l, acc)``.
 
-    ``src = (q_base, row_ok, pool)``, ``units = (sink_here, sink_slot, tail_here, tail slot pointer,
-    rem, first tail position, pos_q)``. Scored with the unsmoothed ``query``, or with ``LATE_Q``
-    with the unsmoothed queries loaded here from ``q_base`` (``query`` is then not read).
+    ``src = (q_base, row_ok, pool, step)``, ``units = (sink_here, sink_slot, own_here, tail slot
+    pointer, own, pos_q, lo_q)`` with ``own`` from :func:`_split_units` and ``lo_q`` each row's
+    own-tile start; ``step = (key, value, row)``: the step's pool-form K/V ``[rows, Hkv, D]`` and
+    the row of position ``j0`` (read with ``HAS_KV``). A multi-query row sees the sink below
+    ``lo_q`` and the own-tile unit from ``lo_q`` to its position. Scored with the unsmoothed
+    ``query``, or with ``LATE_Q`` with the unsmoothed queries loaded here from ``q_base`` (``query``
+    is then not read).
     """
-    m_i, l_i, acc = state
-    q_base, row_ok, pool = src
-    sink_here, sink_slot, tail_here, tail_slot_ptr, rem, tail_pos, pos_q = units
-    if sink_here | tail_here:
+    q_base, row_ok, pool, step = src
+    sink_here, sink_slot, own_here, tail_slot_ptr, own, pos_q, lo_q = units
+    n_slot, fp0, j0, n_step = own
+    if sink_here | own_here:
         if LATE_Q:
             q_use = _load_query(q_base, row_ok, LAYOUT, ROTATE, IN_BF16, FACTOR, FUSED_Q)
         else:
             q_use = query
         q_full = _query_rows(q_use, LAYOUT)  # [BLOCK_M, D]
         if sink_here:
-            m_i, l_i, acc = _fp_tile(q_full, m_i, l_i, acc, pool, sink_slot, LAYOUT.G, 0, pos_q, POOL_BF16)
-        if tail_here:
+            if MULTI_Q:
+                state = _fp_tile(q_full, state, pool, sink_slot, LAYOUT.G, 0, lo_q - 1, POOL_BF16)
+            else:
+                state = _fp_tile(q_full, state, pool, sink_slot, LAYOUT.G, 0, pos_q, POOL_BF16)
+        if own_here:
             slot = tl.load(tail_slot_ptr)
-            m_i, l_i, acc = _fp_tile(q_full, m_i, l_i, acc, pool, slot, rem, tail_pos, pos_q, POOL_BF16)
-    return m_i, l_i, acc
+            if MULTI_Q:
+                state = _fp_tile(q_full, state, pool, slot, n_slot, fp0, pos_q, POOL_BF16, lo_q)
+                if HAS_KV:
+                    key, value, row = step
+                    D: tl.constexpr = LAYOUT.D
+                    kvh = pool[5]
+                    stride = tl.num_programs(1) * D  # [rows, Hkv, D] contiguous
+                    off = row.to(tl.int64) * stride + kvh * D
+                    state = _fp_rows(q_full, state, key, value, off, stride, n_step, j0, pos_q, lo_q, POOL_BF16)
+            else:
+                state = _fp_tile(q_full, state, pool, slot, n_slot, fp0, pos_q, POOL_BF16)
+    return state
 
 
 @triton.jit
@@ -529,6 +570,8 @@ def _attn_kernel(
     tail_slots,
     sink_slots,
     query_start_loc,
+    key,
+    value,
     part,
     ws_m,
     ws_l,
@@ -567,6 +610,7 @@ def _attn_kernel(
     FLAGS: tl.constexpr,
     SMOOTH_Q: tl.constexpr = False,
     LATE_Q: tl.constexpr = False,
+    HAS_KV: tl.constexpr = False,
 ):
     """Grid ``(query blocks, Hkv, num_splits)``; see :func:`kvarn.kernels.attention_merge._finish` for what it writes.
 
@@ -581,6 +625,9 @@ def _attn_kernel(
     for the records (smoothed with the sequence's vector), laid out as ``q``; else the program
     smooths its own (:func:`_sequence_query`). ``LATE_Q`` (``SMOOTH_Q``, or ``SEQ_SMOOTH`` with
     ``FUSED_Q``): the unsmoothed queries are loaded only after the tile loop, for the sink and tail.
+    ``HAS_KV`` (multi-query only): ``key, value: [Nq, Hkv, D]`` hold the step's own K/V in the pool
+    form (contiguous, rows as ``q``'s), read for the own-tile positions from the step's first on;
+    else those are read from the tail slot too (:func:`_split_units`).
     """
     G: tl.constexpr = LAYOUT.G
     ROTATE: tl.constexpr = FLAGS[2]
@@ -601,26 +648,27 @@ def _attn_kernel(
         pos_q = seq_len - n_q + q_local  # [BLOCK_M]
         q_base = q + q_row[:, None] * s_iq + head[:, None] * s_iqh  # [BLOCK_M, 1]
 
-        n_full, rem, u0, u1, qt0, sink_slot, has_sink = _split_units(
-            seq, seq_len, n_q, q_first, split, num_splits, sink_slots, G, BLOCK_Q, MULTI_Q, HAS_SINK
+        n_full, own, u0, u1, qt0, sink_slot, has_sink = _split_units(
+            seq, seq_len, n_q, q_first, split, num_splits, sink_slots, G, BLOCK_Q, MULTI_Q, HAS_SINK, HAS_KV
         )
+        lo_q = pos_q // G * G if MULTI_Q else pos_q  # each row's own tile: records (and the sink) before it only
         bt_row = block_table + seq.to(tl.int64) * s_bt
         records = (cache, s_cb, s_ch, kvh)
         qt1 = tl.minimum(u1, n_full)
-        walk = (records, bt_row, qt0, qt1, pos_q)
+        walk = (records, bt_row, qt0, qt1, lo_q - 1)
         qs_base = q_smooth + q_row[:, None] * s_iq + head[:, None] * s_iqh
         query, rec_query = _records_query(
             q_base, qs_base, row_ok, walk, n_full, LAYOUT, ROTATE, IN_BF16, FACTOR, FUSED_Q, SMOOTH_Q, LATE_Q
         )
-        m_i, l_i, acc = _record_tiles(
+        state = _record_tiles(
             rec_query, walk, q_base, row_ok, LAYOUT, MULTI_Q, USE_ASM, PAIR, TOKENS_M, FUSED_Q, IN_BF16, FACTOR, FOLD
         )
         pool = (tail_k, tail_v, p_slot, p_tok, p_head, kvh)
-        tail_here = (rem > 0) & (u0 <= n_full) & (n_full < u1)
-        units = (has_sink & (u0 == 0), sink_slot, tail_here, tail_slots + seq, rem, n_full * G, pos_q)
-        src = (q_base, row_ok, pool)
+        own_here = (own[0] + own[3] > 0) & (u0 <= n_full) & (n_full < u1)
+        units = (has_sink & (u0 == 0), sink_slot, own_here, tail_slots + seq, own, pos_q, lo_q)
+        src = (q_base, row_ok, pool, (key, value, q_start + own[2] - (seq_len - n_q)))
         m_i, l_i, acc = _fp_tiles(
-            (m_i, l_i, acc), query, src, units, LAYOUT, ROTATE, IN_BF16, FACTOR, FUSED_Q, POOL_BF16, LATE_Q
+            state, query, src, units, LAYOUT, ROTATE, IN_BF16, FACTOR, FUSED_Q, POOL_BF16, LATE_Q, MULTI_Q, HAS_KV
         )
 
         R: tl.constexpr = BLOCK_Q * GQP  # the program's distinct rows

@@ -7,7 +7,7 @@ paged cache, :mod:`attention` attends over it.
 """
 
 from kvarn.reference.attention import attend, paged_attention
-from kvarn.reference.cache import commit_tiles, gather_sequence, store_tiles, write_tail
+from kvarn.reference.cache import commit_tiles, gather_tiles, store_tiles, write_tail
 from kvarn.reference.dequant import dequantize_rows
 from kvarn.reference.hadamard import hadamard_matrix, rotate
 from kvarn.reference.normalize import imbalance, sinkhorn
@@ -48,7 +48,7 @@ __all__ = [
     "encode_half",
     "encode_records",
     "from_pool",
-    "gather_sequence",
+    "gather_tiles",
     "hadamard_matrix",
     "imbalance",
     "input_exponent",

@@ -142,31 +142,25 @@ def _encode_into(
     cache[ids] = encode_records(k, v, cfg, s)
 
 
-def gather_sequence(
+def gather_tiles(
     cache: torch.Tensor,
     block_ids: torch.Tensor,
-    seq_len: int,
+    n_tiles: int,
     tail_k: torch.Tensor,
     tail_v: torch.Tensor,
-    tail_slot: int,
     cfg: KVarNConfig,
     sink_slot: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The K and V one sequence attends over: ``[seq_len, Hkv, D]`` fp32 in the rotated frame.
+    """A sequence's first ``n_tiles`` tiles as attention reads them: ``[n_tiles * G, Hkv, D]`` fp32, rotated frame.
 
-    Full tiles come from ``cache[block_ids[:seq_len // G]]``, dequantized; the ``seq_len % G``
-    tokens after them from tail slot ``tail_slot``. With ``sink_slot >= 0`` the first tile is read
-    from that slot in full precision instead of its record.
+    Dequantized from ``cache[block_ids[:n_tiles]]``; with ``sink_slot >= 0`` the first tile is read
+    from that pool slot in full precision instead of its record.
     """
     g = cfg.group_size
-    n_full, rem = divmod(int(seq_len), g)
-    k, v = decode_records(cache[block_ids[:n_full].long()], cfg)  # [n, Hkv, G, D]
-    k = k.transpose(1, 2).reshape(n_full * g, *k.shape[1:2], cfg.head_dim)
-    v = v.transpose(1, 2).reshape(n_full * g, *v.shape[1:2], cfg.head_dim)
-    if sink_slot >= 0 and n_full > 0:
+    k, v = decode_records(cache[block_ids[:n_tiles].long()], cfg)  # [n, Hkv, G, D]
+    k = k.transpose(1, 2).reshape(n_tiles * g, *k.shape[1:2], cfg.head_dim)
+    v = v.transpose(1, 2).reshape(n_tiles * g, *v.shape[1:2], cfg.head_dim)
+    if sink_slot >= 0 and n_tiles > 0:
         k[:g] = from_pool(tail_k[sink_slot])
         v[:g] = from_pool(tail_v[sink_slot])
-    if rem:
-        k = torch.cat([k, from_pool(tail_k[tail_slot, :rem])])
-        v = torch.cat([v, from_pool(tail_v[tail_slot, :rem])])
     return k, v

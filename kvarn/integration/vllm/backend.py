@@ -540,6 +540,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             plan,
             tail_slot_mapping=buf.mapping[:batch],
             tail_slots=buf.tail_slots[:batch],
+            head_slots=buf.tail_slots[:batch],  # one slot per request: the step's tile is in it
             commit_slots=buf.commit_slots[:nc],
             commit_blocks=buf.commit_blocks[:nc],
             commit_first=buf.commit_first[:nc],
@@ -574,16 +575,20 @@ def flash_varlen() -> VarlenAttention | None:
                 version = fa_utils.get_flash_attn_version()
                 kernel = fa_utils.flash_attn_varlen_func
 
-                def fn(q, k, v, cu_q, cu_k, scale):
+                def fn(q, chunks, scale):
                     dev = q.device
+                    staged = torch.tensor([*chunks.cu_q, *chunks.seqused_k], dtype=torch.int32)
+                    staged = staged.pin_memory().to(dev, non_blocking=True)
+                    cu_q, used = staged.split([len(chunks.cu_q), len(chunks.seqused_k)])
                     return kernel(
                         q,
-                        k,
-                        v,
-                        max_seqlen_q=max(b - a for a, b in itertools.pairwise(cu_q)),
-                        cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32).to(dev, non_blocking=True),
-                        max_seqlen_k=max(b - a for a, b in itertools.pairwise(cu_k)),
-                        cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32).to(dev, non_blocking=True),
+                        chunks.k,
+                        chunks.v,
+                        max_seqlen_q=max(b - a for a, b in itertools.pairwise(chunks.cu_q)),
+                        cu_seqlens_q=cu_q,
+                        max_seqlen_k=max(chunks.seqused_k),
+                        seqused_k=used,
+                        block_table=chunks.block_table,
                         softmax_scale=scale,
                         causal=True,
                         **({} if version is None else {"fa_version": version}),
@@ -700,10 +705,11 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Store this step's K/V, then attend over the records, the tail and the tokens just stored.
+        """Store this step's K/V, attend (the own-tile rule), then write a handed-over slot's new tile.
 
         The store runs here, inside vLLM's attention op, rather than in ``do_kv_cache_update``, so
-        a tile completed in this step is quantized before this step's attention reads it.
+        a tile completed in this step is quantized before this step's attention and a slot handed
+        to the next tile (:meth:`kvarn.paged.PagedKV.write_late_tail`) is written only after it.
         """
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported by the KVarN backend")
@@ -722,30 +728,38 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
             plan = meta.graph_plan
         tail_k, tail_v = self._pool(layer, meta.num_slots, query.dtype, query.device)
         paged = PagedKV(self.cfg, self._records(kv_cache), tail_k, tail_v, num_sink_slots=self.num_sink_slots)
-        if kv_cache.numel() and key is not None and value is not None:
+        k = v = None
+        if key is not None and value is not None:
             k = key[:n].view(n, self.num_kv_heads, self.head_size)
             v = value[:n].view(n, self.num_kv_heads, self.head_size)
+        stored = kv_cache.numel() and k is not None
+        if stored:
             paged.write_tail(plan, k, v)
             if capturing:
                 with _captured_if(meta.commit_flag):
                     paged.commit(plan)
             else:
                 paged.commit(plan)
-            paged.write_late_tail(plan, k, v)
             paged.store_whole(plan, k, v)
         q = query[:n].view(n, self.num_heads, self.head_size)
         if meta.prefill is not None and not capturing:
             out = paged.attend_split(
-                plan, q, meta.block_table, meta.seq_lens, meta.prefill, self.scale, varlen=self._varlen(q.dtype)
+                plan, q, meta.block_table, meta.seq_lens, meta.prefill, self.scale, self._varlen(q.dtype), k, v
             )
-        else:
-            qsl = None if meta.decode else meta.query_start_loc
+            output[:n] = out.view(output[:n].shape)
+        elif meta.decode:  # one token per request: its tile, the token included, is in its slot
             # the kernel writes vLLM's buffer: no copy launch per layer
             dst = output[:n].view(q.shape) if output.dtype == q.dtype else None
-            out = paged.attend(plan, q, meta.block_table, meta.seq_lens, qsl, self.scale, out=dst)
-            if dst is not None:
-                return output
-        output[:n] = out.view(output[:n].shape)
+            out = paged.attend(plan, q, meta.block_table, meta.seq_lens, None, self.scale, out=dst)
+            if dst is None:
+                output[:n] = out.view(output[:n].shape)
+        else:
+            dst = output[:n].view(q.shape) if output.dtype == q.dtype else None
+            out = paged.attend(plan, q, meta.block_table, meta.seq_lens, meta.query_start_loc, self.scale, dst, k, v)
+            if dst is None:
+                output[:n] = out.view(output[:n].shape)
+        if stored:
+            paged.write_late_tail(plan, k, v)
         return output
 
 
