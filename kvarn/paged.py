@@ -25,16 +25,16 @@ that finishes or is preempted frees the block, and the next owner of that block 
 tile at offset 0 (prefix hits land on tile boundaries), overwriting the slot before reading it.
 
 A request holds at most one slot: a chunk that completes the request's tile and starts the next
-one hands the slot to the new tile, whose tokens are written after the commit
-(``late_tail_slot_mapping``). A slot is released when its tile commits, when the integration
-reports that its request left (:meth:`TilePlanner.release_blocks`: vLLM's finished and
-preempted requests), when its block id shows up as a full tile of any scheduled request (the
-block was recycled), and, when the pool runs dry, least recently used first among the slots
-this step does not touch. With the departures reported, the live slots never outnumber the
-requests that can run, so a pool of ``max_num_seqs`` slots never runs dry. A request that
-continues a tile whose slot is gone raises :class:`TailLostError` instead of attending over
-garbage; that needs more partial tiles than ``num_slots`` outstanding at once, which only
-unreported departures allow.
+one hands the slot to the new tile, whose tokens are written after the step's attention
+(``late_tail_slot_mapping``: attention still reads the completed tile from the slot). A slot is
+released when its tile commits, when the integration reports that its request left
+(:meth:`TilePlanner.release_blocks`: vLLM's finished and preempted requests), when its block id
+shows up as a full tile of any scheduled request (the block was recycled), and, when the pool runs
+dry, least recently used first among the slots this step does not touch. With the departures
+reported, the live slots never outnumber the requests that can run, so a pool of ``max_num_seqs``
+slots never runs dry. A request that continues a tile whose slot is gone raises
+:class:`TailLostError` instead of attending over garbage; that needs more partial tiles than
+``num_slots`` outstanding at once, which only unreported departures allow.
 
 A caller that gives every live request a stable index (vLLM's GPU model runner) plans with
 :func:`plan_request_slots` instead: the request's slot is its index, nothing is claimed or
@@ -369,7 +369,7 @@ class TilePlanner:
                 target = mapping
                 if committing is not None and block not in self._slot_of:
                     # the chunk completed the request's previous tile and starts this one: the slot
-                    # passes to this tile, written after the commit (one slot per request at most)
+                    # passes to this tile, written after attention (one slot per request at most)
                     slot, target = committing, late_mapping
                     del self._slot_of[self._block_of[slot]]
                     self._slot_of[block] = slot
@@ -462,6 +462,8 @@ class PagedKV:
     tail_v: torch.Tensor
     num_sink_slots: int = 0
     impl: str = "auto"
+    late_pending: TilePlan | None = field(default=None, repr=False)
+    """A plan :meth:`store` carried out whose late tail tokens :meth:`write_late_tail` has not written yet."""
 
     @classmethod
     def allocate(
@@ -528,11 +530,19 @@ class PagedKV:
 
         Tail (and sink) tokens first, then the tiles they complete, then the step's whole tiles:
         :meth:`write_tail`, :meth:`commit`, :meth:`store_whole`. The tokens of a tile that the step
-        starts in a slot it takes over (:meth:`write_late_tail`) go in after the step's attention.
+        starts in a slot it takes over (:meth:`write_late_tail`) go in after the step's attention;
+        the next :meth:`store` raises if they were not written.
         """
+        if self.late_pending is not None:
+            raise RuntimeError(
+                "PagedKV.store: the previous step's late tail tokens were never written; call "
+                "write_late_tail(plan, k, v) after each step's attention"
+            )
         self.write_tail(plan, k, v)
         self.commit(plan)
         self.store_whole(plan, k, v)
+        if plan.late_tail_slot_mapping is not None:
+            self.late_pending = plan
 
     def write_tail(self, plan: TilePlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """The plan's tail (and sink) tokens of ``k, v: [T, Hkv, D]`` into the pool (negative entries skip)."""
@@ -551,6 +561,8 @@ class PagedKV:
         """
         if plan.late_tail_slot_mapping is not None:
             ops.write_tail(k, v, self.tail_k, self.tail_v, plan.late_tail_slot_mapping, self.cfg, impl=self.impl)
+        if self.late_pending is plan:
+            self.late_pending = None
 
     def _first_blocks(self, first: torch.Tensor | None) -> torch.Tensor | None:
         """``smooth_src`` for the store ops: the plan's first blocks for per-sequence smoothing, else None."""
@@ -662,7 +674,8 @@ class PagedKV:
         for page, x in zip(pages, (key, value), strict=True):
             new = ops.from_pool(ops.prepare(x[ix["tokens"]], self.tail_k.dtype, cfg.rotate, impl=self.impl))
             page.view(-1, heads, d).index_copy_(0, ix["token_dst"], model_frame(new).to(dtype))
-        return PagedChunks(pages[0], pages[1], layout.cu_q, layout.seqused_k, ix["block_table"])
+        table, cu_q, used = ix["block_table"], ix["cu_q"], ix["seqused_k"]
+        return PagedChunks(pages[0], pages[1], layout.cu_q, layout.seqused_k, table, cu_q, used)
 
     def attend_split(
         self,
@@ -791,6 +804,7 @@ class PagedChunks:
         seqused_k: ``[S]`` host ints: its keys are the first ``seqused_k[i]`` tokens of its pages.
         block_table: ``[S, W]`` int32: its pages, in position order (entries past
             ``ceil(seqused_k[i] / G)`` are padding).
+        cu_q_t, seqused_k_t: ``cu_q`` and ``seqused_k`` as int32 tensors on the pages' device.
     Queries sit at the end of their keys (causal, aligned bottom right).
     """
 
@@ -799,6 +813,8 @@ class PagedChunks:
     cu_q: list[int]
     seqused_k: list[int]
     block_table: torch.Tensor
+    cu_q_t: torch.Tensor | None = None
+    seqused_k_t: torch.Tensor | None = None
 
 
 VarlenAttention = Callable[[torch.Tensor, PagedChunks, float], torch.Tensor]
@@ -899,17 +915,25 @@ class PageLayout:
             "held_dst": np.concatenate([[0], *(exact_base[i] * g + np.arange(pre[i]) for i in has)])[1:],
             "tokens": tokens,
             "token_dst": token_dst,
-            "block_table": table.astype(np.int32),
+            "block_table": table,
         }
         cu_q = np.concatenate([[0], np.cumsum(hi - lo)]).tolist()
         return cls(int(exact_base[-1] + n_exact[-1]), cu_q, hi.tolist(), arrays, rec_base[with_rec])
 
     def on(self, device: torch.device | str) -> dict[str, torch.Tensor]:
-        """The index arrays as tensors on ``device`` (copied once)."""
+        """The index arrays as int64 tensors on ``device`` (one copy, made once), plus ``block_table``,
+        ``cu_q`` and ``seqused_k`` in int32 (the varlen attention's argument types)."""
         key = str(device)
         if key not in self._device:
-            host = {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in self.arrays.items()}
-            self._device[key] = {k: t.to(device, non_blocking=True) for k, t in host.items()}
+            host = dict(self.arrays, cu_q=np.array(self.cu_q), seqused_k=np.array(self.seqused_k))
+            flat = torch.from_numpy(np.concatenate([a.reshape(-1) for a in host.values()]).astype(np.int64))
+            if torch.device(device).type == "cuda":
+                flat = flat.pin_memory()
+            parts = flat.to(device, non_blocking=True).split([a.size for a in host.values()])
+            ix = {k: t.view(a.shape) for (k, a), t in zip(host.items(), parts, strict=True)}
+            for k in ("block_table", "cu_q", "seqused_k"):
+                ix[k] = ix[k].to(torch.int32)
+            self._device[key] = ix
         return self._device[key]
 
 

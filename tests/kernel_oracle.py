@@ -163,7 +163,8 @@ def build_cache(cfg: KVarNConfig, seq_lens: list[int], hkv: int, dtype: torch.dt
     """A paged cache holding random sequences, stored with the reference.
 
     Block ids are a random permutation that never uses block 0; each sequence gets a tail slot
-    (holding its ``seq_len % G`` last tokens) and every other sequence a sink slot.
+    (random values: the kernel and the reference read the same slot for the own tile) and every
+    other sequence a sink slot.
     """
     gen = torch.Generator().manual_seed(seed)
     g, d = cfg.group_size, cfg.head_dim

@@ -30,6 +30,7 @@ def test_whole_tiles_are_stored_and_the_rest_goes_to_the_tail():
     slot = p.live_slots[9]
     assert out.tail_slot_mapping.tolist() == [-1] * 16 + [slot * G + i for i in range(4)] + [-1, -1]
     assert out.tail_slots.tolist() == [slot]
+    assert out.head_slots.tolist() == [0], "the step starts a tile it stores whole: no slot to read"
     assert out.commit_blocks.numel() == 0
 
 
@@ -41,6 +42,7 @@ def test_a_tile_completed_by_decode_is_committed_from_its_slot_and_the_slot_rele
     assert out.commit_slots.tolist() == [slot] and out.commit_blocks.tolist() == [5]
     assert out.tail_slot_mapping.tolist() == [slot * G + 7]
     assert out.tail_slots.tolist() == [0]
+    assert out.head_slots.tolist() == [slot], "attention reads the completed tile from its slot"
     assert p.live_slots == {}
 
 
@@ -57,7 +59,8 @@ def test_a_chunk_that_starts_and_ends_inside_tiles():
     assert mapping[:5] == [s4 * G + i for i in range(3, 8)] and mapping[13:] == [-1, -1]
     assert s2 == s4 and 4 not in p.live_slots, "the committed tile's slot passes to the request's next tile"
     late = out.late_tail_slot_mapping.tolist()
-    assert late[:13] == [-1] * 13 and late[13:] == [s4 * G + i for i in range(2)], "written after the commit"
+    assert late[:13] == [-1] * 13 and late[13:] == [s4 * G + i for i in range(2)], "written after attention"
+    assert out.head_slots.tolist() == [s4], "the tile the step started in, read by attention"
 
 
 def test_an_unscheduled_request_keeps_its_tail_and_prefix_hits_start_on_tile_boundaries():
@@ -260,6 +263,27 @@ def test_attention_depends_on_positions_not_on_chunks(sink):
         got, got_records = _run_chunks(chunks, k, v, q, sink)
         assert torch.equal(got, want), chunks
         assert torch.equal(got_records, records), chunks
+
+
+def test_a_step_whose_late_tail_was_not_written_is_refused():
+    """store() leaves a handed-over slot's new tokens for write_late_tail(); forgetting it is an error, not garbage."""
+    from kvarn.config import KVarNConfig
+    from kvarn.paged import PagedKV
+
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
+    kv = PagedKV.allocate(cfg, 8, 2, 2, torch.float16, "cpu", impl="reference")
+    planner, table = TilePlanner(2, 64), torch.arange(1, 9)[None]
+    k = torch.randn(200, 2, 64).half()
+    first = planner.plan(torch.tensor([0, 30]), torch.tensor([30]), table, 30)
+    kv.store(first, k[:30], k[:30])
+    late = planner.plan(torch.tensor([0, 70]), torch.tensor([100]), table, 70)  # completes tile 0, starts 1
+    assert late.late_tail_slot_mapping is not None
+    kv.store(late, k[30:100], k[30:100])
+    nxt = planner.plan(torch.tensor([0, 1]), torch.tensor([101]), table, 1)
+    with pytest.raises(RuntimeError, match="write_late_tail"):
+        kv.store(nxt, k[100:101], k[100:101])
+    kv.write_late_tail(late, k[30:100], k[30:100])
+    kv.store(nxt, k[100:101], k[100:101])
 
 
 @pytest.mark.parametrize("sink", [False, True])

@@ -323,7 +323,7 @@ def test_backend_matches_reference_through_a_random_schedule(preset, dtype, requ
 
 
 @pytest.mark.parametrize("request_slots", [False, True])
-def test_prompt_chunks_read_back_whole_through_the_backend(request_slots, monkeypatch):
+def test_prompt_chunks_attend_through_pages_in_the_backend(request_slots, monkeypatch):
     """The CUDA path's prompt-chunk split (``prefill_split``), forced on the CPU: same attention, same records."""
     from kvarn.paged import PagedKV
 

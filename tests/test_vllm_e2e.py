@@ -468,7 +468,9 @@ def test_quantized_presets_agree_with_the_unquantized_cache_on_smollm2(results):
     assert min(smol["prompt_tokens"]) > 128, "prompts must reach past the first tile"
     assert any(n < 256 < n + SMOL_MAX_TOKENS for n in smol["prompt_tokens"]), "decode must complete a tile"
     rows = smol["presets"]
-    _check_presets(rows, SMOL_PROMPTS, SMOL_MAX_TOKENS, 64, 30, 3, {(4, 4): 0.85, (4, 2): 0.7, (2, 2): 0.55})
+    # measured under the own-tile rule (2026-12-01): k4v4 0.944-0.965, k4v2 0.868-0.896, k2v2 0.833
+    # (before it, when a prompt read its own complete tiles from the records: 0.924-0.938, 0.812-0.854, 0.694)
+    _check_presets(rows, SMOL_PROMPTS, SMOL_MAX_TOKENS, 64, 30, 3, {(4, 4): 0.92, (4, 2): 0.83, (2, 2): 0.78})
     inside = rows[TINY_PRESET]["inside_first_tile"]
     assert inside["agreement"] >= 0.95, f"sequences that never leave the full-precision tail: {inside}"
     tf = {p: r["teacher_forced_top1"] for p, r in rows.items()}
@@ -533,6 +535,8 @@ def test_the_full_precision_sink_is_exact_under_prefix_caching_and_helps_on_smol
     assert on["teacher_forced_top1"] == off["teacher_forced_top1"]
     plain = results["smollm2"]["presets"][TINY_PRESET]["teacher_forced_top1"]
     assert on["teacher_forced_top1"] > plain, (on["teacher_forced_top1"], plain)
+    # issue 10's goal for vLLM with the sink: measured 0.993 (143 of 144 positions; 0.903 before the own-tile rule)
+    assert on["teacher_forced_top1"] >= 0.92, on["teacher_forced_top1"]
 
 
 def test_per_sequence_key_smoothing_serves_and_is_exact_under_prefix_caching_on_smollm2(results):

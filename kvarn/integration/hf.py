@@ -14,10 +14,14 @@ Two ways to attend:
   and dtype), followed by the chunk's own K/V exactly as the model computed them.
 - ``paged=True`` with ``attn_implementation="kvarn"`` (see :func:`register_kvarn_attention`):
   attention reads the records directly (:meth:`~kvarn.paged.PagedKV.attend`: Triton on CUDA, the
-  reference elsewhere); the chunk's own tokens are read from the cache like the history.
+  reference elsewhere) under the own-tile rule: the tiles before a query's own from the records,
+  its own tile in full precision (the tail slot the step started in, then the chunk's K/V).
 
-In both modes the first chunk of a sequence (the prompt) attends over its exact K/V, as
-``docs/algorithm.md`` section 5 allows.
+In both modes the first chunk of a sequence (the prompt) attends over its exact K/V (it has no
+history, and seeing all of itself exactly is at least what the own-tile rule gives). A later
+chunk in the first mode sees all of itself exactly (and the history's partial tile from its tail
+slot); in the second it follows the own-tile rule, as vLLM does. The two agree wherever a later
+chunk stays inside one tile (decoding) or is made of whole tiles.
 
 Left-padded batches: each row's tiles start at its first real token, so a row's records do not
 depend on how much padding it got. Where the padding comes from, first found wins:
@@ -260,7 +264,7 @@ class KVarNLayer(CacheLayerMixin):
         if past == 0:
             self.finish_step()
             return key_states, value_states
-        hist_k, hist_v = self.history(step.before, past)
+        hist_k, hist_v = self.history(step.before, past, before=True)
         self.finish_step()
         return torch.cat([hist_k, key_states], dim=2), torch.cat([hist_v, value_states], dim=2)
 
@@ -270,18 +274,17 @@ class KVarNLayer(CacheLayerMixin):
             self.kv.write_late_tail(self.step.plan, *self.pending)
             self.pending = None
 
-    def history(self, lengths: list[int] | None = None, positions: int | None = None):
+    def history(self, lengths: list[int] | None = None, positions: int | None = None, *, before: bool = False):
         """The first ``lengths[b]`` real tokens of each row read back from the cache, right-aligned in
         ``[B, Hkv, positions, D]`` (model frame and dtype; zeros where a row has fewer tokens).
 
         Full tiles come from their records (tile 0 from the sink slot with ``sink=True``), the rest
-        from the row's tail slot. Default: every stored token (after the step); ``lengths`` the
-        step's ``before``: the tokens before it, the last partial tile from the slot the step
-        started in (the own-tile rule: the step's tokens see it in full precision).
+        from the row's tail slot. Default: every stored token (after the step); ``before``: the
+        tokens before the step (``lengths`` its ``before``), the last partial tile from the slot the
+        step started in (the own-tile rule: the step's tokens see it in full precision).
         """
         step = self.step
-        before = lengths is not None and list(lengths) == list(step.before)
-        if lengths is None:
+        if not before:
             self.finish_step()
         lengths = list(step.after) if lengths is None else lengths
         positions = self.length if positions is None else positions
@@ -353,6 +356,7 @@ class KVarNLayer(CacheLayerMixin):
         """Rows ``beam_idx`` become rows ``0 .. B``: records, and the pool rows ``moves`` names."""
         if not self.is_initialized:
             return
+        self.finish_step()
         cache = self.kv.cache
         tiles = cache.view(-1, self.batch_size, *cache.shape[1:])
         self.kv.cache = tiles.index_select(1, beam_idx.to(self.device)).reshape(cache.shape)

@@ -349,8 +349,8 @@ class KVarNMetadata(AttentionMetadata):
     gives them; ``plan`` from the planner; ``num_slots`` slots in each layer's pool. For a
     decode batch on the GPU runner also ``graph_plan`` (the same tensors with the commit lists
     padded to ``B``), ``commit_flag`` (a device bool: some row commits) and ``decode`` (one query
-    per row). ``prefill``: on CUDA, the requests of a step with prompt chunks that attend by
-    reading their tiles back whole (:func:`kvarn.paged.split_prefill`).
+    per row). ``prefill``: on CUDA, the requests of a step with prompt chunks that attend
+    through pages and one varlen call (:func:`kvarn.paged.split_prefill`).
     """
 
     num_actual_tokens: int
@@ -416,7 +416,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         if self.planner is not None:
             _planners.add(self.planner)
         self.buffers = None
-        # prompt chunks read back whole (PagedKV.attend_split) on CUDA; on the CPU the paged
+        # prompt chunks through pages and flash attention (PagedKV.attend_split) on CUDA; on the CPU the paged
         # reference attention is as fast (tests switch it on to cover the wiring)
         self.prefill_split = torch.device(device).type == "cuda"
         if self.per_request:
@@ -576,10 +576,11 @@ def flash_varlen() -> VarlenAttention | None:
                 kernel = fa_utils.flash_attn_varlen_func
 
                 def fn(q, chunks, scale):
-                    dev = q.device
-                    staged = torch.tensor([*chunks.cu_q, *chunks.seqused_k], dtype=torch.int32)
-                    staged = staged.pin_memory().to(dev, non_blocking=True)
-                    cu_q, used = staged.split([len(chunks.cu_q), len(chunks.seqused_k)])
+                    cu_q, used = chunks.cu_q_t, chunks.seqused_k_t  # on the device, once per step
+                    if cu_q is None or used is None:
+                        dev = q.device
+                        cu_q = torch.tensor(chunks.cu_q, dtype=torch.int32).to(dev, non_blocking=True)
+                        used = torch.tensor(chunks.seqused_k, dtype=torch.int32).to(dev, non_blocking=True)
                     return kernel(
                         q,
                         chunks.k,
