@@ -748,15 +748,12 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
                 plan, q, meta.block_table, meta.seq_lens, meta.prefill, self.scale, self._varlen(q.dtype), k, v
             )
             output[:n] = out.view(output[:n].shape)
-        elif meta.decode:  # one token per request: its tile, the token included, is in its slot
+        else:
+            # decode: one token per request, whose tile (the token included) is in its slot
+            qsl, kv = (None, (None, None)) if meta.decode else (meta.query_start_loc, (k, v))
             # the kernel writes vLLM's buffer: no copy launch per layer
             dst = output[:n].view(q.shape) if output.dtype == q.dtype else None
-            out = paged.attend(plan, q, meta.block_table, meta.seq_lens, None, self.scale, out=dst)
-            if dst is None:
-                output[:n] = out.view(output[:n].shape)
-        else:
-            dst = output[:n].view(q.shape) if output.dtype == q.dtype else None
-            out = paged.attend(plan, q, meta.block_table, meta.seq_lens, meta.query_start_loc, self.scale, dst, k, v)
+            out = paged.attend(plan, q, meta.block_table, meta.seq_lens, qsl, self.scale, dst, *kv)
             if dst is None:
                 output[:n] = out.view(output[:n].shape)
         if stored:
