@@ -259,7 +259,9 @@ def test_attention_depends_on_positions_not_on_chunks(sink):
     k, v = (torch.randn(length, 2, 64, generator=gen).half() for _ in range(2))
     q = torch.randn(length, 4, 64, generator=gen).half()
     want, records = _run_chunks([length], k, v, q, sink)
-    for chunks in ([37, 100, 63, 100], [64, 64, 1, 1, 100, 70], [5] * 60, [130, 1, 1, 1, 167]):
+    # tiles completed by a decode step and by a chunk that started inside them (no slot after the
+    # step: attention reads the completed tile from the slot the step started in)
+    for chunks in ([37, 100, 63, 100], [64, 64, 1, 1, 100, 70], [5] * 60, [130, 1, 1, 1, 167], [30, 34, 63, 1, 172]):
         got, got_records = _run_chunks(chunks, k, v, q, sink)
         assert torch.equal(got, want), chunks
         assert torch.equal(got_records, records), chunks

@@ -140,7 +140,17 @@ def test_backend_steps_on_cuda_match_the_reference(preset, d, dtype):
         table, lens, qsl_t = table.to(DEV, torch.int32), lens.to(DEV, torch.int32), qsl_t.to(DEV, torch.int32)
         scale = d**-0.5
         out = paged.attend(plan, query, table, lens, qsl_t, scale, key=k_all, value=v_all)
-        args = (query, cache, table, lens, tail_k, tail_v, plan.head_slots, cfg, qsl_t, None, scale, k_all, v_all)
+        # the oracle's slots from the requests' tokens (not the implementation's pool): each holds the
+        # tile its request's step starts in, up to the step's end
+        held = [torch.zeros(len(order), g, HKV, d, dtype=dtype, device=DEV) for _ in range(2)]
+        for i, rid in enumerate(order):
+            req = reqs[rid]
+            head = (req["len"] - chunks[rid]) // g * g
+            for pool, name in zip(held, ("k", "v"), strict=True):
+                toks = torch.stack(req[name][head : min(req["len"], head + g)]).to(DEV)
+                pool[i, : toks.shape[0]] = R.prepare(toks, dtype)
+        slots = torch.arange(len(order), device=DEV)
+        args = (query, cache, table, lens, *held, slots, cfg, qsl_t, None, scale, k_all, v_all)
         check_attention(out, args)
         split = split_prefill(qsl, lens.cpu().numpy(), DEV, min_queries=g // 2)
         for varlen in varlens if split is not None else ():
