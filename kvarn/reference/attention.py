@@ -50,20 +50,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
     of the layers after it, then come out the same whether the prompt is computed alone or as
     the prefix of a longer one: prefix caching changes no stored byte.
     """
-    n, hq, d = q.shape
-    length, hkv, _ = k.shape
-    group = hq // hkv
-    first = length - n
-    lo = first // BLOCK * BLOCK
-    rows = math.ceil((length - lo) / BLOCK) * BLOCK
-    qp = q.new_zeros(rows, hq, d, dtype=torch.float32)
-    qp[first - lo : first - lo + n] = q.float()
-    qp = qp.view(rows // BLOCK, BLOCK, hkv, group, d)
-    out = torch.empty(rows // BLOCK, BLOCK, hkv, group, d, device=q.device)
-    for i in range(rows // BLOCK):
-        start = lo + i * BLOCK
-        out[i] = _attend_block(qp[i], k, v, start, min(start + BLOCK, length), scale)
-    return out.view(rows, hq, d)[first - lo : first - lo + n]
+    return attend_own_tile(q, (k, v), (k, v), 0, BLOCK, scale)
 
 
 def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, end: int, scale: float):
@@ -103,8 +90,9 @@ def attend_own_tile(
     ``tiles = (k, v)``: ``[m * G, Hkv, D]``, the sequence's first ``m`` tiles as attention reads
     them from the records; ``exact = (k, v)``: positions ``exact_from ..`` in full precision
     (``exact_from`` a multiple of ``G``). A query in tile ``t`` sees tiles ``< t`` from ``tiles``
-    and the rest of its keys from ``exact``. Length-invariant as :func:`attend` (whose blocks of
-    :data:`BLOCK` queries never straddle a tile, since ``G`` is a multiple of it).
+    and the rest of its keys from ``exact``. Length-invariant as :func:`attend` (its blocks of
+    :data:`BLOCK` queries never straddle a tile, since ``G`` is a multiple of it); :func:`attend` is
+    the case of one set of keys.
     """
     n, hq, d = q.shape
     hkv = tiles[0].shape[1]
