@@ -129,6 +129,18 @@ def _check_inputs():
     return prompts, many, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
+def _sink_stats() -> dict | None:
+    """The sink counters of this process's KVarN builders (GPU runner), or ``None`` where the engine runs
+    in another process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps it here)."""
+    from kvarn.integration.vllm import backend
+
+    pools = list(backend._sink_book.pools)
+    if not pools:
+        return None
+    keys = ("new_sinks", "recycled_sinks", "evicted_sinks")
+    return {k: sum(p.stats[k] for p in pools) for k in keys} | {"live": sum(len(p.live) for p in pools)}
+
+
 def check(out_path: str) -> int:
     from vllm import SamplingParams
 
@@ -155,6 +167,8 @@ def check(out_path: str) -> int:
         )
         res["many"] = _tokens(llm.generate([{"prompt_token_ids": x} for x in many], greedy, use_tqdm=False))
         res["total_s"] = round(time.time() - t0, 1)
+        if kv.endswith("_sink"):
+            res["sink_stats"] = _sink_stats()
         results[name] = res
         with open(out_path + ".partial", "w") as f:  # what a cut-off call still returns
             json.dump(results, f)
@@ -172,7 +186,7 @@ def check(out_path: str) -> int:
     }
     summary["prefix_hit_vs_cold_kvarn"] = agree(g["cold"], g["prefix_hit"])
     summary["prefix_hit_vs_cold_bf16"] = agree(b["cold"], b["prefix_hit"])
-    keep = ("_s", "mode", "blocks", "dtype")
+    keep = ("_s", "mode", "blocks", "dtype", "_stats")
     runs = {k: {kk: vv for kk, vv in v.items() if kk.endswith(keep)} for k, v in results.items() if k != "kvarn_dtype"}
     out = {"kvarn_dtype": kvarn_dtype, "summary": summary, "runs": runs}
     print(json.dumps(out, indent=1))

@@ -139,6 +139,125 @@ class TilePlan:
     store_first: torch.Tensor | None = None
 
 
+class SinkSlots:
+    """The full-precision sink slots of one KV-cache group: a first tile's block id -> pool row.
+
+    Rows ``0 .. num_slots - 1`` of the pool (see the module docstring, "Sink"). Requests whose first
+    tiles share a block share its sink. :meth:`assign` hands out one step's sinks; the caller drops
+    the sink of a block that comes back as anything but the same first tile (:meth:`drop`): the
+    block-keyed planner sees that in its block table, vLLM's GPU runner says so in its scheduler
+    output (fresh blocks). ``pinned(block)``: whether a request holds ``block`` (its sink may not be
+    evicted); ``on_evicted(block)``: called when a sink is evicted (vLLM drops the block from its
+    prefix cache). Without ``pinned`` nothing is evicted.
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        group_size: int,
+        pinned: Callable[[int], bool] | None = None,
+        on_evicted: Callable[[int], None] | None = None,
+        stats: Counter[str] | None = None,
+    ):
+        if num_slots < 0:
+            raise ValueError(f"num_sink_slots must be non-negative, got {num_slots}")
+        self.num_slots = num_slots
+        self.group_size = group_size
+        self._slot_of: dict[int, int] = {}
+        self._block: list[int | None] = [None] * num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._last_used = [0] * num_slots
+        self._pinned = pinned
+        self._on_evicted = on_evicted
+        self._step = 0
+        self.stats: Counter[str] = Counter() if stats is None else stats
+        """``new_sinks`` (first tiles written from offset 0), ``recycled_sinks`` (dropped because the
+        block was written as another tile), ``evicted_sinks`` (taken from an unheld block)."""
+
+    @property
+    def live(self) -> dict[int, int]:
+        """A copy of the current ``first block id -> sink slot`` map."""
+        return dict(self._slot_of)
+
+    def drop(self, block: int) -> bool:
+        """Free the sink of ``block`` (written as another tile now); returns whether it had one."""
+        if not self._free_slot(block):
+            return False
+        self.stats["recycled_sinks"] += 1
+        return True
+
+    def _free_slot(self, block: int) -> bool:
+        slot = self._slot_of.pop(block, None)
+        if slot is None:
+            return False
+        self._block[slot] = None
+        self._free.append(slot)
+        return True
+
+    def assign(self, rows: list[tuple[int, int, int]], num_rows: int) -> list[int]:
+        """One step's sinks: ``rows`` are ``(row, first block, start)`` for each row with tokens.
+
+        Returns ``num_rows`` slots, ``-1`` for rows not in ``rows``. Rows that read an existing sink
+        take it first (so it is not evicted for a claim), then rows that write their first tile
+        from offset 0 claim one, then the remaining rows look theirs up: a prefix hit may read a
+        first tile that another row of the same step writes (vLLM caches a block as soon as it
+        schedules it, e.g. for the children of ``n > 1`` sampling), whatever the rows' order.
+        Raises :class:`SinkLostError` if a row with ``start > 0`` finds no sink or no slot is free.
+        """
+        self._step += 1
+        touched: set[int] = set()
+        slots = [-1] * num_rows
+        phases = (
+            lambda block, start: start > 0 and block in self._slot_of,
+            lambda block, start: start == 0,
+            lambda block, start: True,
+        )
+        for wanted in phases:
+            for r, block, start in rows:
+                if slots[r] < 0 and wanted(block, start):
+                    slots[r] = self._sink(block, start, touched)
+        return slots
+
+    def _sink(self, block: int, start: int, touched: set[int]) -> int:
+        """The sink slot of the request whose first tile is ``block`` and whose step starts at ``start``."""
+        slot = self._slot_of.get(block)
+        if slot is not None:
+            if start == 0:
+                self.stats["new_sinks"] += 1
+            touched.add(slot)
+            self._last_used[slot] = self._step
+            return slot
+        if start > 0:
+            raise SinkLostError(
+                f"the full-precision sink of block {block} (the first tile of a request, tokens "
+                f"0..{min(start, self.group_size) - 1}) is not held: its slot was recycled or never filled; "
+                "a request may not read a first tile without its sink"
+            )
+        if not self._free:
+            idle = [
+                s
+                for s, b in enumerate(self._block)
+                if b is not None and s not in touched and self._pinned is not None and not self._pinned(b)
+            ]
+            if not idle:
+                raise SinkLostError(
+                    f"all {self.num_slots} full-precision sink slots hold first tiles of live requests; "
+                    "raise KVARN_SINK_SLOTS (at least --max-num-seqs) or lower --max-num-seqs"
+                )
+            evicted = self._block[min(idle, key=self._last_used.__getitem__)]
+            self._free_slot(evicted)
+            self.stats["evicted_sinks"] += 1
+            if self._on_evicted is not None:
+                self._on_evicted(evicted)
+        slot = self._free.pop()
+        self._slot_of[block] = slot
+        self._block[slot] = block
+        touched.add(slot)
+        self._last_used[slot] = self._step
+        self.stats["new_sinks"] += 1
+        return slot
+
+
 class TilePlanner:
     """Hands out tail slots and plans the stores of each step (see the module docstring).
 
@@ -163,11 +282,6 @@ class TilePlanner:
         self.num_slots = num_slots
         self.num_sink_slots = num_sink_slots
         self.group_size = group_size
-        self._sink_of: dict[int, int] = {}
-        self._sink_block: list[int | None] = [None] * num_sink_slots
-        self._sink_free = list(range(num_sink_slots - 1, -1, -1))
-        self._sink_pinned = sink_pinned
-        self._on_sink_evicted = on_sink_evicted
         self._slot_of: dict[int, int] = {}
         self._tail_range = range(num_sink_slots, num_sink_slots + num_slots)
         self._block_of: list[int | None] = [None] * (num_sink_slots + num_slots)
@@ -175,6 +289,7 @@ class TilePlanner:
         self._free = list(reversed(self._tail_range))
         self._step = 0
         self.stats: Counter[str] = Counter()
+        self.sinks = SinkSlots(num_sink_slots, group_size, sink_pinned, on_sink_evicted, self.stats)
         """Counts since creation: ``steps``, ``stored_tiles``, ``committed_tiles``, ``tail_tokens``,
         ``chunks_starting_inside_a_tile`` (a chunk of more than one token that continues a tile),
         ``recycled_tails`` (slots freed because their block came back as a full tile),
@@ -191,56 +306,13 @@ class TilePlanner:
     @property
     def live_sinks(self) -> dict[int, int]:
         """A copy of the current ``first block id -> sink slot`` map."""
-        return dict(self._sink_of)
+        return self.sinks.live
 
-    def _sink(self, block: int, start: int, touched: set[int]) -> int:
-        """The sink slot of the request whose first tile is ``block`` and whose step starts at ``start``."""
-        slot = self._sink_of.get(block)
-        if slot is not None:
-            if start == 0:
-                self.stats["new_sinks"] += 1
-            touched.add(slot)
-            self._last_used[slot] = self._step
-            return slot
-        if start > 0:
-            raise SinkLostError(
-                f"the full-precision sink of block {block} (the first tile of a request, tokens "
-                f"0..{min(start, self.group_size) - 1}) is not held: its slot was recycled or never filled; "
-                "a request may not read a first tile without its sink"
-            )
-        if not self._sink_free:
-            idle = [
-                s
-                for s, b in enumerate(self._sink_block)
-                if b is not None and s not in touched and self._sink_pinned is not None and not self._sink_pinned(b)
-            ]
-            if not idle:
-                raise SinkLostError(
-                    f"all {self.num_sink_slots} full-precision sink slots hold first tiles of live requests; "
-                    "raise KVARN_SINK_SLOTS (at least --max-num-seqs) or lower --max-num-seqs"
-                )
-            victim = min(idle, key=self._last_used.__getitem__)
-            evicted = self._sink_block[victim]
-            self._drop_sink(evicted)
-            self.stats["evicted_sinks"] += 1
-            if self._on_sink_evicted is not None:
-                self._on_sink_evicted(evicted)
-        slot = self._sink_free.pop()
-        self._sink_of[block] = slot
-        self._sink_block[slot] = block
-        touched.add(slot)
-        self._last_used[slot] = self._step
-        self.stats["new_sinks"] += 1
-        return slot
-
-    def _plan_sinks(self, qsl: list[int], lens: list[int], block_table: torch.Tensor, touched: set[int]) -> list[int]:
+    def _plan_sinks(self, qsl: list[int], lens: list[int], block_table: torch.Tensor) -> list[int]:
         """Each row's sink slot (``-1`` for rows without tokens), whatever the rows' order.
 
         First the sinks of blocks this step writes as later tiles are dropped (recycled blocks), then
-        rows that read an existing sink take it (so it is not evicted for a claim), then rows that
-        write their first tile from offset 0 claim one, then the remaining rows look theirs up: a
-        prefix hit may read a first tile that another row of the same step writes (vLLM caches a
-        block as soon as it schedules it, e.g. for the children of ``n > 1`` sampling).
+        :meth:`SinkSlots.assign` hands out the rows' sinks.
         """
         g = self.group_size
         rows: list[tuple[int, int, int]] = []
@@ -250,26 +322,9 @@ class TilePlanner:
                 continue
             row = block_table[r]
             for tile in range(max(1, start // g), (length - 1) // g + 1):
-                if int(row[tile]) in self._sink_of:  # a block recycled as another tile
-                    self._drop_sink(int(row[tile]))
-                    self.stats["recycled_sinks"] += 1
+                self.sinks.drop(int(row[tile]))  # a block recycled as another tile
             rows.append((r, int(row[0]), start))
-        slots = [-1] * len(lens)
-        phases = (
-            lambda block, start: start > 0 and block in self._sink_of,
-            lambda block, start: start == 0,
-            lambda block, start: True,
-        )
-        for wanted in phases:
-            for r, block, start in rows:
-                if slots[r] < 0 and wanted(block, start):
-                    slots[r] = self._sink(block, start, touched)
-        return slots
-
-    def _drop_sink(self, block: int) -> None:
-        slot = self._sink_of.pop(block)
-        self._sink_block[slot] = None
-        self._sink_free.append(slot)
+        return self.sinks.assign(rows, len(lens))
 
     def _release(self, slot: int) -> None:
         block = self._block_of[slot]
@@ -331,10 +386,9 @@ class TilePlanner:
         commit_first: list[int] = []
         store_first: list[int] = []
         touched: set[int] = set()
-        sink_touched: set[int] = set()
         full_rows: list[torch.Tensor] = []
         if sink:
-            sink_slots = self._plan_sinks(qsl, lens, block_table, sink_touched)
+            sink_slots = self._plan_sinks(qsl, lens, block_table)
         for r in range(batch):
             n = qsl[r + 1] - qsl[r]
             length = lens[r]
@@ -971,6 +1025,7 @@ def plan_request_slots(
     num_tokens: int,
     request_slots,
     group_size: int,
+    sink_slots=None,
 ) -> TilePlan:
     """Plan one step when the caller names each request's tail slot; no block id is read on the host.
 
@@ -988,6 +1043,9 @@ def plan_request_slots(
         num_tokens: rows of the step's key/value tensors (``>= query_start_loc[-1]``).
         request_slots: ``[B]`` ints (CPU), each request's tail slot.
         group_size: the tile length ``G``.
+        sink_slots: ``[B]`` ints (CPU) or ``None`` (no sink): each request's sink slot (a pool row
+            holding its first tile in full precision, ``-1`` for none, e.g. a CUDA-graph padding
+            row); the step's tokens at positions below ``G`` are written to it as well.
 
     Returns the same :class:`TilePlan` as :meth:`TilePlanner.plan`, on ``block_table``'s device.
     """
@@ -1025,16 +1083,26 @@ def plan_request_slots(
     first = whole & (pos % g == 0)
     commit = np.nonzero(commits)[0]
     nc, ns, nl = commit.shape[0], int(first.sum()), late_mapping.shape[0]
-    host = np.concatenate(
-        [mapping, late_mapping, slots[commit], commit, start[commit] // g, tok[first], row[first], tile[first], slots]
-    )
+    parts = [mapping, late_mapping, slots[commit], commit, start[commit] // g]
+    parts += [tok[first], row[first], tile[first], slots]
+    if sink_slots is not None:
+        sinks = np.asarray(sink_slots, dtype=np.int64)
+        if sinks.shape != (batch,):
+            raise ValueError(f"sink_slots must be [B] for B = {batch}, got {tuple(sinks.shape)}")
+        sink_mapping = np.full(num_tokens, -1, dtype=np.int64)
+        sink_mapping[:total] = np.where((pos < g) & (sinks[row] >= 0), sinks[row] * g + pos, -1)
+        parts += [sink_mapping, sinks]
     device = block_table.device
-    staged = torch.from_numpy(host)
+    staged = torch.from_numpy(np.concatenate(parts))
     if device.type == "cuda":
         staged = staged.pin_memory().to(device, non_blocking=True)
-    parts = torch.split(staged, [num_tokens, nl, nc, nc, nc, ns, ns, ns, batch])
-    mapping_d, late_d, commit_slots, commit_rows, commit_tiles, store_tok0, store_rows, store_tiles, tail_slots = parts
+    sizes = [num_tokens, nl, nc, nc, nc, ns, ns, ns, batch] + ([num_tokens, batch] if sink_slots is not None else [])
+    split = torch.split(staged, sizes)
+    mapping_d, late_d, commit_slots, commit_rows, commit_tiles = split[:5]
+    store_tok0, store_rows, store_tiles, tail_slots = split[5:9]
     return TilePlan(
+        sink_slot_mapping=split[9] if sink_slots is not None else None,
+        sink_slots=split[10] if sink_slots is not None else None,
         late_tail_slot_mapping=late_d if nl else None,
         tail_slot_mapping=mapping_d,
         commit_slots=commit_slots,

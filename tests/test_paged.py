@@ -380,3 +380,24 @@ def test_prefill_split_packs_chunks_around_a_decode_row():
         kvarn.paged.PREFILL_READ_TOKENS = old
     assert [c[:2] for c in calls] == [(90, 4), (130, 6)]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_sink_slots_serve_a_prefix_hit_scheduled_before_its_claim():
+    """vLLM's GPU runner orders rows decode -> short -> long, so a prefix hit on a first tile (start >= G)
+    can come before the row that writes that tile from 0 in the same step: both get one slot."""
+    from kvarn.paged import SinkLostError, SinkSlots
+
+    sinks = SinkSlots(2, G)
+    slots = sinks.assign([(0, 7, G), (1, 7, 0), (2, 9, 0)], 4)
+    assert slots[0] == slots[1] >= 0 and slots[2] not in (-1, slots[0]) and slots[3] == -1
+    assert sinks.live == {7: slots[0], 9: slots[2]}
+    assert sinks.drop(9) and not sinks.drop(9) and sinks.stats["recycled_sinks"] == 1
+    with pytest.raises(SinkLostError, match="not held"):
+        sinks.assign([(0, 9, 5)], 1)
+    sinks.assign([(0, 11, 0)], 1)
+    with pytest.raises(SinkLostError, match="live requests"):  # no pinned(): nothing may be evicted
+        sinks.assign([(0, 12, 0)], 1)
+    evicted = []
+    held = SinkSlots(1, G, pinned=lambda block: block == 3, on_evicted=evicted.append)
+    held.assign([(0, 4, 0)], 1)
+    assert held.assign([(0, 5, 0)], 1) == [0] and evicted == [4] and held.live == {5: 0}

@@ -31,10 +31,11 @@ from kvarn.integration.vllm.backend import (
     KVarNAttentionImpl,
     _DecodeBuffers,
     install_release_hook,
+    note_schedule,
     release_request_tails,
     set_step_rows,
 )
-from kvarn.paged import TailLostError, TilePlanner
+from kvarn.paged import SinkSlots, TailLostError, TilePlanner
 
 pytestmark = pytest.mark.vllm
 
@@ -105,10 +106,18 @@ class Sim:
             self.builder.per_request = True
             self.builder.planner = None
             self.builder.num_slots = max_num_seqs
-            self.builder.scratch_slot = max_num_seqs
-            self.builder.buffers = _DecodeBuffers(4 * max_num_seqs * self.g, 2 * max_num_seqs, "cpu")
+            self.builder.scratch_slot = self.builder.num_sink_slots + max_num_seqs
+            self.builder.buffers = _DecodeBuffers(4 * max_num_seqs * self.g, 2 * max_num_seqs, "cpu", sink=self.sink)
             self.free_index = list(range(max_num_seqs))
             self.index = {}
+            backend_mod._sink_book.__init__()  # an earlier simulation's requests
+            if self.sink:  # the sink keyed by first block, told of blocks by the scheduler output (note_schedule)
+                self.builder.sinks = SinkSlots(
+                    self.builder.num_sink_slots, self.g, backend_mod.block_held, backend_mod.forget_cached_block
+                )
+                backend_mod._sink_book.pools.add(self.builder.sinks)
+            self.departed = set()
+            self.scheduled_before = set()
         self.impl = KVarNAttentionImpl(HQ, D, 0.125, HKV, kv_cache_dtype=preset)
         self.layer = torch.nn.Module()
         self.layer.layer_name = "layer.0"
@@ -149,6 +158,7 @@ class Sim:
         req = self.reqs.pop(rid)
         if self.request_slots:
             self.free_index.append(self.index.pop(rid))
+            self.departed.add(str(rid))
         elif self.report_departures:  # what the release hook does for vLLM's finished/preempted ids
             release_request_tails((req["blocks"],))
         if keep_prefix:
@@ -164,6 +174,8 @@ class Sim:
         order = list(chunks)
         self.rng.shuffle(order)
         qsl, lens, ks, vs = [0], [], [], []
+        had = {rid: len(self.reqs[rid]["blocks"]) for rid in order}
+        computed = {rid: self.reqs[rid]["len"] for rid in order}
         for rid in order:
             req, n = self.reqs[rid], chunks[rid]
             k, v = self.tokens(n)
@@ -199,7 +211,27 @@ class Sim:
             seq_lens_cpu_upper_bound=lens_t,
         )
         if self.request_slots:
-            set_step_rows(np.array([self.index[r] for r in order]), qsl_t.numpy())
+            # what vLLM's GPU runner says in its scheduler output: admitted requests with all their
+            # blocks, running ones with the blocks appended, the departed ones
+            new = [r for r in order if r not in self.scheduled_before]
+            output = SimpleNamespace(
+                finished_req_ids=self.departed,
+                preempted_req_ids=set(),
+                scheduled_new_reqs=[
+                    SimpleNamespace(
+                        req_id=str(r), block_ids=(list(self.reqs[r]["blocks"]),), num_computed_tokens=computed[r]
+                    )
+                    for r in new
+                ],
+                scheduled_cached_reqs=SimpleNamespace(
+                    new_block_ids=[(self.reqs[r]["blocks"][had[r] :],) for r in order if r not in new]
+                ),
+                num_scheduled_tokens={str(r): chunks[r] for r in order},
+            )
+            note_schedule(output)
+            self.scheduled_before.update(new)
+            self.departed = set()
+            set_step_rows(np.array([self.index[r] for r in order]), qsl_t.numpy(), [str(r) for r in order])
         meta = self.builder.build(0, cam)
         self.last_meta = meta
         output = torch.full((num_tokens, HQ, D), float("nan"), dtype=self.dtype)
@@ -277,6 +309,8 @@ class Sim:
         ("kvarn_k4v2_g64_ks", torch.bfloat16, False),
         ("kvarn_k2v2_g128_ks", torch.float16, True),
         ("kvarn_k4v2_g128_ks_sink", torch.float16, False),
+        ("kvarn_k4v2_g64_sink", torch.bfloat16, True),
+        ("kvarn_k4v2_g128_ks_sink", torch.float16, True),
     ],
 )
 def test_backend_matches_reference_through_a_random_schedule(preset, dtype, request_slots):
@@ -320,6 +354,9 @@ def test_backend_matches_reference_through_a_random_schedule(preset, dtype, requ
             sim.step(chunks)
     if not request_slots:
         assert sim.builder.planner.num_slots >= len(sim.builder.planner.live_slots)
+    elif sim.sink:
+        stats = sim.builder.sinks.stats
+        assert stats["new_sinks"] > 0 and stats["recycled_sinks"] + stats["evicted_sinks"] > 0, stats
 
 
 @pytest.mark.parametrize("request_slots", [False, True])
@@ -645,3 +682,51 @@ def test_the_sink_pool_is_allocated_in_the_profiling_run_and_logged():
     tail_slots = impl.pool_slots - 3
     assert layer._kvarn_tail[0].shape == (3 + tail_slots, 64, HKV, D), "sink slots come out of the profiled memory"
     assert tail_slots >= 3
+
+
+def test_request_slots_sink_decode_steps_fill_the_persistent_graph_buffers():
+    """GPU runner with a sink: each row's sink slot and the sink writes of a decode step live in fixed buffers;
+    rows of no live request (dummy and capture batches) read tile 0 from its record (slot -1)."""
+    sim = Sim("kvarn_k4v2_g64_sink", torch.bfloat16, seed=5, max_num_seqs=4, request_slots=True)
+    sim.pad = False
+    a, b = sim.add(200), sim.add(200)
+    sim.step({a: 63, b: 10})
+    sim.step({a: 1, b: 1})  # a's token 63 completes its first tile: written to its sink too
+    meta, buf = sim.last_meta, sim.builder.buffers
+    assert meta.decode and meta.graph_plan.sink_slots.data_ptr() == buf.sink_slots.data_ptr()
+    assert meta.graph_plan.sink_slot_mapping.data_ptr() == buf.sink_mapping.data_ptr()
+    live = sim.builder.sinks.live
+    sink_a, sink_b = live[sim.reqs[a]["blocks"][0]], live[sim.reqs[b]["blocks"][0]]
+    assert sink_a != sink_b and max(sink_a, sink_b) < sim.builder.num_sink_slots
+    rows = {r: i for i, r in enumerate(backend_mod._step["req_ids"])}
+    want = [0, 0]
+    want[rows[str(a)]], want[rows[str(b)]] = sink_a, sink_b
+    assert meta.plan.sink_slots.tolist() == want
+    mapping = [0, 0]
+    mapping[rows[str(a)]], mapping[rows[str(b)]] = sink_a * 64 + 63, sink_b * 64 + 10
+    assert meta.plan.sink_slot_mapping.tolist() == mapping
+    sim.step({a: 1, b: 1})  # a at position 64: its second tile, nothing to its sink
+    rows = {r: i for i, r in enumerate(backend_mod._step["req_ids"])}
+    assert sim.last_meta.plan.sink_slot_mapping[rows[str(a)]].item() == -1
+    # a batch of rows no scheduler output named (vLLM's dummy runs, CUDA-graph capture)
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
+    lens = torch.tensor([5, 70], dtype=torch.int32)
+    set_step_rows(np.array([0, 1]), qsl.numpy(), ["req_0_dummy", "req_1_dummy"])
+    cam = CommonAttentionMetadata(
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl,
+        seq_lens=lens,
+        num_reqs=2,
+        num_actual_tokens=2,
+        max_query_len=1,
+        max_seq_len=70,
+        block_table_tensor=torch.tensor([[1, 2], [3, 4]], dtype=torch.int32),
+        slot_mapping=torch.zeros(2, dtype=torch.int64),
+        seq_lens_cpu_upper_bound=lens,
+    )
+    dummy = sim.builder.build(0, cam)
+    assert dummy.graph_plan.sink_slots.tolist() == [-1, -1] and dummy.plan.sink_slot_mapping.tolist() == [-1, -1]
+    # a real request the scheduler output named but whose first block was never recorded
+    backend_mod._sink_book.scheduled.add("req_0_dummy")
+    with pytest.raises(RuntimeError, match="no first block"):
+        sim.builder.build(0, cam)

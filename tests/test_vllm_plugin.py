@@ -141,12 +141,22 @@ def test_the_sink_is_refused_where_it_cannot_be_kept_exactly(monkeypatch):
     assert checks.sink_slot_count(run) == 12
     monkeypatch.delenv("KVARN_SINK_SLOTS")
     assert checks.sink_slot_count(run) == 8
-    # vLLM's GPU model runner (V2, request-index slots, CUDA graphs): refused at start-up
+    # vLLM's GPU model runner (V2, request-index slots, CUDA graphs): served when the plugin sees each
+    # step's scheduler output, refused at start-up otherwise
     monkeypatch.setitem(backend_mod._step, "hooked", True)
+    monkeypatch.setitem(backend_mod._step, "scheduler_hooked", False)
     gpu = SimpleNamespace(use_v2_model_runner=True, device_config=SimpleNamespace(device_type="cuda"))
-    with pytest.raises(ValueError, match=r"^--kv-cache-dtype kvarn_k4v2_g128_sink: .*GPU model runner"):
+    with pytest.raises(ValueError, match=r"^--kv-cache-dtype kvarn_k4v2_g128_sink: .*scheduler output"):
         backend_mod.check_sink(gpu, "kvarn_k4v2_g128_sink")
     backend_mod.check_sink(gpu, "kvarn_k4v2_g128")
+    monkeypatch.setitem(backend_mod._step, "scheduler_hooked", True)
+    backend_mod.check_sink(gpu, "kvarn_k4v2_g128_sink")
+    # a prefix hit inside a block would be copied without its sink
+    run = _run(block_size=128, user_block=True, unit=64)
+    run.parallel_config.world_size = 1
+    with pytest.raises(ValueError, match="copy-on-write"):
+        checks.check_run(run, "kvarn_k4v2_g64_sink")
+    checks.check_run(run, "kvarn_k4v2_g64")
     with pytest.raises(ValueError, match="unknown KVarN cache dtype 'kvarn_k4v2_g128_snk'"):
         checks.preset_config("kvarn_k4v2_g128_snk")
     for name in ("kvarn_k4v2_g128_ks", "kvarn_k4v2_g128_ks_sink"):  # key smoothing, one vector per sequence
@@ -399,3 +409,63 @@ def test_the_config_hook_serves_a_biased_model_in_the_ks_form(tmp_path, monkeypa
         assert get_attn_backend(64, torch.bfloat16, config.cache_config.cache_dtype) is BACKENDS["kvarn_k4v2_g128_ks"]
     monkeypatch.setenv(checks.KEY_SMOOTHING_ENV, "off")
     assert build().cache_config.cache_dtype == TINY
+
+
+def test_the_gpu_runner_hooks_hand_the_sink_rows_ids_and_scheduler_outputs(monkeypatch):
+    """On vLLM's GPU runner (V2) the plugin wraps ``prepare_attn`` (rows, request ids) and ``execute_model``
+    (each real step's scheduler output, before the original runs; dummy runs pass untouched)."""
+    import sys
+    import types
+
+    import numpy as np
+
+    from kvarn.integration.vllm import backend as backend_mod
+    from kvarn.integration.vllm import plugin
+    from kvarn.paged import SinkSlots
+
+    calls = []
+
+    class Runner:
+        kv_cache_config = SimpleNamespace(
+            kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=64), layer_names=["l0"])]
+        )
+
+        def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False):
+            calls.append(("execute", dict(backend_mod._sink_book.first)))
+            return "out"
+
+    class ModelState:
+        def prepare_attn(self, input_batch):
+            calls.append(("prepare", backend_mod._step["req_ids"]))
+
+    runner_mod = types.ModuleType("vllm.v1.worker.gpu.model_runner")
+    runner_mod.GPUModelRunner = Runner
+    state_mod = types.ModuleType("vllm.v1.worker.gpu.model_states.default")
+    state_mod.DefaultModelState = ModelState
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu.model_runner", runner_mod)
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu.model_states.default", state_mod)
+    monkeypatch.setitem(backend_mod._step, "hooked", False)
+    monkeypatch.setitem(backend_mod._step, "scheduler_hooked", False)
+    monkeypatch.setattr(backend_mod, "_sink_book", backend_mod.SinkBook())
+    sinks = SinkSlots(4, 64)
+    backend_mod._sink_book.pools.add(sinks)
+    sinks.assign([(0, 9, 0)], 1)  # block 9 held a first tile before; the scheduler now hands it out fresh
+    assert plugin.install_runner_hook() and backend_mod._step["scheduler_hooked"]
+    ModelState().prepare_attn(
+        SimpleNamespace(idx_mapping_np=np.array([3]), query_start_loc_np=np.array([0, 5]), req_ids=["a"])
+    )
+    assert calls[-1] == ("prepare", ["a"])
+    output = SimpleNamespace(
+        finished_req_ids=set(),
+        preempted_req_ids=set(),
+        scheduled_new_reqs=[SimpleNamespace(req_id="a", block_ids=([4, 9],), num_computed_tokens=64)],
+        scheduled_cached_reqs=SimpleNamespace(new_block_ids=[]),
+        num_scheduled_tokens={"a": 70},
+    )
+    assert Runner().execute_model(output) == "out"
+    assert calls[-1] == ("execute", {"a": (4,)}) and sinks.live == {}  # block 9 (past the 64-token hit) is fresh
+    assert backend_mod._sink_book.group_of == {"l0": 0} and backend_mod._sink_book.scheduled == {"a"}
+    Runner().execute_model(SimpleNamespace(), None, True)  # a dummy run: not read
+    output.finished_req_ids, output.scheduled_new_reqs = {"a"}, []
+    Runner().execute_model(output)
+    assert calls[-1] == ("execute", {})

@@ -85,6 +85,7 @@ from kvarn.paged import (
     PREFILL_MIN_QUERIES,
     PagedKV,
     PrefillSplit,
+    SinkSlots,
     TilePlan,
     TilePlanner,
     VarlenAttention,
@@ -96,7 +97,7 @@ logger = logging.getLogger("vllm.kvarn")
 
 BACKEND_NAME = "KVARN"
 _logged_capacity: set[tuple] = set()
-_step: dict[str, object] = {"rows": None, "qsl": None, "hooked": False}
+_step: dict[str, object] = {"rows": None, "qsl": None, "req_ids": None, "hooked": False, "scheduler_hooked": False}
 
 
 def page_slot_bytes(cfg) -> int:
@@ -108,20 +109,92 @@ def page_slot_bytes(cfg) -> int:
     return -(-cfg.record_bytes // cfg.group_size)
 
 
-def set_step_rows(idx_mapping: np.ndarray, query_start_loc: np.ndarray) -> None:
+def set_step_rows(idx_mapping: np.ndarray, query_start_loc: np.ndarray, req_ids=None) -> None:
     """Record the stable request index of each row of the step being built (the plugin calls it).
 
     ``idx_mapping: [num_reqs]`` (request index per batch row), ``query_start_loc``: the host array
     the step's ``CommonAttentionMetadata.query_start_loc_cpu`` is a view of (how :meth:`build`
-    knows the indices belong to the batch it builds).
+    knows the indices belong to the batch it builds), ``req_ids``: each row's request id (the
+    sink looks up the request's first block by it).
     """
     _step["rows"] = np.asarray(idx_mapping)
     _step["qsl"] = query_start_loc
+    _step["req_ids"] = None if req_ids is None else list(req_ids)
 
 
 def mark_step_rows_hooked() -> None:
     """The plugin hooked the model runner: :func:`set_step_rows` will be called every step."""
     _step["hooked"] = True
+
+
+def mark_scheduler_hooked() -> None:
+    """The plugin hooked the GPU runner's ``execute_model``: :func:`note_schedule` sees every real step."""
+    _step["scheduler_hooked"] = True
+
+
+class SinkBook:
+    """The sink's view of vLLM's scheduler on the GPU model runner (V2), which keeps no block table on the host.
+
+    Per live request the block of its first tile in each KV-cache group (``first``, from the
+    scheduler output that admitted it: a request's blocks are written from 0 only on admission and
+    only appended afterwards), the ids of the requests of the latest real step (``scheduled``),
+    and every sink pool of this process (``pools``, one :class:`~kvarn.paged.SinkSlots` per
+    ``_sink`` builder). :func:`note_schedule` drops the sink of every block the scheduler hands out
+    fresh before the step that writes it is planned, so a sink always holds its block's own first
+    tile; vLLM's engine runs that call, the builders and the scheduler on one thread (the ``uni``
+    executor, which the checks require), so the block pool a sink eviction consults is the one
+    the scheduler just left.
+    """
+
+    def __init__(self):
+        self.first: dict[str, tuple[int, ...]] = {}
+        self.scheduled: set[str] = set()
+        self.group_of: dict[str, int] = {}
+        self.pools: weakref.WeakSet[SinkSlots] = weakref.WeakSet()
+
+    def drop(self, blocks) -> None:
+        for pool in list(self.pools):
+            for block in blocks:
+                pool.drop(int(block))
+
+
+_sink_book = SinkBook()
+
+
+def note_schedule(scheduler_output, runner=None) -> None:
+    """Update :data:`_sink_book` from one real step's ``SchedulerOutput`` (the plugin calls it first thing
+    in the GPU runner's ``execute_model``; dummy runs do not come here).
+
+    Departed requests (finished, preempted) forget their first blocks; admitted ones (new,
+    resumed, re-added) record theirs and drop the sinks of their fresh blocks (those past the
+    prefix hit, ``num_computed_tokens`` rounded up to a block); running requests drop the sinks of
+    the blocks appended to them. ``runner`` (the model runner) gives each group's block size and
+    layers; without it one group of ``G``-token blocks is assumed.
+    """
+    book = _sink_book
+    if not book.pools:
+        return
+    groups = getattr(getattr(runner, "kv_cache_config", None), "kv_cache_groups", None)
+    sizes = None
+    if groups:
+        sizes = [int(group.kv_cache_spec.block_size) for group in groups]
+        if not book.group_of:
+            book.group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
+    for req_id in set(scheduler_output.finished_req_ids or ()) | set(
+        getattr(scheduler_output, "preempted_req_ids", None) or ()
+    ):
+        book.first.pop(req_id, None)
+    for new in scheduler_output.scheduled_new_reqs:
+        ids = new.block_ids
+        book.first[new.req_id] = tuple(int(group[0]) if len(group) else -1 for group in ids)
+        for g, group in enumerate(ids):
+            size = sizes[g] if sizes else next(iter(book.pools)).group_size
+            book.drop(group[-(-int(new.num_computed_tokens) // size) :])
+    cached = scheduler_output.scheduled_cached_reqs
+    for new_ids in getattr(cached, "new_block_ids", None) or ():
+        for group in new_ids or ():
+            book.drop(group)
+    book.scheduled = set(scheduler_output.num_scheduled_tokens)
 
 
 _planners: weakref.WeakSet[TilePlanner] = weakref.WeakSet()
@@ -227,10 +300,10 @@ def check_sink(vllm_config, preset: str) -> None:
     """Refuse a ``_sink`` cache dtype where the sink cannot be kept exactly."""
     if not has_sink(preset) or vllm_config is None:
         return
-    if per_request_slots(vllm_config):
+    if per_request_slots(vllm_config) and not _step["scheduler_hooked"]:
         raise ValueError(
-            f"--kv-cache-dtype {preset}: the full-precision sink is not served on vLLM's GPU model runner "
-            f"(V2: request-index tail slots and CUDA-graph decode); use --kv-cache-dtype "
+            f"--kv-cache-dtype {preset}: the full-precision sink on vLLM's GPU model runner needs each step's "
+            "scheduler output, and the plugin found no GPUModelRunner.execute_model to hook; use --kv-cache-dtype "
             f"{preset.removesuffix(SINK_SUFFIX)}"
         )
     if not install_block_pool_hook():
@@ -368,8 +441,10 @@ class KVarNMetadata(AttentionMetadata):
 class _DecodeBuffers:
     """Persistent device tensors a captured decode step reads; :meth:`KVarNMetadataBuilder.build` refills them."""
 
-    def __init__(self, max_tokens: int, max_reqs: int, device):
+    def __init__(self, max_tokens: int, max_reqs: int, device, sink: bool = False):
         self.mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        self.sink_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device) if sink else None
+        self.sink_slots = torch.full((max_reqs,), -1, dtype=torch.int32, device=device) if sink else None
         # int32: the attention kernel's type, so no cast launch per layer
         self.tail_slots = torch.zeros(max_reqs, dtype=torch.int32, device=device)
         self.commit_slots = torch.zeros(max_reqs, dtype=torch.int64, device=device)
@@ -403,7 +478,9 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         released = not self.per_request and install_release_hook()
         self.num_slots = tail_slot_count(vllm_config, per_request=self.per_request, departures_reported=released)
         self.num_sink_slots = sink_slot_count(vllm_config) if self.backend.sink else 0
-        self.scratch_slot = self.num_slots
+        self.scratch_slot = self.num_sink_slots + self.num_slots
+        self.sinks = None  # request-index mode: the sink slots (the planner keeps them otherwise)
+        self.layer_name = layer_names[0] if layer_names else ""
         self.planner = None
         if not self.per_request:
             self.planner = TilePlanner(
@@ -413,6 +490,9 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
                 sink_pinned=block_held,
                 on_sink_evicted=forget_cached_block,
             )
+        elif self.num_sink_slots:
+            self.sinks = SinkSlots(self.num_sink_slots, self.cfg.group_size, block_held, forget_cached_block)
+            _sink_book.pools.add(self.sinks)
         if self.planner is not None:
             _planners.add(self.planner)
         self.buffers = None
@@ -422,7 +502,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         if self.per_request:
             sched = vllm_config.scheduler_config
             size = max(int(sched.max_num_batched_tokens), int(sched.max_num_seqs))
-            self.buffers = _DecodeBuffers(size, size, device)
+            self.buffers = _DecodeBuffers(size, size, device, sink=self.sinks is not None)
         self._log_capacity(vllm_config, kv_cache_spec, len(layer_names))
 
     def _log_capacity(self, vllm_config, spec, num_layers: int) -> None:
@@ -484,8 +564,28 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
                 "run with VLLM_USE_V2_MODEL_RUNNER=0 (tail slots then follow block ids) or report this"
             )
         slots = np.full(batch, self.scratch_slot, dtype=np.int64)
-        slots[: min(len(rows), batch)] = rows[:batch]
+        slots[: min(len(rows), batch)] = rows[:batch] + self.num_sink_slots
         return slots
+
+    def _sink_slots(self, qsl: np.ndarray, lens: np.ndarray, batch: int) -> np.ndarray:
+        """Each row's sink slot in request-index mode (``-1`` for rows of no live request: dummy and
+        CUDA-graph capture batches), from the first blocks :func:`note_schedule` recorded."""
+        req_ids = _step["req_ids"]
+        if req_ids is None:
+            raise RuntimeError("the KVarN sink did not receive this step's request ids from vLLM's GPU model runner")
+        book = _sink_book
+        group = book.group_of.get(self.layer_name, 0)
+        rows = []
+        for r, req_id in enumerate(req_ids[:batch]):
+            n = int(qsl[r + 1] - qsl[r])
+            first = book.first.get(req_id)
+            if first is None:
+                if req_id in book.scheduled:
+                    raise RuntimeError(f"the KVarN sink has no first block for request {req_id!r} of this step")
+                continue
+            if n > 0 and first[group] >= 0:
+                rows.append((r, first[group], int(lens[r]) - n))
+        return np.asarray(self.sinks.assign(rows, batch), dtype=np.int64)
 
     def build(
         self,
@@ -516,7 +616,10 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             meta.plan = self.planner.plan(qsl_cpu, lens_cpu, block_table.cpu(), cam.num_actual_tokens, self.device)
             return meta
         slots = self._request_slots(cam, batch)
-        plan = plan_request_slots(qsl_cpu, lens_cpu, block_table, cam.num_actual_tokens, slots, self.cfg.group_size)
+        qsl_np, lens_np = qsl_cpu.numpy(), np.asarray(lens_cpu)
+        sinks = None if self.sinks is None else self._sink_slots(qsl_np, lens_np, batch)
+        g = self.cfg.group_size
+        plan = plan_request_slots(qsl_np, lens_np, block_table, cam.num_actual_tokens, slots, g, sinks)
         meta.plan = plan
         if cam.max_query_len == 1 and cam.num_actual_tokens == batch and plan.late_tail_slot_mapping is None:
             self._decode_shape(meta, plan, batch)
@@ -536,8 +639,14 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             buf.commit_blocks[:nc].copy_(plan.commit_blocks)
             buf.commit_first[:nc].copy_(plan.commit_first)
         buf.commit_flag.fill_(nc > 0)
+        sink = {}
+        if buf.sink_slots is not None:
+            buf.sink_mapping[:batch].copy_(plan.sink_slot_mapping)
+            buf.sink_slots[:batch].copy_(plan.sink_slots)
+            sink = {"sink_slot_mapping": buf.sink_mapping[:batch], "sink_slots": buf.sink_slots[:batch]}
         exact = dataclasses.replace(
             plan,
+            **sink,
             tail_slot_mapping=buf.mapping[:batch],
             tail_slots=buf.tail_slots[:batch],
             head_slots=buf.tail_slots[:batch],  # one slot per request: the step's tile is in it

@@ -260,6 +260,12 @@ def run_problems(vllm_config, preset: str) -> list[str]:
                 sink_slot_count(vllm_config)
         except ValueError as exc:
             problems.append(str(exc))
+    if has_sink(preset) and unit is not None and cache.user_specified_block_size and unit < cache.block_size:
+        problems.append(
+            f"--prefix-match-unit {unit} below --block-size {cache.block_size} lets a prefix hit end inside a "
+            "block, which vLLM then copies (copy-on-write) without the first tile's full-precision sink; set "
+            f"--prefix-match-unit to the block size, or drop the {SINK_SUFFIX} suffix"
+        )
     if has_sink(preset):
         parallel = vllm_config.parallel_config
         world = getattr(parallel, "world_size", 1) or 1

@@ -22,9 +22,10 @@ Five things, each detected by feature, never by version number:
    it as named), logged in one line. Doing it there, not per layer, keeps every layer, the page
    size and vLLM's cached backend selection (keyed by the dtype, not the model) on one format.
 5. **Where vLLM lacks them (0.26):** a page-size hook (``Attention.get_kv_cache_spec`` asks the
-   KVarN backend's ``customize_spec``, as 0.32 does itself) and, on CUDA, the request indices of
-   each step of the GPU model runner for the tail slots (see :mod:`kvarn.integration.vllm.backend`).
-   Both act on KVarN layers only.
+   KVarN backend's ``customize_spec``, as 0.32 does itself) and, on CUDA, the request indices and
+   ids of each step of the GPU model runner for the tail slots, plus each real step's scheduler
+   output for the sink (see :mod:`kvarn.integration.vllm.backend`). They act on KVarN layers and
+   ``_sink`` caches only.
 
 The checks shared with the backend live in :mod:`kvarn.integration.vllm.checks`.
 """
@@ -188,8 +189,11 @@ def install_runner_hook() -> bool:
 
     Wraps the model states' ``prepare_attn(input_batch, ...)``, which every real, dummy and
     capture step of that runner goes through right before the metadata builders run, to record
-    ``input_batch.idx_mapping_np`` (the stable index of each row's request). Returns whether a
-    hook was installed; without it tail slots are keyed by block id.
+    ``input_batch.idx_mapping_np`` (the stable index of each row's request) and ``req_ids``.
+    Returns whether a hook was installed; without it tail slots are keyed by block id. Also wraps
+    the runner's ``execute_model`` so the sink sees each real step's scheduler output first
+    (:func:`~kvarn.integration.vllm.backend.note_schedule`: first blocks and fresh blocks); it does
+    nothing unless a ``_sink`` cache is being served.
     """
     import importlib
 
@@ -215,7 +219,7 @@ def install_runner_hook() -> bool:
             rows = getattr(input_batch, "idx_mapping_np", None)
             qsl = getattr(input_batch, "query_start_loc_np", None)
             if rows is not None and qsl is not None:
-                set_step_rows(rows, qsl)
+                set_step_rows(rows, qsl, getattr(input_batch, "req_ids", None))
             return _original(self, input_batch, *args, **kwargs)
 
         setattr(prepare_attn, _HOOK_MARK, True)
@@ -224,7 +228,40 @@ def install_runner_hook() -> bool:
         hooked = True
     if hooked:
         mark_step_rows_hooked()
+        install_scheduler_hook()
     return hooked
+
+
+def install_scheduler_hook() -> bool:
+    """Wrap the GPU model runner's (V2) ``execute_model`` to hand each real step's scheduler output to the sink.
+
+    Returns whether the hook is in place. Dummy runs (``dummy_run=True``: profiling, CUDA-graph
+    capture) are not real steps and pass untouched.
+    """
+    import importlib
+
+    from kvarn.integration.vllm.backend import mark_scheduler_hooked, note_schedule
+
+    try:
+        cls = importlib.import_module("vllm.v1.worker.gpu.model_runner").GPUModelRunner
+    except (ImportError, AttributeError):
+        return False
+    original = cls.__dict__.get("execute_model")
+    if original is None:
+        return False
+    if not getattr(original, _HOOK_MARK, False):
+
+        def execute_model(self, scheduler_output, *args, _original=original, **kwargs):
+            dummy = kwargs.get("dummy_run", args[1] if len(args) > 1 else False)
+            if not dummy and scheduler_output is not None:
+                note_schedule(scheduler_output, self)
+            return _original(self, scheduler_output, *args, **kwargs)
+
+        setattr(execute_model, _HOOK_MARK, True)
+        execute_model.__wrapped__ = original
+        cls.execute_model = execute_model
+    mark_scheduler_hooked()
+    return True
 
 
 def install_selection_hook(platform=None) -> bool:
