@@ -24,7 +24,9 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.uint8)
 """Dtypes of the deciding tensor for which ``auto`` uses Triton (uint8: the records themselves)."""
 REFERENCE_ONLY = frozenset({"prepare", "rotate", "from_pool", "sequence_smoothing_vector"})
 """Ops with no kernel of their own (cheap elementwise or small-matrix work): every ``impl`` runs the reference."""
-SMOOTH_KERNEL_OPS = frozenset({"encode_records", "store_tiles", "commit_tiles", "decode_records", "paged_attention"})
+SMOOTH_KERNEL_OPS = frozenset(
+    {"encode_records", "store_tiles", "commit_tiles", "decode_records", "paged_attention", "write_record_pages"}
+)
 """Ops whose kernels implement ``smooth_keys`` records; for a smoothed format every other op runs the reference."""
 
 
@@ -148,6 +150,53 @@ def sequence_smoothing_vector(first_tiles, *, impl: str = "auto") -> torch.Tenso
 def decode_records(records, cfg, *, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Records to rotated fp32 K/V tiles. See :func:`kvarn.reference.decode_records`."""
     return _pick("decode_records", impl, records, _smoothed(cfg))(records, cfg)
+
+
+def _page_dtypes(impl: str, *tensors_or_dtypes) -> str:
+    """``impl``, or ``"reference"`` for ``auto`` when a page op's pages or pool are not fp16/bf16 (fp32 pages)."""
+    dtypes = [getattr(t, "dtype", t) for t in tensors_or_dtypes if t is not None]
+    if impl == "auto" and any(d not in (torch.float16, torch.bfloat16) for d in dtypes):
+        return "reference"
+    return impl
+
+
+def write_record_pages(
+    cache,
+    block_table,
+    rows,
+    tiles,
+    k_pages,
+    v_pages,
+    cfg,
+    tail_k=None,
+    tail_v=None,
+    sink_slots=None,
+    *,
+    impl: str = "auto",
+) -> None:
+    """Record tiles (sinks from their pool slots) into model-frame pages.
+
+    See :func:`kvarn.reference.write_record_pages`.
+
+    ``auto`` runs the kernel for records on CUDA with fp16/bf16 pages (and pool, with sinks).
+    """
+    impl = _page_dtypes(impl, k_pages, None if sink_slots is None else tail_k)
+    fn = _pick("write_record_pages", impl, cache, _smoothed(cfg))
+    fn(cache, block_table, rows, tiles, k_pages, v_pages, cfg, tail_k, tail_v, sink_slots)
+
+
+def write_row_pages(
+    k, v, rows, dst, k_pages, v_pages, cfg, from_model, slots=None, pool_dtype=None, *, impl: str = "auto"
+) -> None:
+    """Model-frame K/V rows (through the pool form) or pool rows into pages.
+
+    See :func:`kvarn.reference.write_row_pages`.
+
+    ``auto`` runs the kernel for CUDA fp16/bf16 sources with fp16/bf16 pages (and ``pool_dtype``).
+    """
+    impl = _page_dtypes(impl, k_pages, pool_dtype if from_model else None)
+    fn = _pick("write_row_pages", impl, k)
+    fn(k, v, rows, dst, k_pages, v_pages, cfg, from_model, slots, pool_dtype)
 
 
 def paged_attention(

@@ -696,38 +696,42 @@ class PagedKV:
         sink tile read from its slot), and each tile holding queries gets a full-precision page:
         the tile's tokens before the step from the head slot, the step's from ``key, value:
         [T, Hkv, D]`` through the pool form (the values a tail slot would hold). Batched over all
-        requests; values leave the rotated frame through one matrix product with ``H`` per tensor.
+        requests, three launches (:func:`kvarn.ops.write_record_pages`, then
+        :func:`kvarn.ops.write_row_pages` for the head slots' tokens and for the step's), each
+        writing its rows straight into the pages (:mod:`kvarn.reference.pages` states the values).
+
+        Every page element is written once: the record pages whole, and of each query tile's page
+        its rows before ``seqused_k`` (head slot and step tokens) and, as zeros, the rows past it
+        (only the last query tile of a request has any; the attention never reads them, and zeros
+        keep a ``0 * garbage`` product of a masked key finite). Those padding rows are found on the
+        host once per layout and kept with its device index arrays.
         """
         cfg, g = self.cfg, self.cfg.group_size
         heads, d = self.cache.shape[1], cfg.head_dim
         dev = self.cache.device
-        h = ops.hadamard_matrix(d, dev) if cfg.rotate else None
-
-        def model_frame(x: torch.Tensor) -> torch.Tensor:
-            return x if h is None else x @ h
-
         ix = layout.on(dev)
-        pages = [torch.zeros(layout.num_pages, g, heads, d, dtype=dtype, device=dev) for _ in range(2)]
-        n_rec = ix["rec_row"].shape[0]
-        if n_rec:
-            blocks = block_table[ix["rec_row"], ix["rec_tile"]].long()
-            tiles = ops.decode_records(self.cache[blocks], cfg, impl=self.impl)  # [N, Hkv, G, D] fp32 each
-            for page, x in zip(pages, tiles, strict=True):
-                page[:n_rec] = model_frame(x).transpose(1, 2).to(dtype)
-            if plan.sink_slots is not None and layout.sink_pages.size:
-                sinks = plan.sink_slots[ix["sink_rows"]].long()
-                for page, pool in zip(pages, (self.tail_k, self.tail_v), strict=True):
-                    held = ops.from_pool(pool.index_select(0, sinks.clamp(min=0)))
-                    keep = (sinks >= 0).view(-1, 1, 1, 1)
-                    page[ix["sink_pages"]] = torch.where(keep, model_frame(held).to(dtype), page[ix["sink_pages"]])
+        pages = [torch.empty(layout.num_pages, g, heads, d, dtype=dtype, device=dev) for _ in range(2)]
+        if ix["rec_row"].shape[0]:
+            ops.write_record_pages(
+                self.cache,
+                block_table,
+                ix["rec_row"],
+                ix["rec_tile"],
+                *pages,
+                cfg,
+                self.tail_k,
+                self.tail_v,
+                plan.sink_slots,
+                impl=self.impl,
+            )
         if ix["held_dst"].shape[0]:
-            slots = plan.head_slots[ix["held_rows"]].long()
-            for page, pool in zip(pages, (self.tail_k, self.tail_v), strict=True):
-                held = pool.index_select(0, slots).reshape(-1, heads, d).index_select(0, ix["held_src"])
-                page.view(-1, heads, d).index_copy_(0, ix["held_dst"], model_frame(ops.from_pool(held)).to(dtype))
-        for page, x in zip(pages, (key, value), strict=True):
-            new = ops.from_pool(ops.prepare(x[ix["tokens"]], self.tail_k.dtype, cfg.rotate, impl=self.impl))
-            page.view(-1, heads, d).index_copy_(0, ix["token_dst"], model_frame(new).to(dtype))
+            slots = plan.head_slots[ix["held_rows"]]
+            ops.write_row_pages(
+                self.tail_k, self.tail_v, ix["held_src"], ix["held_dst"], *pages, cfg, False, slots, impl=self.impl
+            )
+        ops.write_row_pages(
+            key, value, ix["step_rows"], ix["step_dst"], *pages, cfg, True, None, self.tail_k.dtype, impl=self.impl
+        )
         table, cu_q, used = ix["block_table"], ix["cu_q"], ix["seqused_k"]
         return PagedChunks(pages[0], pages[1], layout.cu_q, layout.seqused_k, table, cu_q, used)
 
@@ -959,6 +963,11 @@ class PageLayout:
         tokens = np.concatenate([np.arange(f, e) for f, e in zip(first, end, strict=True)])
         token_dst = np.concatenate([exact_base[i] * g + pre[i] + np.arange(end[i] - first[i]) for i in range(len(r))])
         with_rec = np.flatnonzero(last > 0)
+        # the rows of each query tile's own page past its last key (only a request's last query tile
+        # has any): written as zeros, after the step's tokens (source row -1)
+        row_in_page = np.arange(g)
+        own_page = table[np.arange(len(qreq)), qtile] * g
+        pad = (own_page[:, None] + row_in_page)[row_in_page[None, :] >= (hi - qtile * g)[:, None]]
         arrays = {
             "rec_row": r[req],
             "rec_tile": np.arange(len(req)) - np.repeat(rec_base, last),
@@ -969,6 +978,8 @@ class PageLayout:
             "held_dst": np.concatenate([[0], *(exact_base[i] * g + np.arange(pre[i]) for i in has)])[1:],
             "tokens": tokens,
             "token_dst": token_dst,
+            "step_rows": np.concatenate([tokens, np.full(pad.size, -1)]),
+            "step_dst": np.concatenate([token_dst, pad]),
             "block_table": table,
         }
         cu_q = np.concatenate([[0], np.cumsum(hi - lo)]).tolist()
@@ -977,6 +988,9 @@ class PageLayout:
     def on(self, device: torch.device | str) -> dict[str, torch.Tensor]:
         """The index arrays as int64 tensors on ``device`` (one copy, made once), plus ``block_table``,
         ``cu_q`` and ``seqused_k`` in int32 (the varlen attention's argument types)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         key = str(device)
         if key not in self._device:
             host = dict(self.arrays, cu_q=np.array(self.cu_q), seqused_k=np.array(self.seqused_k))

@@ -39,6 +39,18 @@ STORE = {
     "seq_smooth_phase1": (("kvarn_k2v2_g128", SEQ), 1),
 }
 
+PAGES = {
+    # id: kernel, preset, D, num_warps, constexprs (LAYOUT and INV_SQRT_D added)
+    "records_sink": ("_record_pages_kernel", "kvarn_k4v2_g128", 128, 8, {"HAS_SINK": True, "ROTATE": True}),
+    "records_d256": ("_record_pages_kernel", "kvarn_k2v2_g128", 256, 8, {"HAS_SINK": False, "ROTATE": True}),
+    "rows_from_model": ("_row_pages_kernel", "kvarn_k4v2_g128", 128, 4, {"FROM_MODEL": True, "HAS_SLOTS": False}),
+    "rows_from_pool": ("_row_pages_kernel", "kvarn_k4v2_g64", 64, 4, {"FROM_MODEL": False, "HAS_SLOTS": True}),
+}
+PAGE_PTRS = {"cache": "*u8", "block_table": "*i32", "rows": "*i64", "tiles": "*i64", "sink_slots": "*i64"}
+PAGE_PTRS |= {"slots": "*i64", "dst": "*i64"} | {
+    n: "*bf16" for n in ("k", "v", "k_pages", "v_pages", "tail_k", "tail_v")
+}
+
 pytestmark = pytest.mark.slow  # ~45 s on 2 cores: each compile runs ptxas
 
 
@@ -47,6 +59,25 @@ def _cfg(preset, d: int):
 
     name, over = (preset, {}) if isinstance(preset, str) else preset
     return KVarNConfig.from_preset(name, head_dim=d, **over)
+
+
+def _compile_pages(kernel_name: str, preset: str, d: int, num_warps: int, extra: dict):
+    """One launch of a :mod:`kvarn.kernels.pages` kernel (bf16 pages and pool), compiled for sm_90."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvarn.kernels import pages
+    from kvarn.kernels._common import inv_sqrt, record_layout
+
+    kernel = getattr(pages, kernel_name)
+    cfg = _cfg(preset, d)
+    const = dict(LAYOUT=record_layout(cfg), INV_SQRT_D=inv_sqrt(d), ROWS=64, IN_BF16=True, POOL_BF16=True)
+    const |= dict(PAGE_BF16=True) | extra
+    const = {n: v for n, v in const.items() if n in kernel.arg_names}
+    sig = {n: "constexpr" if n in const else PAGE_PTRS.get(n, "i32") for n in kernel.arg_names}
+    opts = {"num_warps": num_warps, "num_stages": 1}
+    return triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32), options=opts)
 
 
 def _compile_all() -> dict[str, str]:
@@ -63,6 +94,8 @@ def _compile_all() -> dict[str, str]:
         cfg = _cfg(preset, 64)
         extra = {} if phase is None else {"HAS_SMOOTH_SRC": True, "SMOOTH_PHASE": phase}
         jobs[f"store/{name}"] = lambda c=cfg, e=extra: compile_encode(c, 8 if c.smooth_keys else 4, extra=e)
+    for name, args in PAGES.items():
+        jobs[f"pages/{name}"] = lambda a=args: _compile_pages(*a)
     out = {}
     for name, job in jobs.items():
         try:
@@ -82,7 +115,9 @@ def compiled() -> dict[str, str]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("name", [f"decode/{n}" for n in DECODE] + [f"store/{n}" for n in STORE])
+@pytest.mark.parametrize(
+    "name", [f"decode/{n}" for n in DECODE] + [f"store/{n}" for n in STORE] + [f"pages/{n}" for n in PAGES]
+)
 def test_kernel_compiles_for_sm90(compiled, name):
     assert compiled[name] == "ok", compiled[name]
 

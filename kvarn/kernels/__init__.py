@@ -7,6 +7,8 @@ implementation; an op missing from it runs the reference.
 - :func:`store.write_tail`, :func:`store.commit_tiles`, :func:`store.store_tiles`,
   :func:`store.encode_records`: the store path (Sinkhorn + RTN + packing in one launch).
 - :func:`dequant.decode_records`: records back to rotated fp32 tiles.
+- :func:`pages.write_record_pages`, :func:`pages.write_row_pages`: records and K/V rows read back
+  as model-frame pages in the attention dtype (a prompt chunk's varlen attention).
 - :func:`attention.paged_attention`: decode and multi-query attention over the paged cache.
 """
 
@@ -16,6 +18,7 @@ import triton  # noqa: F401  (ImportError here means: no kernels on this machine
 
 from kvarn.kernels.attention import paged_attention
 from kvarn.kernels.dequant import decode_records
+from kvarn.kernels.pages import write_record_pages, write_row_pages
 from kvarn.kernels.store import commit_tiles, encode_records, store_tiles, write_tail
 
 OPS = {
@@ -25,6 +28,8 @@ OPS = {
     "encode_records": encode_records,
     "decode_records": decode_records,
     "paged_attention": paged_attention,
+    "write_record_pages": write_record_pages,
+    "write_row_pages": write_row_pages,
 }
 
 __all__ = [
@@ -34,5 +39,7 @@ __all__ = [
     "encode_records",
     "paged_attention",
     "store_tiles",
+    "write_record_pages",
+    "write_row_pages",
     "write_tail",
 ]

@@ -3,7 +3,8 @@
 One module per stage, in pipeline order: :mod:`tiling`, :mod:`hadamard`, :mod:`normalize`,
 :mod:`rtn`, :mod:`packing`, :mod:`dequant`; :mod:`quantize` composes them for one tile half,
 :mod:`record` lays K and V out as cache records, :mod:`cache` stores into and gathers from the
-paged cache, :mod:`attention` attends over it.
+paged cache, :mod:`attention` attends over it, :mod:`pages` reads records and rows back as
+model-frame pages for a varlen attention call.
 """
 
 from kvarn.reference.attention import attend, paged_attention
@@ -12,6 +13,7 @@ from kvarn.reference.dequant import dequantize_rows
 from kvarn.reference.hadamard import hadamard_matrix, rotate
 from kvarn.reference.normalize import imbalance, sinkhorn
 from kvarn.reference.packing import pack_codes, unpack_codes
+from kvarn.reference.pages import records_to_pages, rows_to_pages, write_record_pages, write_row_pages
 from kvarn.reference.quantize import (
     TileHalf,
     dequantize_half,
@@ -60,7 +62,9 @@ __all__ = [
     "prepare",
     "quantize_half",
     "quantize_rows",
+    "records_to_pages",
     "rotate",
+    "rows_to_pages",
     "scale_half",
     "scale_records",
     "sequence_smoothing_vector",
@@ -70,5 +74,7 @@ __all__ = [
     "store_tiles",
     "unpack_codes",
     "unpack_record",
+    "write_record_pages",
+    "write_row_pages",
     "write_tail",
 ]
