@@ -42,7 +42,7 @@ STORE = {
 PAGES = {
     # id: kernel, preset, D, num_warps, constexprs (LAYOUT and INV_SQRT_D added)
     "records_sink": ("_record_pages_kernel", "kvarn_k4v2_g128", 128, 8, {"HAS_SINK": True, "ROTATE": True}),
-    "records_d256": ("_record_pages_kernel", "kvarn_k2v2_g128", 256, 8, {"HAS_SINK": False, "ROTATE": True}),
+    "records_d256": ("_record_pages_kernel", "kvarn_k4v2_g64", 256, 8, {"HAS_SINK": False, "ROTATE": True}),
     "rows_from_model": ("_row_pages_kernel", "kvarn_k4v2_g128", 128, 4, {"FROM_MODEL": True, "HAS_SLOTS": False}),
     "rows_from_pool": ("_row_pages_kernel", "kvarn_k4v2_g64", 64, 4, {"FROM_MODEL": False, "HAS_SLOTS": True}),
 }

@@ -157,16 +157,17 @@ def _dequant_cols(rec, half, C0: tl.constexpr, B: tl.constexpr, L: tl.constexpr)
 
     ``_dequant_values``' arithmetic, ``(code * scale + zero) * col``, on a block of channels (``D > 128``).
     """
+    # each branch names its own fields: Triton 3.6 refuses a name bound to two shapes by the branches
     if half == 0:
-        code, scale, zero, col = _half_fields(
+        k_code, k_scale, k_zero, k_col = _half_fields(
             rec, C0, B, 0, L.G, L.D, L.G, L.K_BITS, L.K_CODES, L.K_SCALE, L.K_ZERO, L.K_TOK
         )  # [B, G]
-        x = tl.trans((code * scale[:, None] + zero[:, None]) * col[None, :])
+        x = tl.trans((k_code * k_scale[:, None] + k_zero[:, None]) * k_col[None, :])
     else:
-        code, scale, zero, col = _half_fields(
+        v_code, v_scale, v_zero, v_col = _half_fields(
             rec, 0, L.G, C0, B, L.G, L.D, L.V_BITS, L.V_CODES, L.V_SCALE, L.V_ZERO, L.V_CHAN
         )  # [G, B]
-        x = (code * scale[:, None] + zero[:, None]) * col[None, :]
+        x = (v_code * v_scale[:, None] + v_zero[:, None]) * v_col[None, :]
     return x
 
 
