@@ -43,8 +43,10 @@ evicted, and no block id is read on the host.
 Sink (optional, ``num_sink_slots > 0``): the tokens of a sequence's first tile also go to a
 *sink slot*, keyed by the block id of that first tile, and attention reads the first tile from
 the sink slot in full precision instead of from its record (the record is written all the same).
-Requests whose first tiles share a block (a prefix-cache hit) share its sink. The planner sees
-every write, so the key stays true to the block's contents:
+Requests whose first tiles share a block (a prefix-cache hit) share its sink.
+:class:`SinkSlots` keeps the map; the planner sees every write, so the key stays true to the
+block's contents (a caller of :func:`plan_request_slots`, which sees no block ids, drops the sinks
+of blocks it hands out fresh itself: the vLLM backend on the GPU runner):
 
 - a request that writes its first tile from offset 0 claims the block's sink slot (a new one, or
   the one the block had: it is overwritten before it is read);

@@ -29,17 +29,18 @@ programs exit at once). The captured forward writes the tail, then commits under
 conditional node that runs only when the builder set its flag (a decode step commits a tile in
 one step of ``G``), then attends; nothing in it reads a value on the host.
 
-Sink (``--kv-cache-dtype kvarn_..._sink``, CPU runner only). The first tile of every sequence is
-also kept in full precision in a sink slot keyed by the block id of that first tile
-(:class:`kvarn.paged.TilePlanner`), so requests sharing a first tile through the prefix cache
-share its sink. A sink is freed when its block is written as another tile, and evicted (least
+Sink (``--kv-cache-dtype kvarn_..._sink``). The first tile of every sequence is also kept in full
+precision in a sink slot keyed by the block id of that first tile (:class:`kvarn.paged.SinkSlots`),
+so requests sharing a first tile through the prefix cache share its sink. A sink is freed when its
+block is written as another tile (CPU runner: the planner sees it in the block table) or handed out
+fresh by the scheduler (GPU runner: :func:`note_schedule` reads each real step's scheduler output,
+which also gives each request's first block; rows find theirs by request id), and evicted (least
 recently used) only when vLLM's block pool says no request holds its block; the evicted block is
 dropped from vLLM's prefix cache in the same step (:func:`forget_cached_block`), so no later request
 can hit a first tile whose sink is gone. That needs the scheduler's block pool in the worker's
 process (:func:`install_block_pool_hook`; vLLM's ``uni`` executor with one worker, which the checks
-require). On the GPU model
-runner (V2: request-index slots, CUDA-graph decode) the sink is refused at start-up
-(:func:`check_sink`). See ``docs/vllm.md``.
+require). On the GPU runner the sink slots and sink writes of a decode step go into the persistent
+buffers its CUDA graphs read; rows of dummy and capture batches get slot ``-1``. See ``docs/vllm.md``.
 """
 
 from __future__ import annotations
