@@ -76,7 +76,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -145,12 +145,16 @@ class SinkSlots:
     """The full-precision sink slots of one KV-cache group: a first tile's block id -> pool row.
 
     Rows ``0 .. num_slots - 1`` of the pool (see the module docstring, "Sink"). Requests whose first
-    tiles share a block share its sink. :meth:`assign` hands out one step's sinks; the caller drops
-    the sink of a block that comes back as anything but the same first tile (:meth:`drop`): the
-    block-keyed planner sees that in its block table, vLLM's GPU runner says so in its scheduler
-    output (fresh blocks). ``pinned(block)``: whether a request holds ``block`` (its sink may not be
-    evicted); ``on_evicted(block)``: called when a sink is evicted (vLLM drops the block from its
-    prefix cache). Without ``pinned`` nothing is evicted.
+    tiles share a block share its sink. :meth:`assign` hands out one step's sinks (:meth:`read`
+    serves a step whose rows all read existing sinks, e.g. decoding, without a Python loop over
+    rows); the caller drops the sink of a block that comes back as anything but the same first
+    tile (:meth:`drop`): the block-keyed planner sees that in its block table, vLLM's GPU runner
+    says so in its scheduler output (fresh blocks). ``pinned(block)``: whether a request holds
+    ``block`` (its sink may not be evicted); ``on_evicted(block)``: called when a sink is evicted
+    (vLLM drops the block from its prefix cache). Without ``pinned`` nothing is evicted. Slots are
+    kept in least-recently-used order; an eviction takes the oldest unheld one and moves the held
+    ones it passes to the recent end (they are in use), so ``pinned`` is asked about each slot at
+    most once per eviction and about few once the held ones have moved.
     """
 
     def __init__(
@@ -166,12 +170,12 @@ class SinkSlots:
         self.num_slots = num_slots
         self.group_size = group_size
         self._slot_of: dict[int, int] = {}
+        self._by_block = np.full(0, -1, dtype=np.int64)  # the same map as an array, for :meth:`read`
         self._block: list[int | None] = [None] * num_slots
         self._free = list(range(num_slots - 1, -1, -1))
-        self._last_used = [0] * num_slots
+        self._lru: OrderedDict[int, None] = OrderedDict()  # occupied slots, least recently used first
         self._pinned = pinned
         self._on_evicted = on_evicted
-        self._step = 0
         self.stats: Counter[str] = Counter() if stats is None else stats
         """``new_sinks`` (first tiles written from offset 0), ``recycled_sinks`` (dropped because the
         block was written as another tile), ``evicted_sinks`` (taken from an unheld block)."""
@@ -192,9 +196,24 @@ class SinkSlots:
         slot = self._slot_of.pop(block, None)
         if slot is None:
             return False
+        self._by_block[block] = -1
         self._block[slot] = None
         self._free.append(slot)
+        del self._lru[slot]
         return True
+
+    def read(self, blocks: np.ndarray) -> np.ndarray | None:
+        """The sink slots of ``blocks: [N]`` (first blocks of rows that only read their first tile,
+        ``start >= G``), marked used; ``None`` if any has no sink (then :meth:`assign` raises)."""
+        blocks = np.asarray(blocks, dtype=np.int64)
+        if blocks.size and (blocks.min() < 0 or blocks.max() >= self._by_block.shape[0]):
+            return None
+        slots = self._by_block[blocks]
+        if (slots < 0).any():
+            return None
+        for slot in dict.fromkeys(slots.tolist()):
+            self._lru.move_to_end(slot)
+        return slots
 
     def assign(self, rows: list[tuple[int, int, int]], num_rows: int) -> list[int]:
         """One step's sinks: ``rows`` are ``(row, first block, start)`` for each row with tokens.
@@ -206,7 +225,6 @@ class SinkSlots:
         schedules it, e.g. for the children of ``n > 1`` sampling), whatever the rows' order.
         Raises :class:`SinkLostError` if a row with ``start > 0`` finds no sink or no slot is free.
         """
-        self._step += 1
         touched: set[int] = set()
         slots = [-1] * num_rows
         phases = (
@@ -227,7 +245,7 @@ class SinkSlots:
             if start == 0:
                 self.stats["new_sinks"] += 1
             touched.add(slot)
-            self._last_used[slot] = self._step
+            self._lru.move_to_end(slot)
             return slot
         if start > 0:
             raise SinkLostError(
@@ -236,26 +254,36 @@ class SinkSlots:
                 "a request may not read a first tile without its sink"
             )
         if not self._free:
-            idle = [
-                s
-                for s, b in enumerate(self._block)
-                if b is not None and s not in touched and self._pinned is not None and not self._pinned(b)
-            ]
-            if not idle:
+            victim = None
+            if self._pinned is not None:
+                # oldest first; a slot in use (held by a request, or used by this step) goes to the
+                # end as used, so later evictions start at sinks nobody holds
+                for _ in range(len(self._lru)):
+                    slot = next(iter(self._lru))
+                    if slot not in touched and not self._pinned(self._block[slot]):
+                        victim = slot
+                        break
+                    self._lru.move_to_end(slot)
+            if victim is None:
                 raise SinkLostError(
                     f"all {self.num_slots} full-precision sink slots hold first tiles of live requests; "
                     "raise KVARN_SINK_SLOTS (at least --max-num-seqs) or lower --max-num-seqs"
                 )
-            evicted = self._block[min(idle, key=self._last_used.__getitem__)]
+            evicted = self._block[victim]
             self._free_slot(evicted)
             self.stats["evicted_sinks"] += 1
             if self._on_evicted is not None:
                 self._on_evicted(evicted)
         slot = self._free.pop()
         self._slot_of[block] = slot
+        if block >= self._by_block.shape[0]:
+            grown = np.full(max(2 * self._by_block.shape[0], block + 1, 1024), -1, dtype=np.int64)
+            grown[: self._by_block.shape[0]] = self._by_block
+            self._by_block = grown
+        self._by_block[block] = slot
         self._block[slot] = block
         touched.add(slot)
-        self._last_used[slot] = self._step
+        self._lru[slot] = None
         self.stats["new_sinks"] += 1
         return slot
 
@@ -849,8 +877,8 @@ PREFILL_MIN_QUERIES = 64
 """A request with at least this many queries in a step attends through :meth:`PagedKV.attend_split`."""
 
 PREFILL_READ_TOKENS = 65536
-"""Most tokens :meth:`PagedKV.attend_split` reads back for one varlen call (its fp32 temporaries scale
-with it; a single longer request is read alone)."""
+"""Most tokens :meth:`PagedKV.attend_split` reads back for one varlen call (its pages, in the attention
+dtype, scale with it; a single longer request is read alone)."""
 
 
 @dataclass

@@ -727,6 +727,7 @@ def test_request_slots_sink_decode_steps_fill_the_persistent_graph_buffers():
     dummy = sim.builder.build(0, cam)
     assert dummy.graph_plan.sink_slots.tolist() == [-1, -1] and dummy.plan.sink_slot_mapping.tolist() == [-1, -1]
     # a real request the scheduler output named but whose first block was never recorded
-    backend_mod._sink_book.scheduled.add("req_0_dummy")
+    backend_mod._sink_book.scheduled.add("req_0_unknown")
+    set_step_rows(np.array([0, 1]), qsl.numpy(), ["req_0_unknown", "req_1_dummy"])
     with pytest.raises(RuntimeError, match="no first block"):
         sim.builder.build(0, cam)

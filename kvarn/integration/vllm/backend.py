@@ -151,6 +151,8 @@ class SinkBook:
         self.first: dict[str, tuple[int, ...]] = {}
         self.scheduled: set[str] = set()
         self.group_of: dict[str, int] = {}
+        self.groups_seen = None  # the kv_cache_groups list group_of was read from
+        self.version = 0  # bumped whenever ``first`` changes (the builders cache their rows' first blocks)
         self.pools: weakref.WeakSet[SinkSlots] = weakref.WeakSet()
 
     def drop(self, blocks) -> None:
@@ -179,11 +181,15 @@ def note_schedule(scheduler_output, runner=None) -> None:
     sizes = None
     if groups:
         sizes = [int(group.kv_cache_spec.block_size) for group in groups]
-        if not book.group_of:
+        if book.groups_seen is not groups:  # another engine's runner, or the first step
             book.group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
-    for req_id in set(scheduler_output.finished_req_ids or ()) | set(
+            book.groups_seen = groups
+    leaving = set(scheduler_output.finished_req_ids or ()) | set(
         getattr(scheduler_output, "preempted_req_ids", None) or ()
-    ):
+    )
+    if leaving or scheduler_output.scheduled_new_reqs:
+        book.version += 1
+    for req_id in leaving:
         book.first.pop(req_id, None)
     for new in scheduler_output.scheduled_new_reqs:
         ids = new.block_ids
@@ -191,11 +197,20 @@ def note_schedule(scheduler_output, runner=None) -> None:
         for g, group in enumerate(ids):
             size = sizes[g] if sizes else next(iter(book.pools)).group_size
             book.drop(group[-(-int(new.num_computed_tokens) // size) :])
+    for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ():
+        # a partial prefix hit copied into a fresh block (refused at start-up with a sink; guarded here)
+        dst = int(copy[1])
+        book.drop([dst])
+        if any(dst in first for first in book.first.values()):
+            raise RuntimeError(f"vLLM copied a partial prefix hit into first block {dst}: its sink would be lost")
     cached = scheduler_output.scheduled_cached_reqs
     for new_ids in getattr(cached, "new_block_ids", None) or ():
         for group in new_ids or ():
             book.drop(group)
-    book.scheduled = set(scheduler_output.num_scheduled_tokens)
+    scheduled = set(scheduler_output.num_scheduled_tokens)
+    if scheduled != book.scheduled:
+        book.version += 1
+        book.scheduled = scheduled
 
 
 _planners: weakref.WeakSet[TilePlanner] = weakref.WeakSet()
@@ -481,6 +496,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         self.num_sink_slots = sink_slot_count(vllm_config) if self.backend.sink else 0
         self.scratch_slot = self.num_sink_slots + self.num_slots
         self.sinks = None  # request-index mode: the sink slots (the planner keeps them otherwise)
+        self._first_cache = None  # (book version, request ids, their first blocks) of the last step
         self.layer_name = layer_names[0] if layer_names else ""
         self.planner = None
         if not self.per_request:
@@ -574,18 +590,31 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         req_ids = _step["req_ids"]
         if req_ids is None:
             raise RuntimeError("the KVarN sink did not receive this step's request ids from vLLM's GPU model runner")
+        req_ids = req_ids[:batch]
         book = _sink_book
-        group = book.group_of.get(self.layer_name, 0)
-        rows = []
-        for r, req_id in enumerate(req_ids[:batch]):
-            n = int(qsl[r + 1] - qsl[r])
-            first = book.first.get(req_id)
-            if first is None:
-                if req_id in book.scheduled:
-                    raise RuntimeError(f"the KVarN sink has no first block for request {req_id!r} of this step")
-                continue
-            if n > 0 and first[group] >= 0:
-                rows.append((r, first[group], int(lens[r]) - n))
+        key = (book.version, id(book.first))
+        if self._first_cache is None or self._first_cache[0] != key or self._first_cache[1] != req_ids:
+            group = book.group_of.get(self.layer_name, 0)
+            first = np.full(batch, -1, dtype=np.int64)
+            for r, req_id in enumerate(req_ids):
+                blocks = book.first.get(req_id)
+                if blocks is None:
+                    if req_id in book.scheduled:
+                        raise RuntimeError(f"the KVarN sink has no first block for request {req_id!r} of this step")
+                    continue
+                first[r] = blocks[group]
+            self._first_cache = (key, list(req_ids), first)
+        first = self._first_cache[2]
+        n = qsl[1 : batch + 1] - qsl[:batch]
+        start = lens[:batch] - n
+        live = (first >= 0) & (n > 0)
+        slots = np.full(batch, -1, dtype=np.int64)
+        if (start[live] >= self.cfg.group_size).all():  # only reads of complete first tiles (decoding)
+            got = self.sinks.read(first[live])
+            if got is not None:
+                slots[live] = got
+                return slots
+        rows = [(int(r), int(first[r]), int(start[r])) for r in np.flatnonzero(live)]
         return np.asarray(self.sinks.assign(rows, batch), dtype=np.int64)
 
     def build(
