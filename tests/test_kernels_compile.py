@@ -45,9 +45,10 @@ PAGES = {
     "records_d256": ("_record_pages_kernel", "kvarn_k4v2_g64", 256, 8, {"HAS_SINK": False, "ROTATE": True}),
     "rows_from_model": ("_row_pages_kernel", "kvarn_k4v2_g128", 128, 4, {"FROM_MODEL": True, "HAS_SLOTS": False}),
     "rows_from_pool": ("_row_pages_kernel", "kvarn_k4v2_g64", 64, 4, {"FROM_MODEL": False, "HAS_SLOTS": True}),
+    "write_tail_d256": ("_prepare_kernel", "kvarn_k4v2_g64", 256, 4, {"ROTATE": True}),  # store.py, same helper
 }
 PAGE_PTRS = {"cache": "*u8", "block_table": "*i32", "rows": "*i64", "tiles": "*i64", "sink_slots": "*i64"}
-PAGE_PTRS |= {"slots": "*i64", "dst": "*i64"} | {
+PAGE_PTRS |= {"slots": "*i64", "dst": "*i64", "mapping": "*i64"} | {
     n: "*bf16" for n in ("k", "v", "k_pages", "v_pages", "tail_k", "tail_v")
 }
 
@@ -62,15 +63,16 @@ def _cfg(preset, d: int):
 
 
 def _compile_pages(kernel_name: str, preset: str, d: int, num_warps: int, extra: dict):
-    """One launch of a :mod:`kvarn.kernels.pages` kernel (bf16 pages and pool), compiled for sm_90."""
+    """One launch of a :mod:`kvarn.kernels.pages` kernel (or ``store._prepare_kernel``, whose pool form
+    they share; bf16 pages and pool), compiled for sm_90."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kvarn.kernels import pages
+    from kvarn.kernels import pages, store
     from kvarn.kernels._common import inv_sqrt, record_layout
 
-    kernel = getattr(pages, kernel_name)
+    kernel = getattr(pages, kernel_name, None) or getattr(store, kernel_name)
     cfg = _cfg(preset, d)
     const = dict(LAYOUT=record_layout(cfg), INV_SQRT_D=inv_sqrt(d), ROWS=64, IN_BF16=True, POOL_BF16=True)
     const |= dict(PAGE_BF16=True) | extra

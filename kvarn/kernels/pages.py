@@ -16,8 +16,8 @@ element is written once; reads are the records (or pool tiles) and the source ro
   the pool tile instead: pool-form values are exact in tf32, so one dot per product.
 - :func:`write_row_pages`, grid ``(cdiv(R * Hkv, PREPARE_ROWS), 2)``: ``PREPARE_ROWS`` (row, KV
   head) pairs of K or V per program. ``FROM_MODEL``: the model-frame rows take the pool form by
-  ``store._prepare_kernel``'s arithmetic (the same helpers in the same order, the same block of
-  rows and the same 4 warps, so the same tensor-core rotation): a step's token gets the bits
+  ``store.prepare_rows``, the helper ``write_tail``'s kernel calls (with the same block of rows and
+  the same 4 warps, so the same tensor-core rotation): a step's token gets the bits
   ``write_tail`` would store in a tail slot (the own-tile rule). Then, as for pool rows (the
   head slot's tokens), ``* pool_factor``, ``@ H`` (one tf32 dot, exact products), cast, store at
   flat page row ``dst[i]``. A negative source row writes zeros.
@@ -53,13 +53,10 @@ from kvarn.kernels._common import (
     pool_factor,
     record_layout,
     rotate_rows,
-    rotate_rows_split,
-    round_to_dtype,
-    sanitize,
     store_model,
 )
 from kvarn.kernels.dequant import _dequant_values
-from kvarn.kernels.store import PREPARE_ROWS
+from kvarn.kernels.store import PREPARE_ROWS, prepare_rows
 
 RECORD_SMALL_TILE = 64 * 128
 """Tiles of up to this many elements (``G * D``) run the record-page kernel with 4 warps, larger ones with 8
@@ -267,36 +264,6 @@ def _record_pages_kernel(
 
 
 @triton.jit
-def _prepare_rows(
-    src,
-    ok,
-    D: tl.constexpr,
-    ROTATE: tl.constexpr,
-    IN_BF16: tl.constexpr,
-    POOL_BF16: tl.constexpr,
-    INV_SQRT_D: tl.constexpr,
-):
-    """Model-frame rows at ``src: [ROWS]`` (row pointers; ``ok`` masks them) -> their pool form ``[ROWS, D]``.
-
-    ``store._prepare_kernel``'s arithmetic, step for step: sanitize, rotate (tf32 dot; ``D > 128`` as
-    two loaded halves), ``* 1 / pool_factor``, round to the pool dtype. fp32 values of the pool dtype.
-    """
-    HALF: tl.constexpr = D // 2
-    if ROTATE and D > 128:
-        ch = tl.arange(0, HALF)
-        m2 = ok[:, None] & (ch[None, :] < HALF)
-        x1 = sanitize(load_f32(src[:, None] + ch[None, :], m2, IN_BF16))
-        x2 = sanitize(load_f32(src[:, None] + HALF + ch[None, :], m2, IN_BF16))
-        x = rotate_rows_split(x1, x2, HALF, INV_SQRT_D)
-    else:
-        ch = tl.arange(0, D)
-        x = sanitize(load_f32(src[:, None] + ch[None, :], ok[:, None] & (ch[None, :] < D), IN_BF16))
-        if ROTATE:
-            x = rotate_rows(x, D, INV_SQRT_D)
-    return round_to_dtype(x * (1.0 / pool_factor(D, POOL_BF16)), POOL_BF16)
-
-
-@triton.jit
 def _row_pages_kernel(
     k,
     v,
@@ -337,7 +304,7 @@ def _row_pages_kernel(
     out = tl.where(which == 0, k_pages, v_pages) + q * d_row + h * d_head  # [ROWS] page rows
     if FROM_MODEL:
         src = tl.where(which == 0, k, v) + row * s_tok + h * s_head  # [ROWS] row pointers
-        x = _prepare_rows(src, ok, D, ROTATE, IN_BF16, POOL_BF16, INV_SQRT_D) * pool_factor(D, POOL_BF16)
+        x = prepare_rows(src, ok, D, ROTATE, IN_BF16, POOL_BF16, INV_SQRT_D) * pool_factor(D, POOL_BF16)
         if ROTATE and D > 128:
             x1, x2 = _halves(x, D // 2)
             y1, y2 = _rotate_halves(x1, x2, INV_SQRT_D)

@@ -594,6 +594,39 @@ runs this kernel with this block, so the rotation's tensor-core arithmetic is th
 
 
 @triton.jit
+def prepare_rows(
+    src,
+    ok,
+    D: tl.constexpr,
+    ROTATE: tl.constexpr,
+    IN_BF16: tl.constexpr,
+    POOL_BF16: tl.constexpr,
+    INV_SQRT_D: tl.constexpr,
+):
+    """Model-frame rows at ``src: [ROWS]`` (row pointers; ``ok`` masks them) -> their pool form ``[ROWS, D]``.
+
+    Sanitize, rotate (tf32 dot; ``D > 128`` as two loaded halves), ``* 1 / pool_factor`` (exact
+    scaling), round to the pool dtype: fp32 values of the pool dtype. The one definition of the pool
+    form in the kernels: ``_prepare_kernel`` (``write_tail``) and ``pages._row_pages_kernel`` (a
+    step's tokens read back as pages) both call it, with ``PREPARE_ROWS`` rows and 4 warps, so they
+    round to the same bits.
+    """
+    HALF: tl.constexpr = D // 2
+    if ROTATE and D > 128:
+        ch = tl.arange(0, HALF)
+        m2 = ok[:, None] & (ch[None, :] < HALF)
+        x1 = sanitize(load_f32(src[:, None] + ch[None, :], m2, IN_BF16))
+        x2 = sanitize(load_f32(src[:, None] + HALF + ch[None, :], m2, IN_BF16))
+        x = rotate_rows_split(x1, x2, HALF, INV_SQRT_D)
+    else:
+        ch = tl.arange(0, D)
+        x = sanitize(load_f32(src[:, None] + ch[None, :], ok[:, None] & (ch[None, :] < D), IN_BF16))
+        if ROTATE:
+            x = rotate_rows(x, D, INV_SQRT_D)
+    return round_to_dtype(x * (1.0 / pool_factor(D, POOL_BF16)), POOL_BF16)
+
+
+@triton.jit
 def _prepare_kernel(
     k,
     v,
@@ -628,19 +661,7 @@ def _prepare_kernel(
     off = tl.where(ok, idx % G, 0)
     src = tl.where(which == 0, k, v) + t * s_tok + h * s_head  # [ROWS] row pointers
     dst = tl.where(which == 0, tail_k, tail_v) + slot * p_slot + off * p_off + h * p_head
-    HALF: tl.constexpr = D // 2
-    if ROTATE and D > 128:
-        ch = tl.arange(0, HALF)
-        m2 = ok[:, None] & (ch[None, :] < HALF)
-        x1 = sanitize(load_f32(src[:, None] + ch[None, :], m2, IN_BF16))
-        x2 = sanitize(load_f32(src[:, None] + HALF + ch[None, :], m2, IN_BF16))
-        x = rotate_rows_split(x1, x2, HALF, INV_SQRT_D)
-    else:
-        ch = tl.arange(0, D)
-        x = sanitize(load_f32(src[:, None] + ch[None, :], ok[:, None] & (ch[None, :] < D), IN_BF16))
-        if ROTATE:
-            x = rotate_rows(x, D, INV_SQRT_D)
-    x = round_to_dtype(x * (1.0 / pool_factor(D, POOL_BF16)), POOL_BF16)  # the pool form (exact scaling)
+    x = prepare_rows(src, ok, D, ROTATE, IN_BF16, POOL_BF16, INV_SQRT_D)
     ch_all = tl.arange(0, D)
     store_model(dst[:, None] + ch_all[None, :], x, ok[:, None] & (ch_all[None, :] < D), POOL_BF16)
 
