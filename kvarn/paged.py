@@ -1006,8 +1006,6 @@ class PageLayout:
             "held_rows": r[has],
             "held_src": np.concatenate([[0], *(k * g + np.arange(pre[i]) for k, i in enumerate(has))])[1:],
             "held_dst": np.concatenate([[0], *(exact_base[i] * g + np.arange(pre[i]) for i in has)])[1:],
-            "tokens": tokens,
-            "token_dst": token_dst,
             "step_rows": np.concatenate([tokens, np.full(pad.size, -1)]),
             "step_dst": np.concatenate([token_dst, pad]),
             "block_table": table,

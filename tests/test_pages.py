@@ -280,9 +280,10 @@ def _read_pages_before(kv: PagedKV, plan, block_table, layout: PageLayout, key, 
         for page, pool in zip(pages, (kv.tail_k, kv.tail_v), strict=True):
             held = pool.index_select(0, slots).reshape(-1, heads, d).index_select(0, ix["held_src"])
             page.view(-1, heads, d).index_copy_(0, ix["held_dst"], model_frame(ops.from_pool(held)).to(dtype))
+    tokens = ix["step_rows"] >= 0  # the step's tokens (the rest: padding rows)
     for page, x in zip(pages, (key, value), strict=True):
-        new = ops.from_pool(ops.prepare(x[ix["tokens"]], kv.tail_k.dtype, cfg.rotate, impl="reference"))
-        page.view(-1, heads, d).index_copy_(0, ix["token_dst"], model_frame(new).to(dtype))
+        new = ops.from_pool(ops.prepare(x[ix["step_rows"][tokens]], kv.tail_k.dtype, cfg.rotate, impl="reference"))
+        page.view(-1, heads, d).index_copy_(0, ix["step_dst"][tokens], model_frame(new).to(dtype))
     return pages[0], pages[1]
 
 

@@ -23,6 +23,38 @@ from kvarn.kernels._common import bf16_to_f32, fp8e4m3_to_f32, fwht_rows, inv_sq
 
 
 @triton.jit
+def dequant_block(
+    rec,
+    R0: tl.constexpr,
+    RB: tl.constexpr,
+    C0: tl.constexpr,
+    CB: tl.constexpr,
+    R: tl.constexpr,
+    C: tl.constexpr,
+    BITS: tl.constexpr,
+    CODE_OFF: tl.constexpr,
+    SCALE_OFF: tl.constexpr,
+    ZERO_OFF: tl.constexpr,
+    COL_OFF: tl.constexpr,
+):
+    """Rows ``R0 .. R0 + RB``, columns ``C0 .. C0 + CB`` of tile half ``[R, C]`` of ``rec`` -> fp32 ``[RB, CB]``.
+
+    ``(code * scale + zero) * col`` with per-row ``scale, zero`` (fp16) and per-column ``col`` (bf16).
+    The page kernels read a block of channels of a D > 128 tile with it.
+    """
+    P: tl.constexpr = 8 // BITS
+    RP: tl.constexpr = R // P
+    rows = R0 + tl.arange(0, RB)
+    cols = C0 + tl.arange(0, CB)
+    byte = tl.load(rec + CODE_OFF + (rows % RP)[:, None] * C + cols[None, :]).to(tl.int32)  # [RB, CB]
+    code = (byte >> ((rows // RP) * BITS)[:, None]) & ((1 << BITS) - 1)
+    scale = tl.load((rec + SCALE_OFF).to(tl.pointer_type(tl.float16)) + rows).to(tl.float32)  # [RB]
+    zero = tl.load((rec + ZERO_OFF).to(tl.pointer_type(tl.float16)) + rows).to(tl.float32)
+    col = bf16_to_f32(tl.load((rec + COL_OFF).to(tl.pointer_type(tl.int16)) + cols))  # [CB]
+    return (code.to(tl.float32) * scale[:, None] + zero[:, None]) * col[None, :]
+
+
+@triton.jit
 def _dequant_values(
     rec,
     R: tl.constexpr,
@@ -34,16 +66,7 @@ def _dequant_values(
     COL_OFF: tl.constexpr,
 ):
     """One tile half ``[R, C]`` of record ``rec`` -> its fp32 values ``[R, C]``."""
-    P: tl.constexpr = 8 // BITS
-    RP: tl.constexpr = R // P
-    rows = tl.arange(0, R)
-    cols = tl.arange(0, C)
-    byte = tl.load(rec + CODE_OFF + (rows % RP)[:, None] * C + cols[None, :]).to(tl.int32)  # [R, C]
-    code = (byte >> ((rows // RP) * BITS)[:, None]) & ((1 << BITS) - 1)
-    scale = tl.load((rec + SCALE_OFF).to(tl.pointer_type(tl.float16)) + rows).to(tl.float32)  # [R]
-    zero = tl.load((rec + ZERO_OFF).to(tl.pointer_type(tl.float16)) + rows).to(tl.float32)
-    col = bf16_to_f32(tl.load((rec + COL_OFF).to(tl.pointer_type(tl.int16)) + cols))  # [C]
-    return (code.to(tl.float32) * scale[:, None] + zero[:, None]) * col[None, :]
+    return dequant_block(rec, 0, R, 0, C, R, C, BITS, CODE_OFF, SCALE_OFF, ZERO_OFF, COL_OFF)
 
 
 @triton.jit

@@ -40,7 +40,6 @@ import triton.language as tl
 from kvarn.config import KVarNConfig
 from kvarn.kernels._common import (
     KERNEL_DTYPES,
-    bf16_to_f32,
     cdiv,
     check_cache,
     check_dtype,
@@ -55,7 +54,7 @@ from kvarn.kernels._common import (
     rotate_rows,
     store_model,
 )
-from kvarn.kernels.dequant import _dequant_values
+from kvarn.kernels.dequant import _dequant_values, dequant_block
 from kvarn.kernels.store import PREPARE_ROWS, prepare_rows
 
 RECORD_SMALL_TILE = 64 * 128
@@ -119,52 +118,13 @@ def _pool_rows_to_page(
 
 
 @triton.jit
-def _half_fields(
-    rec,
-    R0: tl.constexpr,
-    RB: tl.constexpr,
-    C0: tl.constexpr,
-    CB: tl.constexpr,
-    R: tl.constexpr,
-    C: tl.constexpr,
-    BITS: tl.constexpr,
-    CODE_OFF: tl.constexpr,
-    SCALE_OFF: tl.constexpr,
-    ZERO_OFF: tl.constexpr,
-    COL_OFF: tl.constexpr,
-):
-    """Rows ``R0 .. R0 + RB`` and columns ``C0 .. C0 + CB`` of the tile half ``[R, C]`` of record ``rec``:
-    codes ``[RB, CB]`` (fp32 integers), ``scale, zero: [RB]`` and ``col: [CB]`` fp32, read as
-    ``dequant._dequant_values`` reads them."""
-    P: tl.constexpr = 8 // BITS
-    RP: tl.constexpr = R // P
-    rows = R0 + tl.arange(0, RB)
-    cols = C0 + tl.arange(0, CB)
-    byte = tl.load(rec + CODE_OFF + (rows % RP)[:, None] * C + cols[None, :]).to(tl.int32)  # [RB, CB]
-    code = ((byte >> ((rows // RP) * BITS)[:, None]) & ((1 << BITS) - 1)).to(tl.float32)
-    scale = tl.load((rec + SCALE_OFF).to(tl.pointer_type(tl.float16)) + rows).to(tl.float32)
-    zero = tl.load((rec + ZERO_OFF).to(tl.pointer_type(tl.float16)) + rows).to(tl.float32)
-    col = bf16_to_f32(tl.load((rec + COL_OFF).to(tl.pointer_type(tl.int16)) + cols))
-    return code, scale, zero, col
-
-
-@triton.jit
 def _dequant_cols(rec, half, C0: tl.constexpr, B: tl.constexpr, L: tl.constexpr):
-    """Channels ``C0 .. C0 + B`` of the K (``half`` 0) or V half of record ``rec``, dequantized: ``[G, B]`` fp32.
-
-    ``_dequant_values``' arithmetic, ``(code * scale + zero) * col``, on a block of channels (``D > 128``).
-    """
-    # each branch names its own fields: Triton 3.6 refuses a name bound to two shapes by the branches
+    """Channels ``C0 .. C0 + B`` of the K (``half`` 0) or V half of record ``rec``, dequantized: ``[G, B]`` fp32
+    (``D > 128``; :func:`~kvarn.kernels.dequant.dequant_block`)."""
     if half == 0:
-        k_code, k_scale, k_zero, k_col = _half_fields(
-            rec, C0, B, 0, L.G, L.D, L.G, L.K_BITS, L.K_CODES, L.K_SCALE, L.K_ZERO, L.K_TOK
-        )  # [B, G]
-        x = tl.trans((k_code * k_scale[:, None] + k_zero[:, None]) * k_col[None, :])
+        x = tl.trans(dequant_block(rec, C0, B, 0, L.G, L.D, L.G, L.K_BITS, L.K_CODES, L.K_SCALE, L.K_ZERO, L.K_TOK))
     else:
-        v_code, v_scale, v_zero, v_col = _half_fields(
-            rec, 0, L.G, C0, B, L.G, L.D, L.V_BITS, L.V_CODES, L.V_SCALE, L.V_ZERO, L.V_CHAN
-        )  # [G, B]
-        x = (v_code * v_scale[:, None] + v_zero[:, None]) * v_col[None, :]
+        x = dequant_block(rec, 0, L.G, C0, B, L.G, L.D, L.V_BITS, L.V_CODES, L.V_SCALE, L.V_ZERO, L.V_CHAN)
     return x
 
 
