@@ -6,12 +6,20 @@ straight into its record; a launch covers every (tile, head, half) of the call. 
 :func:`store_tiles`, so both paths hand the encoder bit-identical tiles. The math mirrors
 :mod:`kvarn.reference.quantize` stage by stage, in fp32:
 
-- Sinkhorn in the log domain with the reference's clamps and best-iterate rule. The std of the
-  scaled tile ``X = M / (r c^T)`` is taken in factored form: ``colstd(X)_j = std_i(M_ij / r_i) / c_j``
-  and ``rowstd(X)_i = std_j(M_ij / c_j) / r_i``, two centered passes per iteration instead of four.
-- ``c`` rounded to bf16 before ``B = M / (r c^T)``, asymmetric RTN (ties to even), the range guard's
-  exponent from the fp32 bits (``frexp`` semantics), fp16 row parameters, bf16 column scales; a
-  tiny tile half is rescaled by a power of two first, which its column scales take back.
+- Sinkhorn with the reference's clamps and best-iterate rule, carried in the linear domain as
+  reciprocal scales ``1 / r``, ``1 / c`` (``exp``/``log`` are monotonic, so the log-domain clamps
+  commute): a step is ``clamp(inv * rsqrt(clamp(var, STD_MIN^2, STD_MAX^2)), e^-10, e^0.3)``, no
+  ``log``, ``exp``, ``sqrt`` or division per row or column. Variances of the scaled tile
+  ``X = M / (r c^T)`` are taken in factored form, ``colvar(X)_j = var_i(M_ij / r_i) / c_j^2`` and
+  ``rowvar(X)_i = var_j(M_ij / c_j) / r_i^2``: two centered two-pass reductions per iteration (a
+  one-pass shifted sum would cancel on rows with a large bias, see :func:`_var_axis0`); the
+  imbalance is ``sqrt(max var / max(min var, eps^2))`` per axis, so the square roots are scalars.
+- ``c`` rounded to bf16 before ``B = M / (r c^T)``, asymmetric RTN (ties to even; divisions, as
+  exact ties are common on coarse inputs), the range guard's exponent
+  from the fp32 bits (``frexp`` semantics), fp16 row parameters, bf16 column scales; a tiny tile
+  half is rescaled by a power of two first, which its column scales take back. Clipped ranges
+  (2-bit halves): each shrink costs an fma, a clamp, a rounding and a square-add per element on
+  ``B - min(B)`` (no cancellation), ``1 / step`` per row from ``1 / width``.
 - Planar packing along rows (K: channels, V: tokens).
 - Key smoothing (``smooth_keys`` configs, :func:`_smooth_tile`): the K program leaves the rotated
   frame with the reference's butterflies (:func:`~kvarn.kernels._common.fwht_rows`, exact in the
@@ -24,8 +32,9 @@ straight into its record; a launch covers every (tile, head, half) of the call. 
   encodes every tile with the vector it reads from its ``smooth_src`` record (and copies it into
   its own), so a tile and its sequence's first tile may share a call.
 
-Results equal the reference's except where fp32 rounding differs (``exp``/``log`` approximations,
-summation order): a code can then move by one step at a rounding tie and a column scale by one
+Results equal the reference's except where fp32 rounding differs (``rsqrt`` and reciprocal
+approximations, linear instead of log-domain accumulation of the scales, summation order): a
+code can then move by one step at a rounding tie and a column scale by one
 bf16 ulp. Where the imbalance plateaus, iterates of equal imbalance (to fp32 rounding) differ
 only by a gauge factor (rows x a, columns / a); the best-iterate rule may then keep another one
 than the reference, with equivalent scales. ``tests/test_kernels_*.py`` bounds all of this.
@@ -33,6 +42,7 @@ than the reference, with equivalent scales. ``tests/test_kernels_*.py`` bounds a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -79,6 +89,10 @@ from kvarn.kernels._common import (
 TINY = tl.constexpr(2.0**-24)  # kvarn.reference.quantize: 2^TINY_EXP, TINY_TARGET_EXP, MIN_EXP
 TINY_TARGET_EXP = tl.constexpr(1)
 MIN_EXP = tl.constexpr(-126)
+VAR_MIN = tl.constexpr(STD_MIN.value * STD_MIN.value)  # the std clamps of the Sinkhorn step, on variances
+VAR_MAX = tl.constexpr(STD_MAX.value * STD_MAX.value)
+INV_SCALE_MIN = tl.constexpr(math.exp(-LOG_SCALE_MAX.value))  # the log-scale clamps, on reciprocal scales
+INV_SCALE_MAX = tl.constexpr(math.exp(-LOG_SCALE_MIN.value))
 
 ENCODE_SMALL_TILE = 128 * 128
 """Tiles of up to this many elements (``D * G``) run the encoder with 4 warps per program, larger ones
@@ -86,50 +100,69 @@ and smoothed K halves with 8 (``benchmarks/RESULTS.md`` has the sweeps)."""
 
 
 @triton.jit
-def _std_axis0(x, N: tl.constexpr):
-    """Unbiased std over axis 0 of ``x: [N, C]`` -> ``[C]`` (two-pass, centered)."""
+def _var_axis0(x, N: tl.constexpr):
+    """Unbiased variance over axis 0 of ``x: [N, C]`` -> ``[C]`` (two-pass, centered).
+
+    Kept two-pass: a one-pass ``sum((x - p)^2) - sum(x - p)^2 / N`` loses ``(mean - p)^2 / var``
+    ulps, and no pivot ``p`` is both free and close: K rows carry biases of many stds, and a step
+    rescales a row's mean by the mean change of the other axis' scales (large in early iterations),
+    so the previous iterate's mean or the first element misses by up to ``bias / std``.
+    """
     mean = tl.sum(x, axis=0) / N
     d = x - mean[None, :]
-    return tl.sqrt_rn(tl.sum(d * d, axis=0) / (N - 1))
+    return tl.sum(d * d, axis=0) / (N - 1)
 
 
 @triton.jit
-def _std_axis1(x, N: tl.constexpr):
-    """Unbiased std over axis 1 of ``x: [R, N]`` -> ``[R]`` (two-pass, centered)."""
+def _var_axis1(x, N: tl.constexpr):
+    """Unbiased variance over axis 1 of ``x: [R, N]`` -> ``[R]`` (two-pass, centered)."""
     mean = tl.sum(x, axis=1) / N
     d = x - mean[:, None]
-    return tl.sqrt_rn(tl.sum(d * d, axis=1) / (N - 1))
+    return tl.sum(d * d, axis=1) / (N - 1)
 
 
 @triton.jit
-def _log_step(log_scale, std):
-    s = tl.minimum(tl.maximum(std, STD_MIN), STD_MAX)
-    return tl.minimum(tl.maximum(log_scale + tl.log(s), LOG_SCALE_MIN), LOG_SCALE_MAX)
+def _scale_step(inv_scale, var):
+    """One Sinkhorn step of reciprocal scales ``1 / exp(l)`` given the scaled tile's variances ``std^2``.
+
+    ``exp(-clamp(l + log(clamp(std, STD_MIN, STD_MAX)), LOG_SCALE_MIN, LOG_SCALE_MAX))`` taken in the
+    linear domain (``exp`` and ``log`` are monotonic, so the clamps commute):
+    ``clamp(inv_scale * rsqrt(clamp(var, STD_MIN^2, STD_MAX^2)), e^-LOG_SCALE_MAX, e^-LOG_SCALE_MIN)``.
+    """
+    v = tl.minimum(tl.maximum(var, VAR_MIN), VAR_MAX)
+    return tl.minimum(tl.maximum(inv_scale * tl.math.rsqrt(v), INV_SCALE_MIN), INV_SCALE_MAX)
 
 
 @triton.jit
-def _imbalance(col_std, row_std):
-    col_term = tl.max(col_std, axis=0) / tl.maximum(tl.min(col_std, axis=0), IMBALANCE_EPS)
-    row_term = tl.max(row_std, axis=0) / tl.maximum(tl.min(row_std, axis=0), IMBALANCE_EPS)
-    return col_term + row_term
+def _imbalance(col_var, row_var):
+    """``imbalance`` of the reference from column and row variances: ``sqrt(max var / max(min var, eps^2))`` each."""
+    col_term = tl.max(col_var, axis=0) / tl.maximum(tl.min(col_var, axis=0), IMBALANCE_EPS * IMBALANCE_EPS)
+    row_term = tl.max(row_var, axis=0) / tl.maximum(tl.min(row_var, axis=0), IMBALANCE_EPS * IMBALANCE_EPS)
+    return tl.sqrt_rn(col_term) + tl.sqrt_rn(row_term)
 
 
 @triton.jit
-def _rtn_codes(b, lo, step, QMAX: tl.constexpr):
-    """Codes (fp32 integers in ``[0, QMAX]``) of rows ``b: [R, C]`` with row parameters ``lo, step: [R]``."""
-    q = (b - lo[:, None]) / step[:, None]
+def _rtn_codes(bs, shift, step, QMAX: tl.constexpr):
+    """Codes (fp32 integers in ``[0, QMAX]``) of rows ``bs = b - min(b): [R, C]``, ``lo = min(b) + shift``, ``step``.
+
+    ``(bs - shift) / step``: the reference's ``(b - lo) / step`` with ``b - lo`` taken as ``(b - min(b)) - shift``
+    (the same rounding for an unclipped row, ``shift = 0``). A division, not a reciprocal multiply:
+    coarse inputs (fp16 subnormals, bf16) put many ``q`` exactly on a tie, which a reciprocal moves.
+    """
+    q = (bs - shift[:, None]) / step[:, None]
     q = (q + 12582912.0) - 12582912.0  # round half to even (|q| < 2^22)
     return tl.minimum(tl.maximum(q, 0.0), QMAX)
 
 
 @triton.jit
-def _row_sq_error(b, lo, step, QMAX: tl.constexpr):
-    """Squared error ``[R]`` of rows ``b: [R, C]`` rounded with ``(lo, step)``, in steps (``rtn._row_sq_error``).
+def _row_sq_error(bs, shift, step, inv, QMAX: tl.constexpr):
+    """Squared error ``[R]`` of rows ``bs = b - min(b): [R, C]`` rounded with ``lo = min(b) + shift``, ``step``.
 
-    ``step^2 sum_j (t_j - code_j)^2`` with ``t = (b - lo) * (1 / step)``: a subtract, a multiply,
-    a clamp, a rounding and a fused square-add per element, no division.
+    ``rtn._row_sq_error``: ``step^2 sum_j (t_j - code_j)^2``, ``t = (b - lo) * inv`` (``inv = 1 / step``
+    to an ulp or two), here ``t = fma(bs, inv, -shift * inv)`` (``|shift * inv| < QMAX``: no
+    cancellation): an fma, a clamp, a rounding and a fused square-add per element.
     """
-    t = (b - lo[:, None]) * (1.0 / step)[:, None]
+    t = tl.fma(bs, inv[:, None], (-shift * inv)[:, None])
     q = tl.minimum(tl.maximum(t, 0.0), QMAX)
     e = t - ((q + 12582912.0) - 12582912.0)  # round half to even the clamped t: clamp(round(t))
     return (step * step) * tl.sum(e * e, axis=1)
@@ -152,6 +185,9 @@ def _encode_half(
 ):
     """Quantize one oriented tile half ``m: [R, C]`` fp32 and write its fields at record ``out``.
 
+    Per Sinkhorn iteration: two passes over the tile per axis (scale, sum; centered square-sum),
+    per row and column a clamp, an ``rsqrt``, a multiply and a clamp, four min/max reductions.
+
     ``CLIP_COUNT > 1``: each row tries the ranges shrunk by ``k / CLIP_UNIT`` of its width
     (``k < CLIP_COUNT``) and keeps the smallest squared error (``rtn.choose_qparams(clip=...)``).
     """
@@ -160,49 +196,51 @@ def _encode_half(
     amax_m = tl.max(tl.max(tl.abs(m), axis=1), axis=0)  # tiny tiles: rescaled, 2^p folded into col
     p = tl.where((amax_m > 0.0) & (amax_m < TINY), tl.maximum(frexp_exponent(amax_m) - TINY_TARGET_EXP, MIN_EXP), 0)
     m = m * pow2(-p)
-    lr = tl.zeros([R], dtype=tl.float32)
-    lc = tl.zeros([C], dtype=tl.float32)
-    best_lr = lr
-    best_lc = lc
+    inv_r = tl.full([R], 1.0, tl.float32)  # 1 / r = exp(-lr), 1 / c = exp(-lc)
+    inv_c = tl.full([C], 1.0, tl.float32)
+    best_inv_r = inv_r
+    best_inv_c = inv_c
     if ITERS > 0:
-        inv_r = tl.full([R], 1.0, tl.float32)
-        col_std = _std_axis0(m, R)
-        best_imb = _imbalance(col_std, _std_axis1(m, C))
+        col_var = _var_axis0(m, R)  # colvar(X), X = M / (r c^T)
+        best_imb = _imbalance(col_var, _var_axis1(m, C))
         for _ in range(ITERS):
-            lc = _log_step(lc, col_std)
-            inv_c = 1.0 / tl.exp(lc)
-            u = _std_axis1(m * inv_c[None, :], C)  # rowstd(X) * r
-            lr = _log_step(lr, u * inv_r)
-            inv_r = 1.0 / tl.exp(lr)
-            col_std = _std_axis0(m * inv_r[:, None], R) * inv_c
-            imb = _imbalance(col_std, u * inv_r)
+            inv_c = _scale_step(inv_c, col_var)
+            u = _var_axis1(m * inv_c[None, :], C)  # rowvar(X) * r^2
+            inv_r = _scale_step(inv_r, u * (inv_r * inv_r))
+            col_var = _var_axis0(m * inv_r[:, None], R) * (inv_c * inv_c)
+            imb = _imbalance(col_var, u * (inv_r * inv_r))
             take = imb <= best_imb
             best_imb = tl.where(take, imb, best_imb)
-            best_lr = tl.where(take, lr, best_lr)
-            best_lc = tl.where(take, lc, best_lc)
-    r = tl.exp(best_lr)
-    c = bf16_round(tl.exp(best_lc))
+            best_inv_r = tl.where(take, inv_r, best_inv_r)
+            best_inv_c = tl.where(take, inv_c, best_inv_c)
+    r = 1.0 / best_inv_r
+    c = bf16_round(1.0 / best_inv_c)
     b = m / (r[:, None] * c[None, :])
     lo = tl.min(b, axis=1)
     hi = tl.max(b, axis=1)
+    bs = b - lo[:, None]  # b - lo, rounded as the reference rounds it for the unclipped range
     step = tl.maximum((hi - lo) / QMAX, MIN_STEP)
+    shift = tl.zeros([R], tl.float32)  # lo of the chosen range - min(b)
     if CLIP_COUNT > 1:
         width = hi - lo
-        best = _row_sq_error(b, lo, step, QMAX)
+        inv_width = 1.0 / tl.maximum(width, 1e-30)  # past 1 / MIN_STEP for a constant row, as its 1 / step_s
+        best = _row_sq_error(bs, shift, step, 1.0 / step, QMAX)
         best_lo = lo
         best_step = step
         for k in range(1, CLIP_COUNT):  # a loop, not unrolled: one shrink's temporaries live at a time
             kf = tl.zeros([], tl.float32) + k  # the fractions below round as the reference's fp32(k / unit / 2) etc.
             lo_s = lo + width * (kf / (2 * CLIP_UNIT))
             step_s = tl.maximum(width * ((CLIP_UNIT - kf) / (CLIP_UNIT * QMAX)), MIN_STEP)
-            err = _row_sq_error(b, lo_s, step_s, QMAX)
+            inv_s = tl.minimum(inv_width * ((CLIP_UNIT * QMAX) / (CLIP_UNIT - kf)), 1.0 / MIN_STEP)  # 1 / step_s
+            err = _row_sq_error(bs, lo_s - lo, step_s, inv_s, QMAX)
             take = err < best
             best = tl.where(take, err, best)
             best_lo = tl.where(take, lo_s, best_lo)
             best_step = tl.where(take, step_s, best_step)
+        shift = best_lo - lo
         lo = best_lo
         step = best_step
-    codes = _rtn_codes(b, lo, step, QMAX).to(tl.int32)
+    codes = _rtn_codes(bs, shift, step, QMAX).to(tl.int32)
 
     scale = r * step
     zero = r * lo
