@@ -261,17 +261,36 @@ def test_paged_attention_tokens_m(preset, d, hq, hkv, splits, pair, fold):
 
 
 def test_tokens_m_default_rule(monkeypatch):
-    """``tokens_m`` by default only for decode launches of 128-token tiles over more than 2 waves on CUDA."""
+    """``tokens_m`` by default for decode launches of 128-token tiles on CUDA: every one at D = 128,
+    over more than 2 waves at other head dims."""
     monkeypatch.setattr(attention, "_num_sms", lambda index: 132)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     k4v2 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
+    d64 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=64)
     g64 = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=128)
     wave2 = attention.TOKENS_M_MIN_WAVES * attention.PROGRAMS_PER_SM * 132
-    assert attention.tokens_m_default(k4v2, False, wave2 + 1, cuda)
-    assert not attention.tokens_m_default(k4v2, False, wave2, cuda)  # batch 1 at 32K: 512 programs
+    assert attention.tokens_m_default(k4v2, False, 512, cuda)  # batch 1 at 32K in vLLM: 8 heads x 64 splits
+    assert attention.tokens_m_default(d64, False, wave2 + 1, cuda)
+    assert not attention.tokens_m_default(d64, False, wave2, cuda)
     assert not attention.tokens_m_default(k4v2, True, 10 * wave2, cuda)
     assert not attention.tokens_m_default(g64, False, 10 * wave2, cuda)
     assert not attention.tokens_m_default(k4v2, False, 10 * wave2, cpu)
+
+
+def test_min_split_tiles_default_rule():
+    """At least 2 tiles a split for decode launches of 128-token tiles with fewer than 16 programs before
+    splitting (batch 1 at 8 KV heads), 3 from 16 on; 1 for 64-token tiles and multi-query launches."""
+    k4v2 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
+    g64 = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=128)
+    assert attention.min_split_tiles_default(k4v2, False, 8) == attention.SHORT_SPLIT_TILES == 2
+    assert attention.min_split_tiles_default(k4v2, False, 16) == attention.MIN_SPLIT_TILES == 3
+    assert attention.min_split_tiles_default(k4v2, True, 16) == 1
+    assert attention.min_split_tiles_default(g64, False, 16) == 1
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
+    state = build_cache(cfg, [70], 1, torch.float16, seed=1)
+    args = attention_args(state, torch.randn(1, 2, 64).to(torch.float16), cfg)
+    with pytest.raises(ValueError, match="min_split_tiles must be a positive int"):
+        attention.paged_attention(*args, min_split_tiles=0)
 
 
 def test_split_rule_on_an_h200(monkeypatch):
@@ -835,3 +854,50 @@ def test_paged_attention_multi_query_sequence_smooth(preset, knobs):
     args = attention_args(state, query, cfg, qsl=qsl, sink=True)
     out = attention.paged_attention(*args, num_splits=2, empty=poisoned_empty, **knobs)
     check_attention(out, args, conditioned=True)
+
+
+@pytest.mark.parametrize(
+    "min_tiles,merge,tokens_m,multi_q,splits",
+    [
+        (2, True, False, False, 4),
+        (3, False, False, False, 4),
+        (2, True, True, False, 4),
+        (3, True, False, True, 4),
+        (1, True, False, False, 67),
+    ],
+)
+def test_paged_attention_min_split_tiles(min_tiles, merge, tokens_m, multi_q, splits):
+    """``min_split_tiles``: short sequences use fewer, fuller splits of a launch sized for long ones.
+
+    Lengths from one token to several tiles, so some sequences fill every split, some only the
+    first ``n_act`` (the others exit, and the merge reads only those), some one split; with the
+    splits merged in the kernel and in the epilogue (which reads the empty partials too). 67
+    splits over a 66-unit sequence: the merge's scan of the running maxima takes two loads.
+    """
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g128" if tokens_m else "kvarn_k4v2_g64", head_dim=64)
+    g = cfg.group_size
+    lengths = [1, g - 3, g + 1, 2 * g + 5, 5 * g + 17, 9 * g, 3 * g + 64]
+    if splits > 64:
+        lengths = [65 * g + 10, 3 * g + 1]
+    state = build_cache(cfg, lengths, 2, torch.float16, seed=21)
+    qsl = None
+    n = len(lengths)
+    if multi_q:
+        n_q = [1, 20, 1, 3, 40, 1, 2][: len(lengths)]
+        qsl = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32)
+        n = int(qsl[-1])
+    query = torch.randn(n, 4, 64, generator=torch.Generator().manual_seed(min_tiles)).to(torch.float16)
+    args = attention_args(state, query, cfg, qsl=qsl, sink=True)
+    knobs = {"tokens_m": True} if tokens_m else {}
+    counters = torch.zeros(64, dtype=torch.int32)
+    out = attention.paged_attention(
+        *args,
+        num_splits=splits,
+        min_split_tiles=min_tiles,
+        fuse_merge=merge,
+        counters=counters if merge else None,
+        empty=poisoned_empty,
+        **knobs,
+    )
+    check_attention(out, args)
+    assert not counters.any()

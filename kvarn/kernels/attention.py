@@ -222,24 +222,50 @@ TOKENS_M_MIN_ROWS = 8
 
 
 TOKENS_M_MIN_WAVES = 2
-"""Decode launches of 128-token tiles with more than this many waves of programs default to ``tokens_m``."""
+"""Decode launches of 128-token tiles at ``D != 128`` with more than this many waves of programs default to
+``tokens_m`` (at ``D = 128`` every decode launch does)."""
+MIN_SPLIT_TILES = 3
+SHORT_SPLIT_TILES = 2
+MIN_SPLIT_TILES_PROGRAMS = 16
+"""See :func:`min_split_tiles_default`."""
 
 
 def tokens_m_default(cfg: KVarNConfig, multi_q: bool, programs: int, device: torch.device) -> bool:
     """Default of ``tokens_m``: whether a decode launch puts the tokens on the M side of both dots.
 
-    On for 128-token tiles in launches of more than ``TOKENS_M_MIN_WAVES`` waves, where it was
-    measured faster on the H200 at every shape timed (k4v2 D=128: 8 x 4K 47.5 -> 44.1 us, 32 x 4K
-    112.0 -> 98.1, 64 x 4K 171.3 -> 166.3, 8 x 32K 186.3 -> 156.4, 16 x 32K 303.0 -> 243.7; k2v2,
-    k4v4, D=64 and D=256 likewise; benchmarks/RESULTS.md). The rule counts programs only: off for
-    launches of at most 2 waves (batch 1 at 32K, 1.3 waves, was 4% slower; shapes just over 2 waves,
-    e.g. batch 2 at 32K, are on without having been timed), for 64-token tiles (no gain at 4 warps),
-    for multi-query launches (not implemented) and off CUDA (the interpreter tests pick the variant
-    explicitly).
+    On for 128-token tiles: at ``D = 128`` in every decode launch, at other head dims in launches of
+    more than ``TOKENS_M_MIN_WAVES`` waves. Measured faster on the H200 at every shape timed (k4v2
+    D=128: 8 x 4K 47.5 -> 44.1 us, 32 x 4K 112.0 -> 98.1, 64 x 4K 171.3 -> 166.3, 8 x 32K 186.3 ->
+    156.4, 16 x 32K 303.0 -> 243.7; k2v2, k4v4, D=64 and D=256 likewise). Batch 1 launches in
+    vLLM's shape (a block table 259 blocks wide, so 64 splits; 32 layers in one CUDA graph; session
+    12) are faster with it too: 1K 12.0 -> 11.7 us, 4K 21.1 -> 19.0, 16K 30.5 -> 27.7, 32K 43.1 ->
+    38.1, and 4K 18.2 -> 16.7 with an exact-width table. Off for 64-token tiles (no gain at 4
+    warps), for multi-query launches (not implemented) and off CUDA (the interpreter tests pick the
+    variant explicitly). ``benchmarks/RESULTS.md`` has the tables.
     """
     if multi_q or cfg.group_size != 128 or device.type != "cuda":
         return False
-    return programs > tokens_m_min_programs(device)
+    return cfg.head_dim == 128 or programs > tokens_m_min_programs(device)
+
+
+def min_split_tiles_default(cfg: KVarNConfig, multi_q: bool, programs: int) -> int:
+    """Default of ``min_split_tiles``: the fewest tiles a split of a sequence walks, whatever the launch's splits.
+
+    The split count of a CUDA-graph launch is fixed at capture for the longest sequence the block
+    table holds (vLLM: ``max_model_len``), so at batch 1 a 4K sequence (33 units) over 64 splits got
+    33 one-tile splits and a 33-way merge. The kernel gives each split at least this many units and
+    leaves the splits past a sequence's last one idle (they exit, and the merge reads only the
+    others). Decode launches of 128-token tiles: ``MIN_SPLIT_TILES`` when the launch has at least
+    ``MIN_SPLIT_TILES_PROGRAMS`` programs before splitting (sequences x KV heads), else
+    ``SHORT_SPLIT_TILES``; 1 (the plain ``cdiv`` of the units over the splits) for 64-token tiles
+    (no gain measured) and multi-query launches (not timed). Measured on the H200 (session 12,
+    vLLM's shape, ``tokens_m``, per-layer graph replay), min 1 -> 2 -> 3 tiles: batch 1 at 1K
+    11.7 -> 11.7 -> 14.6 us, at 4K 19.0 -> 19.1 -> 18.1; batch 4 at 4K 32.1 -> 27.9 -> 21.3;
+    batch 2 at 4K 21.1 -> 22.6 -> 19.2; 16K and longer, and batch 8 and more, unchanged.
+    """
+    if multi_q or cfg.group_size < 128:
+        return 1
+    return MIN_SPLIT_TILES if programs >= MIN_SPLIT_TILES_PROGRAMS else SHORT_SPLIT_TILES
 
 
 def tokens_m_min_programs(device: torch.device) -> int:
@@ -435,6 +461,7 @@ def paged_attention(
     tokens_m: bool | None = None,
     fold_offsets: bool | None = None,
     counters: torch.Tensor | None = None,
+    min_split_tiles: int | None = None,
     empty: Callable[..., torch.Tensor] = torch.empty,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -458,10 +485,11 @@ def paged_attention(
     ``fold_offsets`` unpacks the codes with one shift per code word and no subtraction
     (:func:`~kvarn.kernels.attention_tiles._unpack_raw`) and takes their offsets out of the
     zero-point terms instead (default :func:`fold_offsets_default`; ``False`` is the per-field
-    shift-mask-subtract unpack); ``empty`` allocates the output and the workspaces (``torch.empty``'s
-    signature; tests pass one that fills with NaN); ``out`` (``[Nq, Hq, D]`` in ``query.dtype``, unit
-    last stride, e.g. a view of the caller's buffer) receives the result instead of a new tensor and
-    is returned (no copy launch after the kernel).
+    shift-mask-subtract unpack); ``min_split_tiles``: the fewest tiles a split of a sequence walks
+    (default :func:`min_split_tiles_default`); ``empty`` allocates the output and the
+    workspaces (``torch.empty``'s signature; tests pass one that fills with NaN); ``out`` (``[Nq, Hq,
+    D]`` in ``query.dtype``, unit last stride, e.g. a view of the caller's buffer) receives the
+    result instead of a new tensor and is returned (no copy launch after the kernel).
 
     A ``smooth_keys`` config with per-tile vectors rotates each record tile's smoothed queries in
     the attention kernel itself: it needs ``fuse_query`` and ``tokens_m`` left at their defaults
@@ -471,8 +499,7 @@ def paged_attention(
     """
     _check_args(query, cache, block_table, seq_lens, tail_k, tail_v, cfg, query_start_loc, (key, value))
     fuse_query, tokens_m = _per_tile_smooth_knobs(cfg, fuse_query, tokens_m)
-    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
-        raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
+    _check_counts(num_splits=num_splits, min_split_tiles=min_split_tiles)
     nq, hq, d = query.shape
     hkv = cache.shape[1]
     batch = seq_lens.shape[0]
@@ -490,9 +517,7 @@ def paged_attention(
     block_q = max(1, MIN_DOT_ROWS // gqp) if multi_q else 1
     n_blocks = cdiv(nq, block_q) + batch if multi_q else batch  # one spare block per sequence
     max_units = block_table.shape[1] + 1
-    if num_splits is None:
-        num_splits = default_splits(cfg, n_blocks * hkv, max_units, multi_q, dev, tokens_m, num_warps)
-    splits = num_splits
+    splits = num_splits or default_splits(cfg, n_blocks * hkv, max_units, multi_q, dev, tokens_m, num_warps)
     if fuse_merge is None:
         fuse_merge = merge_in_kernel(n_blocks * hkv, splits, dev)
     if fuse_merge and splits > 1 and counters is None:
@@ -522,12 +547,20 @@ def paged_attention(
         tokens_m = tokens_m_default(cfg, multi_q, n_blocks * hkv * splits, dev)
     launch["TOKENS_M"] = not multi_q and tokens_m
     launch["FOLD"] = fold_offsets_default(cfg, launch["TOKENS_M"]) if fold_offsets is None else fold_offsets
+    launch["min_units"] = min_split_tiles or min_split_tiles_default(cfg, multi_q, n_blocks * hkv)
     _launch_attention(
         grid, (q, q_s), query, cache, block_table, seq_lens, query_start_loc, pool, ws, cfg, flags, launch
     )
     if merge:
         return final
     return _launch_epilogue(part, ws_m, ws_l, splits, hq, query.dtype, cfg, empty, out)
+
+
+def _check_counts(**counts) -> None:
+    """Each keyword's value is ``None`` or a positive int (the knobs of :func:`paged_attention` that count)."""
+    for name, value in counts.items():
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive int or None, got {value!r}")
 
 
 def _per_tile_smooth_knobs(cfg: KVarNConfig, fuse_query, tokens_m) -> tuple:
@@ -568,7 +601,8 @@ def _check_out(out: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | 
 
 
 def _launch_attention(grid, qs, query, cache, block_table, seq_lens, qsl, pool, ws, cfg, flags, launch) -> None:
-    """Launch the attention kernel; ``qs = (q, q_s)``: ``query`` or the prologue's outputs (``launch["FUSED_Q"]``)."""
+    """Launch the attention kernel; ``qs = (q, q_s)``: ``query`` or the prologue's outputs (``launch["FUSED_Q"]``);
+    ``launch`` holds the kernel's keyword arguments and ``min_units`` (1 if absent)."""
     q, q_s = qs
     hkv = grid[1]
     nq, hq, d = query.shape
@@ -578,6 +612,8 @@ def _launch_attention(grid, qs, query, cache, block_table, seq_lens, qsl, pool, 
     block_q = max(1, MIN_DOT_ROWS // gqp) if multi_q else 1
     tail_k, tail_v, tail_slots, sinks, key, value = pool
     part, ws_m, ws_l, final, counters = ws
+    launch = dict(launch)
+    min_units = launch.pop("min_units", 1)
     _attn_kernel[grid](
         q,
         q_s,
@@ -610,6 +646,7 @@ def _launch_attention(grid, qs, query, cache, block_table, seq_lens, qsl, pool, 
         tail_k.stride(2),
         nq * hq,
         grid[2],
+        min_units,
         GQ=gqa,
         GQP=gqp,
         BLOCK_Q=block_q,

@@ -402,6 +402,7 @@ def _split_units(
     q_first,
     split,
     num_splits,
+    min_units,
     sink_slots,
     G: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -409,7 +410,7 @@ def _split_units(
     HAS_SINK: tl.constexpr,
     HAS_KV: tl.constexpr,
 ):
-    """What split ``split`` of sequence ``seq`` reads: ``(n_full, own, u0, u1, qt0, sink_slot, has_sink)``.
+    """What split ``split`` of sequence ``seq`` reads: ``(n_full, own, u0, u1, qt0, sink_slot, has_sink, n_act)``.
 
     The program's units are ``n_full`` record tiles, then one full-precision unit (the own tile,
     :func:`_fp_tiles`) ``own = (n_slot, fp0, j0, n_step)``: ``n_slot`` tail slot tokens at
@@ -419,7 +420,9 @@ def _split_units(
     from the tile of its first query on, the step's tokens (``HAS_KV``) or the slot's (the
     sequence's queries in one tile) up to its last query. The split's units are
     ``u0 .. u1 - 1``, its records from ``qt0``; with ``has_sink`` tile 0 is read from pool slot
-    ``sink_slot`` instead of its record.
+    ``sink_slot`` instead of its record. Each split takes ``max(cdiv(n_units, num_splits), min_units)``
+    units, so only the first ``n_act`` splits have any: a launch sized for the longest sequence
+    (vLLM's block table width) gives short sequences few, full splits and few partials to merge.
     """
     if MULTI_Q:
         first = seq_len - n_q  # the step's first position
@@ -439,7 +442,8 @@ def _split_units(
         j0 = seq_len
         p_last = seq_len - 1
         n_units = n_full + (n_slot > 0).to(tl.int32)
-    per = tl.cdiv(n_units, num_splits)
+    per = tl.maximum(tl.cdiv(n_units, num_splits), min_units)
+    n_act = tl.maximum(tl.cdiv(n_units, per), 1)  # an empty sequence (padding) still gets its zero rows
     u0 = split * per
     u1 = tl.minimum(u0 + per, n_units)
     if HAS_SINK:
@@ -450,7 +454,7 @@ def _split_units(
     qt0 = u0
     if has_sink & (u0 == 0):
         qt0 = 1
-    return n_full, (n_slot, fp0, j0, p_last + 1 - j0), u0, u1, qt0, sink_slot, has_sink
+    return n_full, (n_slot, fp0, j0, p_last + 1 - j0), u0, u1, qt0, sink_slot, has_sink, n_act
 
 
 @triton.jit
@@ -591,6 +595,7 @@ def _attn_kernel(
     p_head,
     s_ws,
     num_splits,
+    min_units,
     GQ: tl.constexpr,
     GQP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -642,15 +647,15 @@ def _attn_kernel(
         n_q = 1
         q_first = 0
 
-    if q_first < n_q:
-        seq_len = tl.load(seq_lens + seq)
-        q_row, head, row_ok, q_local = _program_rows(BLOCK_M, q_start, q_first, n_q, kvh, GQ, GQP)
-        pos_q = seq_len - n_q + q_local  # [BLOCK_M]
-        q_base = q + q_row[:, None] * s_iq + head[:, None] * s_iqh  # [BLOCK_M, 1]
-
-        n_full, own, u0, u1, qt0, sink_slot, has_sink = _split_units(
-            seq, seq_len, n_q, q_first, split, num_splits, sink_slots, G, BLOCK_Q, MULTI_Q, HAS_SINK, HAS_KV
-        )
+    has_q = q_first < n_q  # else a spare query block of a multi-query launch: nothing to do
+    seq_len = tl.load(seq_lens + seq, mask=has_q, other=0)
+    q_row, head, row_ok, q_local = _program_rows(BLOCK_M, q_start, q_first, n_q, kvh, GQ, GQP)
+    pos_q = seq_len - n_q + q_local  # [BLOCK_M]
+    q_base = q + q_row[:, None] * s_iq + head[:, None] * s_iqh  # [BLOCK_M, 1]
+    n_full, own, u0, u1, qt0, sink_slot, has_sink, n_act = _split_units(
+        seq, seq_len, n_q, q_first, split, num_splits, min_units, sink_slots, G, BLOCK_Q, MULTI_Q, HAS_SINK, HAS_KV
+    )
+    if has_q & ((split < n_act) | (not FLAGS[1])):  # without MERGE the epilogue reads every split's partial
         lo_q = pos_q // G * G if MULTI_Q else pos_q  # each row's own tile: records (and the sink) before it only
         bt_row = block_table + seq.to(tl.int64) * s_bt
         records = (cache, s_cb, s_ch, kvh)
@@ -677,4 +682,4 @@ def _attn_kernel(
         rows = (q_row, head, row_ok, hq, split)
         outs = (part, ws_m, ws_l, s_ws, final, s_o, s_oh)
         counter = counters + pid * tl.num_programs(1) + kvh
-        _finish((m_i, l_i, acc), rows, compact, outs, counter, num_splits, MERGE_CH, FLAGS)
+        _finish((m_i, l_i, acc), rows, compact, outs, counter, n_act, MERGE_CH, FLAGS)
