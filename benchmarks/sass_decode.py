@@ -59,9 +59,7 @@ def compile_decode(
     names = _attn_kernel.arg_names
     const = dict(GQ=gq, GQP=gq, BLOCK_Q=1, BLOCK_M=max(8 if tokens_m else 16, gq), LAYOUT=record_layout(cfg))
     const.update(MULTI_Q=False, HAS_SINK=False, POOL_BF16=False, USE_ASM=True, IN_BF16=False, FACTOR=0.1275)
-    const.update(
-        FUSED_Q=fused_q, PAIR=pair, TOKENS_M=tokens_m, FOLD=fold, MERGE_CH=max(1, 4096 // (gq * d))
-    )
+    const.update(FUSED_Q=fused_q, PAIR=pair, TOKENS_M=tokens_m, FOLD=fold, MERGE_CH=max(1, 4096 // (gq * d)))
     const["FLAGS"] = (True, True, True, False, d**-0.5)
     const.update(extra or {})
     sig = {n: ptrs.get(n, "i32" if n in INTS else "*i32") for n in names if n not in const}
