@@ -31,6 +31,9 @@ DECODE = {
     "seq_smooth_prologue": (("kvarn_k4v2_g128", SEQ), 64, True, True, False, {"SMOOTH_Q": True, "LATE_Q": True}),
     "seq_smooth_fused": (("kvarn_k2v2_g128", SEQ), 64, False, False, True, {"LATE_Q": True, "HAS_SINK": True}),
     "per_tile_smooth": (("kvarn_k4v2_g64", {"smooth_keys": True}), 64, False, False, True, {}),
+    # FLAGS = (SPLIT, MERGE, ROTATE, OUT_BF16, INV_SQRT_D): the epilogue's partials, and one split
+    "no_merge": ("kvarn_k4v2_g128", 128, True, True, True, {"FLAGS": (True, False, True, False, 128**-0.5)}),
+    "one_split": ("kvarn_k4v2_g128", 128, False, False, True, {"FLAGS": (False, True, True, True, 128**-0.5)}),
 }
 STORE = {
     # id: preset config, SMOOTH_PHASE (None: no smooth_src)

@@ -277,15 +277,47 @@ def test_tokens_m_default_rule(monkeypatch):
     assert not attention.tokens_m_default(k4v2, False, 10 * wave2, cpu)
 
 
+@pytest.mark.parametrize("merge", [True, False], ids=["merge", "epilogue"])
+def test_paged_attention_empty_sequence_rows(merge):
+    """A sequence of length 0 (a CUDA-graph padding row) gets zero rows, and the counters end at zero,
+    with idle splits (``min_split_tiles``) and the merge in the kernel or in the epilogue."""
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=64)
+    g = cfg.group_size
+    state = build_cache(cfg, [3 * g + 5, 70, 9 * g], 2, torch.float16, seed=22)
+    query = torch.randn(4, 4, 64, generator=torch.Generator().manual_seed(5)).to(torch.float16)
+    args = list(attention_args(state, query[[0, 2, 3]], cfg))
+    # insert the empty sequence as row 1: its block table row, length and tail slot are never read
+    table, lens, slots = args[2], args[3], args[6]
+    args[0] = query
+    args[2] = torch.cat([table[:1], torch.zeros_like(table[:1]), table[1:]])
+    args[3] = torch.cat([lens[:1], torch.zeros_like(lens[:1]), lens[1:]])
+    args[6] = torch.cat([slots[:1], torch.zeros_like(slots[:1]), slots[1:]])
+    counters = torch.zeros(16, dtype=torch.int32)
+    out = attention.paged_attention(
+        *args,
+        num_splits=4,
+        min_split_tiles=3,
+        fuse_merge=merge,
+        counters=counters if merge else None,
+        empty=poisoned_empty,
+    )
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert not counters.any()
+    keep = [0, 2, 3]
+    ref_args = attention_args(state, query[keep], cfg)
+    check_attention(out[keep], ref_args)
+
+
 def test_min_split_tiles_default_rule():
-    """At least 2 tiles a split for decode launches of 128-token tiles with fewer than 16 programs before
-    splitting (batch 1 at 8 KV heads), 3 from 16 on; 1 for 64-token tiles and multi-query launches."""
+    """At least 2 tiles a split for ``tokens_m`` decode launches (128-token tiles) with fewer than 16
+    programs before splitting (batch 1 at 8 KV heads), 3 from 16 on; 1 for other launches (the row
+    path, 64-token tiles, multi-query launches, which never take ``tokens_m``)."""
     k4v2 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
     g64 = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=128)
-    assert attention.min_split_tiles_default(k4v2, False, 8) == attention.SHORT_SPLIT_TILES == 2
-    assert attention.min_split_tiles_default(k4v2, False, 16) == attention.MIN_SPLIT_TILES == 3
-    assert attention.min_split_tiles_default(k4v2, True, 16) == 1
-    assert attention.min_split_tiles_default(g64, False, 16) == 1
+    assert attention.min_split_tiles_default(k4v2, True, 8) == attention.SHORT_SPLIT_TILES == 2
+    assert attention.min_split_tiles_default(k4v2, True, 16) == attention.MIN_SPLIT_TILES == 3
+    assert attention.min_split_tiles_default(k4v2, False, 16) == 1
+    assert attention.min_split_tiles_default(g64, True, 16) == 1
     cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
     state = build_cache(cfg, [70], 1, torch.float16, seed=1)
     args = attention_args(state, torch.randn(1, 2, 64).to(torch.float16), cfg)

@@ -248,22 +248,24 @@ def tokens_m_default(cfg: KVarNConfig, multi_q: bool, programs: int, device: tor
     return cfg.head_dim == 128 or programs > tokens_m_min_programs(device)
 
 
-def min_split_tiles_default(cfg: KVarNConfig, multi_q: bool, programs: int) -> int:
+def min_split_tiles_default(cfg: KVarNConfig, tokens_m: bool, programs: int) -> int:
     """Default of ``min_split_tiles``: the fewest tiles a split of a sequence walks, whatever the launch's splits.
 
     The split count of a CUDA-graph launch is fixed at capture for the longest sequence the block
-    table holds (vLLM: ``max_model_len``), so at batch 1 a 4K sequence (33 units) over 64 splits got
-    33 one-tile splits and a 33-way merge. The kernel gives each split at least this many units and
-    leaves the splits past a sequence's last one idle (they exit, and the merge reads only the
-    others). Decode launches of 128-token tiles: ``MIN_SPLIT_TILES`` when the launch has at least
-    ``MIN_SPLIT_TILES_PROGRAMS`` programs before splitting (sequences x KV heads), else
-    ``SHORT_SPLIT_TILES``; 1 (the plain ``cdiv`` of the units over the splits) for 64-token tiles
-    (no gain measured) and multi-query launches (not timed). Measured on the H200 (session 12,
-    vLLM's shape, ``tokens_m``, per-layer graph replay), min 1 -> 2 -> 3 tiles: batch 1 at 1K
-    11.7 -> 11.7 -> 14.6 us, at 4K 19.0 -> 19.1 -> 18.1; batch 4 at 4K 32.1 -> 27.9 -> 21.3;
-    batch 2 at 4K 21.1 -> 22.6 -> 19.2; 16K and longer, and batch 8 and more, unchanged.
+    table holds (vLLM: ``max_model_len``, 64 splits at batch 1 and 8 KV heads), so short sequences
+    got one-tile splits, and the splits past their last tile still ran and were merged. The kernel
+    gives each split at least this many units and leaves the splits past a sequence's last one idle
+    (they exit, and the merge reads only the others). For ``tokens_m`` decode launches (128-token
+    tiles): ``MIN_SPLIT_TILES`` when the launch has at least ``MIN_SPLIT_TILES_PROGRAMS`` programs
+    before splitting (sequences x KV heads), else ``SHORT_SPLIT_TILES``; 1 (the plain ``cdiv`` of the
+    units over the splits) elsewhere: the row path was slower with 2 at batch 1-2 (below), 64-token
+    tiles gained nothing, multi-query launches were not timed. Measured on the H200 (session 12, vLLM's
+    shape, per-layer graph replay), ``tokens_m``, min 1 -> 2 -> 3 tiles: batch 1 at 1K 11.7 -> 11.7 ->
+    14.6 us, at 4K 19.0 -> 19.1 -> 18.1; batch 2 at 4K 21.1 -> 22.6 -> 19.2; batch 4 at 4K 32.1 ->
+    27.9 -> 21.3; 16K and longer, and batch 8 and more, unchanged. The row path, min 1 -> 2: batch 1
+    at 1K 12.0 -> 13.0, at 4K 21.1 -> 21.7, batch 2 at 4K 22.5 -> 25.5.
     """
-    if multi_q or cfg.group_size < 128:
+    if not tokens_m or cfg.group_size < 128:
         return 1
     return MIN_SPLIT_TILES if programs >= MIN_SPLIT_TILES_PROGRAMS else SHORT_SPLIT_TILES
 
@@ -547,7 +549,7 @@ def paged_attention(
         tokens_m = tokens_m_default(cfg, multi_q, n_blocks * hkv * splits, dev)
     launch["TOKENS_M"] = not multi_q and tokens_m
     launch["FOLD"] = fold_offsets_default(cfg, launch["TOKENS_M"]) if fold_offsets is None else fold_offsets
-    launch["min_units"] = min_split_tiles or min_split_tiles_default(cfg, multi_q, n_blocks * hkv)
+    launch["min_units"] = min_split_tiles or min_split_tiles_default(cfg, launch["TOKENS_M"], n_blocks * hkv)
     _launch_attention(
         grid, (q, q_s), query, cache, block_table, seq_lens, query_start_loc, pool, ws, cfg, flags, launch
     )
