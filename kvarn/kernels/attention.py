@@ -149,7 +149,10 @@ def default_splits(
     """The split-K factor a launch takes by default: :func:`choose_splits` with :func:`min_tiles_per_split`,
     then, for a launch of the register-capped ``tokens_m`` kernel at ``D = 128`` (``tokens_m`` as the
     launch will take it, ``ATTN_NUM_WARPS``, records not smoothed per tile), whole waves
-    (``TOKENS_M_WAVES``) while staying ``tokens_m``."""
+    (``TOKENS_M_WAVES``), and at least ``tokens_m_min_programs // programs + 1`` splits. That floor
+    dates from when ``tokens_m`` at ``D = 128`` needed that many programs (it no longer does,
+    :func:`tokens_m_default`); it is kept as the rule measured in session 9 and raises the split
+    count only for launches of 529-792 programs before splitting on 132 SMs (not re-timed)."""
     min_tiles = min_tiles_per_split(cfg, programs, max_units, device)
     splits = choose_splits(programs, max_units, device, min_tiles)
     capped = num_warps == ATTN_NUM_WARPS and not (cfg.smooth_keys and not cfg.seq_smooth) and not multi_q
@@ -271,7 +274,7 @@ def min_split_tiles_default(cfg: KVarNConfig, tokens_m: bool, programs: int) -> 
 
 
 def tokens_m_min_programs(device: torch.device) -> int:
-    """``tokens_m`` is the default for decode launches of more programs than this (``TOKENS_M_MIN_WAVES`` waves)."""
+    """``TOKENS_M_MIN_WAVES`` waves of programs: ``tokens_m`` is the default at ``D != 128`` above this."""
     return TOKENS_M_MIN_WAVES * PROGRAMS_PER_SM * _num_sms(device.index or 0)
 
 
