@@ -214,6 +214,48 @@ def test_paged_attention_merge_in_graph(preset, splits):
     print(f"STATS merge_in_graph {preset} splits={splits} rel_err={err:.2e}")
 
 
+@pytest.mark.parametrize(
+    "knobs", [{}, {"fuse_query": False, "fuse_merge": False, "num_splits": 3}], ids=["one_launch", "three_launches"]
+)
+def test_launch_plans_gpu(knobs):
+    """Eager decode calls after the first of a shape replay its launch plan (``kvarn.kernels._plan``):
+    the same output, bit for bit, as the launcher for new queries and caches, a query 2 bytes off a
+    16-byte boundary (its own plan), ``out=``, on a second stream, and eagerly after a graph capture."""
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
+    lengths = [40 * cfg.group_size + 17, 3 * cfg.group_size + 1, cfg.group_size + 100]
+    attention.PLANS.clear()
+    try:
+        for seed in range(4):
+            state = build_cache(cfg, lengths, 8, torch.float16, seed=seed, device=DEV)
+            query = torch.randn(len(lengths), 32, 128, device=DEV).half()
+            if seed == 2:
+                query = torch.empty(query.numel() + 1, device=DEV, dtype=query.dtype)[1:].view(query.shape).copy_(query)
+            args = attention_args(state, query, cfg, sink=seed % 2 == 1)
+            out = torch.full_like(query, float("nan")) if seed == 3 else None
+            stream = torch.cuda.Stream() if seed == 1 else torch.cuda.current_stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # the first call of a shape records its plan, the second replays it
+                    got = attention.paged_attention(*args, out=out, **knobs)
+            torch.cuda.current_stream().wait_stream(stream)
+            attention.PLANS.enabled = False
+            want = attention.paged_attention(*args, **knobs)
+            attention.PLANS.enabled = True
+            assert torch.equal(got, want) and (out is None or got is out)
+            check_attention(got, args)
+        plans = list(attention.PLANS.plans.values())
+        assert len(plans) == 4 and all(p is not None for p in plans)  # sink or not, misaligned, out=
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # captures the launcher (no replays while capturing)
+            captured = attention.paged_attention(*args, **knobs)
+        graph.replay()
+        eager = attention.paged_attention(*args, **knobs)
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)
+    finally:
+        attention.PLANS.enabled = True
+
+
 @pytest.mark.parametrize("fuse,merge", [(None, True), (True, True), (False, True), (None, False)])
 @pytest.mark.parametrize("splits", [None, 1, 4])
 @pytest.mark.parametrize("hq", [32, 64])

@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 from kvarn.config import KVarNConfig
+from kvarn.kernels import _plan
 from kvarn.kernels._common import (
     LOG2E,
     cdiv,
@@ -117,7 +118,7 @@ def merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
             _retired.append(buf)
         size = max(n, MIN_COUNTERS, 0 if buf is None else 2 * buf.numel())
         buf = _counters[key] = torch.zeros(size, dtype=torch.int32, device=device)
-    return buf
+    return _plan.persistent(buf)
 
 
 @functools.cache
@@ -386,7 +387,9 @@ def _launch_prologue(
         cache, block_table, seq_lens = records
         q_s = empty(nq, hq, d, dtype=torch.float32, device=query.device)
         gq = hq // cache.shape[1]
-    _prologue_kernel[(nq,)](
+    _plan.launch(
+        _prologue_kernel,
+        (nq,),
         query,
         q,
         query.stride(0),
@@ -421,7 +424,9 @@ def _launch_epilogue(part, ws_m, ws_l, splits: int, hq: int, out_dtype, cfg: KVa
     _, nq, _, d = part.shape
     if out is None:
         out = empty(nq, hq, d, dtype=out_dtype, device=part.device)
-    _epilogue_kernel[(nq,)](
+    _plan.launch(
+        _epilogue_kernel,
+        (nq,),
         part,
         ws_m,
         ws_l,
@@ -502,6 +507,42 @@ def paged_attention(
     sequence (``smooth_scope="sequence"``) the queries are smoothed once per program and every
     variant runs as for an unsmoothed config.
     """
+    knobs = (num_splits, num_warps, num_stages, fuse_query, fuse_merge, pair_tiles, tokens_m, fold_offsets)
+    knobs += (min_split_tiles,)
+    inputs = (query, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, sink_slots, counters, out)
+    key_of = None
+    if query_start_loc is None and key is None and value is None and empty is torch.empty:
+        key_of = lambda: _plan_key(inputs, cfg, scale, knobs)
+
+    def run(alloc: Callable) -> torch.Tensor:
+        return _paged_attention(
+            query, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, cfg, query_start_loc, sink_slots,
+            scale, key, value, *knobs, counters, alloc, out,
+        )  # fmt: skip
+
+    return PLANS.call(key_of, inputs, run)
+
+
+PLANS = _plan.Planner()
+"""Launch plans of eager decode calls (:mod:`kvarn.kernels._plan`): ``PLANS.enabled = False`` turns replays off."""
+
+
+def _plan_key(inputs: tuple, cfg: KVarNConfig, scale, knobs: tuple) -> tuple | None:
+    """The plan key of a decode call: its inputs' layouts (:func:`~kvarn.kernels._plan.tensor_key`), the
+    config, scale and knobs; ``None`` (run the launcher, which raises) where ``out`` shares memory
+    with the query."""
+    query, out = inputs[0], inputs[-1]
+    if out is not None and out.untyped_storage().data_ptr() == query.untyped_storage().data_ptr():
+        return None
+    return (cfg, scale, knobs, *map(_plan.tensor_key, inputs))
+
+
+def _paged_attention(
+    query, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, cfg, query_start_loc, sink_slots, scale, key,
+    value, num_splits, num_warps, num_stages, fuse_query, fuse_merge, pair_tiles, tokens_m, fold_offsets,
+    min_split_tiles, counters, empty, out,
+) -> torch.Tensor:  # fmt: skip
+    """:func:`paged_attention` itself (the launcher its plans record)."""
     _check_args(query, cache, block_table, seq_lens, tail_k, tail_v, cfg, query_start_loc, (key, value))
     fuse_query, tokens_m = _per_tile_smooth_knobs(cfg, fuse_query, tokens_m)
     _check_counts(num_splits=num_splits, min_split_tiles=min_split_tiles)
@@ -619,7 +660,9 @@ def _launch_attention(grid, qs, query, cache, block_table, seq_lens, qsl, pool, 
     part, ws_m, ws_l, final, counters = ws
     launch = dict(launch)
     min_units = launch.pop("min_units", 1)
-    _attn_kernel[grid](
+    _plan.launch(
+        _attn_kernel,
+        grid,
         q,
         q_s,
         cache,

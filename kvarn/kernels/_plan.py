@@ -1,0 +1,247 @@
+"""Launch plans: an eager launcher's host work done once per call shape, then replayed.
+
+A launcher (:func:`kvarn.kernels.attention.paged_attention`) checks its arguments, picks the
+launch (split count, variant flags), allocates its workspaces and launches one to three Triton
+kernels. Eagerly, on the H200's host (``benchmarks/RESULTS.md``), the Python costs ~50-90 µs a call
+and Triton's argument binding ~35-50 µs a kernel, against ~10-15 µs for the launch itself. None of
+that depends on the tensors' values: only on their shapes, strides, dtypes, devices and 16-byte
+alignment (what Triton specializes on) and on the call's other arguments.
+
+So the first call of a shape runs the launcher under a :class:`Recorder`, which notes every
+allocation the launcher makes through it (:meth:`Recorder.empty`) and every kernel launch (the
+compiled kernel, the grid, all arguments in the kernel's order). A :class:`Plan` built from that
+record traces each tensor argument to where it came from: an input of the call (by identity), an
+allocation, or a buffer the launcher declared long-lived (:func:`persistent`). Any other tensor (a
+copy or cast made on the way) makes the call unplannable, and it keeps running the launcher. Later
+calls with the same key replay the plan: the returned allocation is made anew, the other
+allocations (workspaces) are reused per CUDA stream while small, and each compiled kernel is
+launched directly (``CompiledKernel.run``, the call Triton itself makes after binding).
+
+Replays are skipped (the launcher runs as usual) under CUDA-graph capture, under the Triton
+interpreter, and while Triton's launch hooks call anything (a profiler's). A launcher must only plan calls whose host
+decisions depend on the key alone (no tensor value read back, e.g. a check of ``seq_lens``).
+Workspaces are reused in stream order only: two calls of one shape running concurrently on one
+stream are impossible, on two streams they get separate workspaces.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+MAX_PLANS = 64
+"""Plans kept per launcher (the oldest is dropped beyond it)."""
+MAX_CACHED_WORKSPACE = 16 << 20
+"""A plan reuses its workspaces per stream only while they hold at most this many bytes (else each call
+allocates them, which costs little beside a launch that large)."""
+
+_INPUT, _ALLOC, _PERSISTENT = range(3)
+_UNSEEN = object()
+_local = threading.local()
+
+try:  # Triton's own hooks and stream lookup, as its launcher uses them (3.6 and 3.9 alike)
+    from triton import knobs as _knobs
+    from triton.runtime.driver import driver as _driver
+except ImportError:  # pragma: no cover - Triton without knobs: plans stay off
+    _knobs = _driver = None
+
+
+def recording() -> Recorder | None:
+    """The recorder of the call being planned on this thread, or ``None``."""
+    return getattr(_local, "recorder", None)
+
+
+def launch(kernel, grid: tuple, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)``, noted by the active :class:`Recorder` if any; returns what Triton does."""
+    compiled = kernel[grid](*args, **kwargs)
+    rec = recording()
+    if rec is not None:
+        rec.note_launch(kernel, compiled, grid, args, kwargs)
+    return compiled
+
+
+def persistent(t: torch.Tensor) -> torch.Tensor:
+    """Declare ``t`` a buffer that outlives calls (a plan may hold it); returns ``t``."""
+    rec = recording()
+    if rec is not None:
+        rec.persistent[id(t)] = t
+    return t
+
+
+class Recorder:
+    """What one launcher call allocated and launched (see the module docstring)."""
+
+    def __init__(self, inputs: Sequence[torch.Tensor | None]):
+        self.inputs = {id(t): i for i, t in enumerate(inputs) if t is not None}
+        self.n_inputs = sum(t is not None for t in inputs)
+        self.allocs: list[tuple[tuple, torch.dtype, torch.device]] = []
+        self.alloc_ids: dict[int, int] = {}
+        self.keep: list[torch.Tensor] = []  # keeps the ids above unique while recording
+        self.persistent: dict[int, torch.Tensor] = {}
+        self.launches: list[tuple] = []
+
+    def empty(self, *shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``torch.empty(*shape, dtype=dtype, device=device)``, noted."""
+        t = torch.empty(*shape, dtype=dtype, device=device)
+        self.alloc_ids[id(t)] = len(self.allocs)
+        self.allocs.append((tuple(shape), dtype, t.device))
+        self.keep.append(t)
+        return t
+
+    def note_launch(self, kernel, compiled, grid: tuple, args: tuple, kwargs: dict) -> None:
+        self.launches.append((kernel, compiled, tuple(grid), args, dict(kwargs)))
+
+    def __enter__(self) -> Recorder:
+        _local.recorder = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _local.recorder = None
+
+    def plan(self, result: torch.Tensor) -> Plan | None:
+        """The plan of this call, or ``None`` where it cannot be replayed (see the module docstring)."""
+        if not self.launches or _driver is None or len(self.inputs) != self.n_inputs:
+            return None  # nothing launched, or one tensor passed as two inputs
+        launches = []
+        for kernel, compiled, grid, args, kwargs in self.launches:
+            if not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+                return None  # the interpreter, or a Triton whose compiled kernels launch otherwise
+            params = kernel.params[len(args) :]
+            bound = list(args) + [kwargs[p.name] if p.name in kwargs else p.default for p in params]
+            holes = []
+            for pos, a in enumerate(bound):
+                if isinstance(a, torch.Tensor):
+                    src = self._source(a)
+                    if src is None:
+                        return None
+                    holes.append((pos, *src))
+                    bound[pos] = None
+            grid3 = (*grid, 1, 1)[:3]
+            launches.append((compiled, grid3, bound, holes))
+        out = self._source(result)
+        if out is None or out[0] == _PERSISTENT:
+            return None
+        return Plan(launches, self.allocs, out)
+
+    def _source(self, t: torch.Tensor) -> tuple[int, object] | None:
+        i = self.inputs.get(id(t))
+        if i is not None:
+            return _INPUT, i
+        i = self.alloc_ids.get(id(t))
+        if i is not None:
+            return _ALLOC, i
+        if id(t) in self.persistent:
+            return _PERSISTENT, t
+        return None
+
+
+class Plan:
+    """A recorded call, replayed for new inputs of the same key (see the module docstring)."""
+
+    def __init__(self, launches: list[tuple], allocs: list[tuple], out: tuple[int, object]):
+        self.launches = launches
+        self.allocs = allocs
+        self.out = out
+        fresh = out[1] if out[0] == _ALLOC else -1
+        self.fresh = fresh
+        nbytes = sum(_numel(s) * torch.empty((), dtype=dt).element_size() for s, dt, _ in allocs)
+        self.reuse = nbytes <= MAX_CACHED_WORKSPACE
+        self.workspaces: dict[int, list[torch.Tensor | None]] = {}
+
+    def replay(self, inputs: Sequence[torch.Tensor | None], stream: int) -> torch.Tensor:
+        allocs = self.workspaces.get(stream) if self.reuse else None
+        if allocs is None:
+            allocs = [None if i == self.fresh else _alloc(a) for i, a in enumerate(self.allocs)]
+            if self.reuse:
+                self.workspaces[stream] = allocs
+        if self.fresh >= 0:
+            allocs = list(allocs)
+            allocs[self.fresh] = _alloc(self.allocs[self.fresh])
+        for compiled, grid, bound, holes in self.launches:
+            args = list(bound)
+            for pos, kind, src in holes:
+                args[pos] = inputs[src] if kind == _INPUT else allocs[src] if kind == _ALLOC else src
+            compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+        kind, src = self.out
+        return inputs[src] if kind == _INPUT else allocs[src]
+
+
+def _numel(shape: tuple) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _alloc(spec: tuple) -> torch.Tensor:
+    shape, dtype, device = spec
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def tensor_key(t: torch.Tensor | None) -> tuple | None:
+    """What a plan's key holds of a tensor: shape, strides, dtype, device index and 16-byte alignment."""
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16)
+
+
+class Planner:
+    """A launcher's plans by key: :meth:`call` replays one where it can, else runs and records the launcher."""
+
+    def __init__(self):
+        self.plans: dict[tuple, Plan | None] = {}
+        self.enabled = True
+
+    def clear(self) -> None:
+        self.plans.clear()
+
+    def call(self, key_of: Callable[[], tuple | None] | None, inputs: Sequence, run: Callable) -> torch.Tensor:
+        """``run(empty)`` (the launcher, allocating through ``empty``), or a replay of the plan of ``key_of()``.
+
+        ``key_of`` is ``None`` for a call that must not be planned, else it gives the call's key (or
+        ``None``); ``inputs`` are the call's tensors, those the key describes (a call that passes one
+        tensor as two inputs is not planned).
+        """
+        if key_of is None or not self.enabled or not _replayable():
+            return run(torch.empty)
+        key = key_of()
+        if key is None:
+            return run(torch.empty)
+        device_index = _driver.active.get_current_device()
+        key = (*key, device_index)
+        plan = self.plans.get(key, _UNSEEN)
+        if plan is None:
+            return run(torch.empty)
+        if plan is not _UNSEEN:
+            return plan.replay(inputs, _driver.active.get_current_stream(device_index))
+        with Recorder(inputs) as rec:
+            result = run(rec.empty)
+        if len(self.plans) >= MAX_PLANS:
+            self.plans.pop(next(iter(self.plans)))
+        self.plans[key] = rec.plan(result)
+        return result
+
+
+def _replayable() -> bool:
+    """Whether replays may run now: CUDA, not capturing a graph, no Triton launch hooks that call anything.
+
+    (Under the interpreter a launch returns no compiled kernel, so no plan is ever made.)"""
+    if _driver is None or not _cuda():
+        return False
+    if not (_idle(_knobs.runtime.launch_enter_hook) and _idle(_knobs.runtime.launch_exit_hook)):
+        return False
+    return not torch.cuda.is_current_stream_capturing()
+
+
+@functools.cache
+def _cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def _idle(hook) -> bool:
+    """Whether a Triton launch hook calls nothing: ``None``, or a ``HookChain`` (Triton 3.6+) with no calls
+    (then the replay passes ``None``, which the launcher skips, as it skips the empty chain)."""
+    return hook is None or (isinstance(getattr(hook, "calls", None), list) and not hook.calls)

@@ -1,0 +1,197 @@
+"""Launch plans (``kvarn.kernels._plan``) on the CPU: the launcher recorded once, replayed with new inputs.
+
+The kernels are replaced by fakes that note their arguments, so these tests check the bookkeeping
+(which tensor goes where, what is allocated anew, when a call is not planned); that a replay
+launches the real kernels to the same result is ``test_kernels_gpu.py::test_launch_plans_gpu``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernel_oracle import attention_args, build_cache
+
+from kvarn.config import KVarNConfig
+
+
+class FakeCompiled:
+    """A compiled kernel whose ``run`` notes what it was launched with (Triton's launcher call)."""
+
+    function = "fn"
+    packed_metadata = "meta"
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def run(self, g0, g1, g2, stream, function, meta, launch_metadata, enter, exit_, *args):
+        assert (function, meta, launch_metadata, enter, exit_) == ("fn", "meta", None, None, None)
+        self.log.append(("replay", self.name, (g0, g1, g2), stream, list(args)))
+
+
+class FakeKernel:
+    """A JIT kernel: ``kernel[grid](*args, **kwargs)`` binds like Triton and notes the bound arguments."""
+
+    def __init__(self, real, log: list):
+        # the parameters of the kernel's Python function (a JIT or, under the interpreter, an interpreted one)
+        sig = inspect.signature(real.fn).parameters.values()
+        self.params = [types.SimpleNamespace(name=p.name, default=p.default) for p in sig]
+        self.name = real.fn.__name__
+        self.log = log
+        self.compiled = FakeCompiled(self.name, log)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            rest = [kwargs[p.name] if p.name in kwargs else p.default for p in self.params[len(args) :]]
+            grid3 = (*grid, 1, 1)[:3]
+            self.log.append(("launch", self.name, grid3, None, list(args) + rest))
+            return self.compiled
+
+        return launch
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    """The attention module with fake kernels and plans switched on as on a GPU (stream 7)."""
+    attention = importlib.import_module("kvarn.kernels.attention")
+    plan = importlib.import_module("kvarn.kernels._plan")
+    log: list = []
+    for name in ("_attn_kernel", "_prologue_kernel", "_epilogue_kernel"):
+        monkeypatch.setattr(attention, name, FakeKernel(getattr(attention, name), log))
+    stream = {"id": 7}
+    active = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda dev: stream["id"])
+    monkeypatch.setattr(plan, "_driver", types.SimpleNamespace(active=active))
+    monkeypatch.setattr(plan, "_replayable", lambda: True)
+    monkeypatch.setattr(attention, "PLANS", plan.Planner())
+    return attention, log, stream
+
+
+def _case(cfg: KVarNConfig, seed: int, batch: int = 3):
+    state = build_cache(cfg, [cfg.group_size * 2 + 5 + i for i in range(batch)], 2, torch.float16, seed)
+    q = torch.randn(batch, 4, cfg.head_dim, generator=torch.Generator().manual_seed(seed)).half()
+    return attention_args(state, q, cfg)
+
+
+def _same_launch(replayed, launched, inputs) -> None:
+    """A replay's arguments against the launcher's for the same inputs: inputs by identity, the rest equal."""
+    assert replayed[1:3] == launched[1:3]
+    for a, b in zip(replayed[4], launched[4], strict=True):
+        if isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor)
+            if any(b is t for t in inputs):
+                assert a is b
+            else:  # an allocation or the merge counters: same layout
+                assert (a.shape, a.dtype, a.stride()) == (b.shape, b.dtype, b.stride())
+        else:
+            assert a == b
+
+
+@pytest.mark.parametrize("knobs", [{}, {"fuse_query": False, "fuse_merge": False, "num_splits": 2}])
+def test_a_replay_launches_what_the_launcher_would(fakes, knobs):
+    attention, log, _ = fakes
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=64)
+    first = attention.paged_attention(*_case(cfg, 1), **knobs)
+    recorded = [e for e in log if e[0] == "launch"]
+    assert recorded and len(attention.PLANS.plans) == 1
+    args = _case(cfg, 2)
+    log.clear()
+    out = attention.paged_attention(*args, **knobs)
+    replayed = list(log)
+    assert replayed and all(e[0] == "replay" and e[3] == 7 for e in replayed)
+    attention.PLANS.enabled = False
+    log.clear()
+    want = attention.paged_attention(*args, **knobs)
+    launched = list(log)
+    assert len(replayed) == len(launched) == len(recorded)
+    inputs = [a for a in args if isinstance(a, torch.Tensor)]
+    for r, w in zip(replayed, launched, strict=True):
+        _same_launch(r, w, inputs)
+    assert out.shape == want.shape and out.dtype == want.dtype and out is not first
+
+
+def test_workspaces_are_reused_per_stream_and_the_output_is_new(fakes):
+    attention, log, stream = fakes
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=64)
+    knobs = {"fuse_query": False, "fuse_merge": False, "num_splits": 2}  # prologue, attention, epilogue
+    attention.paged_attention(*_case(cfg, 1), **knobs)
+    calls, outs, allocs = [], [], []
+    for s in (7, 7, 8):
+        stream["id"] = s
+        log.clear()
+        calls.append(_case(cfg, 2))  # kept alive: ids below stay unique
+        outs.append(attention.paged_attention(*calls[-1], **knobs))
+        inputs = {id(a) for a in calls[-1] if isinstance(a, torch.Tensor)}
+        allocs.append({id(a) for e in log for a in e[4] if isinstance(a, torch.Tensor) and id(a) not in inputs})
+    assert len({id(o) for o in outs}) == 3 and all(id(o) in a for o, a in zip(outs, allocs, strict=True))
+    reused = allocs[0] & allocs[1]  # the prologue's queries, the partials, the running max and sum
+    assert len(reused) >= 3 and id(outs[0]) not in reused and id(outs[1]) not in reused
+    assert not allocs[2] & reused  # another stream: its own workspaces
+
+
+def test_calls_that_are_not_planned_run_the_launcher(fakes):
+    attention, log, _ = fakes
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=64)
+    args = list(_case(cfg, 1))
+    # the query copied (last stride not 1): the launcher makes a tensor no plan can trace
+    q = args[0]
+    args[0] = torch.empty(q.shape[0], q.shape[1], 2 * q.shape[2], dtype=q.dtype)[..., ::2].copy_(q)
+    for _ in range(2):
+        log.clear()
+        attention.paged_attention(*args)
+        assert log and all(e[0] == "launch" for e in log)
+    assert list(attention.PLANS.plans.values()) == [None]
+    # one tensor passed as two inputs: recorded as no plan; a multi-query call: never keyed
+    args = list(_case(cfg, 1))
+    args[9] = args[6]  # sink_slots is tail_slots
+    same = _case(cfg, 3)
+    qsl = torch.tensor([0, 2, 5], dtype=torch.int32)  # queries inside one tile each: no key, value
+    multi = attention_args(build_cache(cfg, [300, 200], 2, torch.float16, 4), torch.randn(5, 4, 64).half(), cfg, qsl)
+    multi = (*multi[:11], None, None)
+    for call in (args, multi):
+        for _ in range(2):
+            log.clear()
+            attention.paged_attention(*call)
+            assert log and all(e[0] == "launch" for e in log)
+    assert list(attention.PLANS.plans.values()) == [None, None]
+    log.clear()
+    for _ in range(2):
+        attention.paged_attention(*same, empty=torch.empty)  # the default allocator: planned
+    attention.paged_attention(*same, empty=lambda *s, **k: torch.empty(*s, **k))  # another one: not
+    assert [e[0] for e in log] == ["launch", "replay", "launch"]
+
+
+def test_a_new_alignment_or_layout_is_a_new_plan(fakes):
+    attention, log, _ = fakes
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=64)
+    args = list(_case(cfg, 1))
+    attention.paged_attention(*args)
+    q = args[0]
+    flat = torch.empty(q.numel() + 1, dtype=q.dtype)
+    args[0] = flat[1:].view(q.shape).copy_(q)  # 2 bytes past a 16-byte boundary
+    log.clear()
+    attention.paged_attention(*args)
+    assert log[0][0] == "launch" and len(attention.PLANS.plans) == 2
+    out = torch.empty_like(q)
+    attention.paged_attention(*_case(cfg, 2), out=out)
+    log.clear()
+    got = attention.paged_attention(*_case(cfg, 3), out=out)
+    assert got is out and log[0][0] == "replay" and len(attention.PLANS.plans) == 3
+    with pytest.raises(ValueError, match="share memory"):  # not keyed: the launcher's check runs
+        attention.paged_attention(*args, out=args[0])
+
+
+def test_replays_wait_while_a_triton_launch_hook_calls_anything():
+    """Triton 3.6+ keeps its launch hooks as chains that are never ``None``: an empty one is idle."""
+    plan = importlib.import_module("kvarn.kernels._plan")
+    from triton import knobs
+
+    chain = type(knobs.runtime.launch_enter_hook)()
+    assert plan._idle(None) and plan._idle(chain) and plan._idle(knobs.runtime.launch_enter_hook)
+    chain.add(print)
+    assert not plan._idle(chain) and not plan._idle(print)
