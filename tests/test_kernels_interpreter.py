@@ -261,8 +261,9 @@ def test_paged_attention_tokens_m(preset, d, hq, hkv, splits, pair, fold):
 
 
 def test_tokens_m_default_rule(monkeypatch):
-    """``tokens_m`` by default for decode launches of 128-token tiles on CUDA: every one at D = 128,
-    over more than 2 waves at other head dims."""
+    """``tokens_m`` by default for decode launches on CUDA: every one at D = 128 (64-token tiles too)
+    and at D = 256 (128-token tiles), over more than 2 waves at D = 64 (128-token tiles); 64-token
+    tiles walked one a step with it (``pair_tiles_default``)."""
     monkeypatch.setattr(attention, "_num_sms", lambda index: 132)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     k4v2 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
@@ -272,8 +273,14 @@ def test_tokens_m_default_rule(monkeypatch):
     assert attention.tokens_m_default(k4v2, False, 512, cuda)  # batch 1 at 32K in vLLM: 8 heads x 64 splits
     assert attention.tokens_m_default(d64, False, wave2 + 1, cuda)
     assert not attention.tokens_m_default(d64, False, wave2, cuda)
+    d256 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=256)
+    assert attention.tokens_m_default(d256, False, 8, cuda)  # batch 1 at 4K, timed in session 13
     assert not attention.tokens_m_default(k4v2, True, 10 * wave2, cuda)
-    assert not attention.tokens_m_default(g64, False, 10 * wave2, cuda)
+    assert attention.tokens_m_default(g64, False, 10 * wave2, cuda) and attention.tokens_m_default(g64, False, 8, cuda)
+    g64_d64 = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
+    assert not attention.tokens_m_default(g64_d64, False, 10 * wave2, cuda)
+    assert attention.pair_tiles_default(g64) and not attention.pair_tiles_default(g64, tokens_m=True)
+    assert not attention.pair_tiles_default(g64_d64) and not attention.pair_tiles_default(k4v2)
     assert not attention.tokens_m_default(k4v2, False, 10 * wave2, cpu)
 
 
@@ -362,11 +369,11 @@ def test_split_rule_on_an_h200(monkeypatch):
     assert attention.default_splits(k4v2, 128, 257, False, cuda, num_warps=8) == 10
     per_tile = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128, smooth_keys=True)
     assert attention.default_splits(per_tile, 128, 257, False, cuda) == 10
-    # D = 256 and 64-token tiles keep the rounded-up waves
+    # D = 256 keeps the rounded-up waves; 64-token tiles at D = 128 take tokens_m and its whole waves
     d256 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=256)
     assert attention.default_splits(d256, 128, 257, False, cuda) == 10
     g64 = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=128)
-    assert attention.default_splits(g64, 128, 513, False, cuda) == 10
+    assert attention.default_splits(g64, 128, 513, False, cuda) == 8  # 16 x 32K, timed in session 13
 
 
 def test_fold_offsets_default_rule():

@@ -212,13 +212,16 @@ def fuse_query_rotation(cfg: KVarNConfig, programs: int, tiles_per_split: int, d
     return programs <= FUSE_MAX_WAVES * PROGRAMS_PER_SM * sms and tiles_per_split <= FUSE_MAX_TILES
 
 
-def pair_tiles_default(cfg: KVarNConfig) -> bool:
-    """Whether the attention kernel walks two tiles per loop step by default: 64-token tiles at ``D = 128``.
+def pair_tiles_default(cfg: KVarNConfig, tokens_m: bool = False) -> bool:
+    """Whether the attention kernel walks two tiles per loop step by default: 64-token tiles at ``D = 128``
+    on the row path (``tokens_m`` off).
 
     One softmax step per 128 tokens and two independent score chains; at ``D = 64`` the pair
     does not fit the register cap (``DECODE_MAX_REGS``: spills in the loop), at ``D = 256`` not tried.
+    With ``tokens_m`` (k4v2_g64 decode, session 13) one tile a step was faster: 16 x 32K 392.9 -> 384.3
+    us, 8 x 4K 60.0 -> 55.1, 1 x 4K 28.9 -> 26.9.
     """
-    return cfg.group_size < 128 and cfg.head_dim == 128
+    return cfg.group_size < 128 and cfg.head_dim == 128 and not tokens_m
 
 
 TOKENS_M_MIN_ROWS = 8
@@ -237,19 +240,26 @@ MIN_SPLIT_TILES_PROGRAMS = 16
 def tokens_m_default(cfg: KVarNConfig, multi_q: bool, programs: int, device: torch.device) -> bool:
     """Default of ``tokens_m``: whether a decode launch puts the tokens on the M side of both dots.
 
-    On for 128-token tiles: at ``D = 128`` in every decode launch, at other head dims in launches of
-    more than ``TOKENS_M_MIN_WAVES`` waves. Measured faster on the H200 at every shape timed (k4v2
-    D=128: 8 x 4K 47.5 -> 44.1 us, 32 x 4K 112.0 -> 98.1, 64 x 4K 171.3 -> 166.3, 8 x 32K 186.3 ->
-    156.4, 16 x 32K 303.0 -> 243.7; k2v2, k4v4, D=64 and D=256 likewise). Batch 1 launches in
-    vLLM's shape (a block table 259 blocks wide, so 64 splits; 32 layers in one CUDA graph; session
-    12) are faster with it too: 1K 12.0 -> 11.7 us, 4K 21.1 -> 19.0, 16K 30.5 -> 27.7, 32K 43.1 ->
-    38.1, and 4K 18.2 -> 16.7 with an exact-width table. Off for 64-token tiles (no gain at 4
-    warps), for multi-query launches (not implemented) and off CUDA (the interpreter tests pick the
-    variant explicitly). ``benchmarks/RESULTS.md`` has the tables.
+    On at ``D = 128`` in every decode launch (64-token tiles too), at ``D = 256`` in every decode
+    launch of 128-token tiles, at ``D = 64`` for 128-token tiles in launches of more than
+    ``TOKENS_M_MIN_WAVES`` waves. Measured faster on the H200 at every shape timed (k4v2 D=128: 8 x
+    4K 47.5 -> 44.1 us, 32 x 4K 112.0 -> 98.1, 64 x 4K 171.3 -> 166.3, 8 x 32K 186.3 -> 156.4, 16 x
+    32K 303.0 -> 243.7; k2v2, k4v4, D=64 and D=256 likewise). Batch 1 launches in vLLM's shape (a
+    block table 259 blocks wide, so 64 splits; 32 layers in one CUDA graph; session 12) are faster
+    with it too: 1K 12.0 -> 11.7 us, 4K 21.1 -> 19.0, 16K 30.5 -> 27.7, 32K 43.1 -> 38.1, and 4K
+    18.2 -> 16.7 with an exact-width table. Session 13: 64-token tiles at ``D = 128`` (k4v2_g64,
+    4 warps, paired): 16 x 32K 459.6 -> 388.3 us, 4 x 128K 484.5 -> 390.3, 64 x 4K 227.1 -> 216.9,
+    8 x 4K 62.1 -> 59.5, 1 x 32K 58.6 -> 56.8, 1 x 4K 29.4 -> 28.7 (session 3 had measured no
+    gain, before the merge moved into the kernel), walked one tile a step (:func:`pair_tiles_default`);
+    ``D = 256`` at 1 x 4K 36.0 -> 30.0 us (16 x 32K took it already). 64-token tiles at other head
+    dims keep the row path (not timed). Off for multi-query launches (not implemented) and off CUDA
+    (the interpreter tests pick the variant explicitly). ``benchmarks/RESULTS.md`` has the tables.
     """
-    if multi_q or cfg.group_size != 128 or device.type != "cuda":
+    if multi_q or device.type != "cuda":
         return False
-    return cfg.head_dim == 128 or programs > tokens_m_min_programs(device)
+    if cfg.head_dim == 128:
+        return True
+    return cfg.group_size == 128 and (cfg.head_dim == 256 or programs > tokens_m_min_programs(device))
 
 
 def min_split_tiles_default(cfg: KVarNConfig, tokens_m: bool, programs: int) -> int:
@@ -588,10 +598,10 @@ def _paged_attention(
     launch = {"num_warps": num_warps, "num_stages": num_stages, "FUSED_Q": fused_q, "FACTOR": _query_factor(cfg, scale)}
     launch.update(SMOOTH_Q=smooth_q, LATE_Q=smooth_q or (cfg.seq_smooth and fused_q))
     launch.update(HAS_SINK=sink_slots is not None, HAS_KV=step is not None)
-    launch["PAIR"] = pair_tiles_default(cfg) if pair_tiles is None else pair_tiles
     if tokens_m is None:
         tokens_m = tokens_m_default(cfg, multi_q, n_blocks * hkv * splits, dev)
     launch["TOKENS_M"] = not multi_q and tokens_m
+    launch["PAIR"] = pair_tiles_default(cfg, launch["TOKENS_M"]) if pair_tiles is None else pair_tiles
     launch["FOLD"] = fold_offsets_default(cfg, launch["TOKENS_M"]) if fold_offsets is None else fold_offsets
     launch["min_units"] = min_split_tiles or min_split_tiles_default(cfg, launch["TOKENS_M"], n_blocks * hkv)
     _launch_attention(
