@@ -256,6 +256,29 @@ def test_launch_plans_gpu(knobs):
         attention.PLANS.enabled = True
 
 
+def test_launch_plans_multi_query_gpu():
+    """Multi-query calls with the step's ``key, value`` (``KVarNCache``'s steps) replay their plan too
+    (the ``write_tail`` launch into the scratch pool included): bit-equal to the launcher."""
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
+    lengths, n_q = [1000, 300, 2050, 640], [37, 1, 300, 1]
+    qsl = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    attention.PLANS.clear()
+    try:
+        for seed in range(3):
+            state = build_cache(cfg, lengths, 8, torch.float16, seed=seed, device=DEV)
+            query = torch.randn(int(qsl[-1]), 32, 128, device=DEV).half()
+            args = attention_args(state, query, cfg, qsl=qsl, sink=True)
+            got = attention.paged_attention(*args)
+            attention.PLANS.enabled = False
+            want = attention.paged_attention(*args)
+            attention.PLANS.enabled = True
+            assert torch.equal(got, want)
+            check_attention(got, args)
+        assert [p is not None for p in attention.PLANS.plans.values()] == [True]
+    finally:
+        attention.PLANS.enabled = True
+
+
 @pytest.mark.parametrize("fuse,merge", [(None, True), (True, True), (False, True), (None, False)])
 @pytest.mark.parametrize("splits", [None, 1, 4])
 @pytest.mark.parametrize("hq", [32, 64])

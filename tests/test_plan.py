@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import types
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # as test_kernels_interpreter.py: Triton must see it before its first import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton")
 
@@ -64,6 +68,8 @@ def fakes(monkeypatch):
     log: list = []
     for name in ("_attn_kernel", "_prologue_kernel", "_epilogue_kernel"):
         monkeypatch.setattr(attention, name, FakeKernel(getattr(attention, name), log))
+    store = importlib.import_module("kvarn.kernels.store")  # write_tail: a multi-query call's step K/V
+    monkeypatch.setattr(store, "_prepare_kernel", FakeKernel(store._prepare_kernel, log))
     stream = {"id": 7}
     active = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda dev: stream["id"])
     monkeypatch.setattr(plan, "_driver", types.SimpleNamespace(active=active))
@@ -72,10 +78,13 @@ def fakes(monkeypatch):
     return attention, log, stream
 
 
-def _case(cfg: KVarNConfig, seed: int, batch: int = 3):
+def _case(cfg: KVarNConfig, seed: int, batch: int = 3, multi: bool = False):
+    """Decode arguments, or (``multi``) a multi-query step of 2 queries a sequence with its ``key, value``."""
     state = build_cache(cfg, [cfg.group_size * 2 + 5 + i for i in range(batch)], 2, torch.float16, seed)
-    q = torch.randn(batch, 4, cfg.head_dim, generator=torch.Generator().manual_seed(seed)).half()
-    return attention_args(state, q, cfg)
+    n = 2 if multi else 1
+    q = torch.randn(batch * n, 4, cfg.head_dim, generator=torch.Generator().manual_seed(seed)).half()
+    qsl = torch.arange(0, batch * n + 1, n, dtype=torch.int32) if multi else None
+    return attention_args(state, q, cfg, qsl)
 
 
 def _same_launch(replayed, launched, inputs) -> None:
@@ -92,14 +101,16 @@ def _same_launch(replayed, launched, inputs) -> None:
             assert a == b
 
 
+@pytest.mark.parametrize("multi", [False, True], ids=["decode", "multi_query_with_kv"])
 @pytest.mark.parametrize("knobs", [{}, {"fuse_query": False, "fuse_merge": False, "num_splits": 2}])
-def test_a_replay_launches_what_the_launcher_would(fakes, knobs):
+def test_a_replay_launches_what_the_launcher_would(fakes, knobs, multi):
     attention, log, _ = fakes
     cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=64)
-    first = attention.paged_attention(*_case(cfg, 1), **knobs)
+    first = attention.paged_attention(*_case(cfg, 1, multi=multi), **knobs)
     recorded = [e for e in log if e[0] == "launch"]
-    assert recorded and len(attention.PLANS.plans) == 1
-    args = _case(cfg, 2)
+    assert len(recorded) >= 1 + multi and len(attention.PLANS.plans) == 1  # multi: write_tail's launch too
+    assert all(p is not None for p in attention.PLANS.plans.values())
+    args = _case(cfg, 2, multi=multi)
     log.clear()
     out = attention.paged_attention(*args, **knobs)
     replayed = list(log)
@@ -146,11 +157,11 @@ def test_calls_that_are_not_planned_run_the_launcher(fakes):
         attention.paged_attention(*args)
         assert log and all(e[0] == "launch" for e in log)
     assert list(attention.PLANS.plans.values()) == [None]
-    # one tensor passed as two inputs: recorded as no plan; a multi-query call: never keyed
+    # one tensor passed as two inputs: recorded as no plan; a multi-query call without key, value: never keyed
     args = list(_case(cfg, 1))
     args[9] = args[6]  # sink_slots is tail_slots
     same = _case(cfg, 3)
-    qsl = torch.tensor([0, 2, 5], dtype=torch.int32)  # queries inside one tile each: no key, value
+    qsl = torch.tensor([0, 2, 5], dtype=torch.int32)  # queries inside one tile each: checked on the host
     multi = attention_args(build_cache(cfg, [300, 200], 2, torch.float16, 4), torch.randn(5, 4, 64).half(), cfg, qsl)
     multi = (*multi[:11], None, None)
     for call in (args, multi):

@@ -361,8 +361,28 @@ def _step_kv(key, value, qsl, seq_lens, tail_k, cfg: KVarNConfig, empty: Callabl
     g = cfg.group_size
     k = empty(cdiv(nq, g), g, hkv, d, dtype=tail_k.dtype, device=key.device)
     v = empty(cdiv(nq, g), g, hkv, d, dtype=tail_k.dtype, device=key.device)
-    write_tail(key, value, k, v, torch.arange(nq, dtype=torch.int32, device=key.device), cfg)
+    write_tail(key, value, k, v, _rows(nq, key.device), cfg)
     return k, v
+
+
+_aranges: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _rows(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` as int32 on ``device`` (the scratch pool's slot mapping): a view of one buffer per
+    device, declared persistent to launch plans (its values never change). Outgrown buffers stay alive
+    (a captured graph may read one); while a graph is captured a buffer that is too small gives a
+    fresh ``arange`` instead."""
+    key = (device.type, device.index or 0)
+    buf = _aranges.get(key)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.arange(n, dtype=torch.int32, device=device)
+        if buf is not None:
+            _retired.append(buf)
+        size = max(n, MIN_COUNTERS, 0 if buf is None else 2 * buf.numel())
+        buf = _aranges[key] = torch.arange(size, dtype=torch.int32, device=device)
+    return _plan.persistent(buf[:n])
 
 
 def _check_one_tile(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, g: int) -> None:
@@ -519,9 +539,10 @@ def paged_attention(
     """
     knobs = (num_splits, num_warps, num_stages, fuse_query, fuse_merge, pair_tiles, tokens_m, fold_offsets)
     knobs += (min_split_tiles,)
-    inputs = (query, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, sink_slots, counters, out)
+    inputs = (query, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, query_start_loc, sink_slots, key, value)
+    inputs += (counters, out)
     key_of = None
-    if query_start_loc is None and key is None and value is None and empty is torch.empty:
+    if empty is torch.empty and (query_start_loc is None or key is not None):  # no check that reads seq_lens
         key_of = lambda: _plan_key(inputs, cfg, scale, knobs)
 
     def run(alloc: Callable) -> torch.Tensor:
@@ -534,11 +555,13 @@ def paged_attention(
 
 
 PLANS = _plan.Planner()
-"""Launch plans of eager decode calls (:mod:`kvarn.kernels._plan`): ``PLANS.enabled = False`` turns replays off."""
+"""Launch plans of eager calls (:mod:`kvarn.kernels._plan`): decode calls, and multi-query calls given the
+step's ``key, value`` (without them the launcher reads ``seq_lens`` back to check the queries' tiles);
+``PLANS.enabled = False`` turns replays off."""
 
 
 def _plan_key(inputs: tuple, cfg: KVarNConfig, scale, knobs: tuple) -> tuple | None:
-    """The plan key of a decode call: its inputs' layouts (:func:`~kvarn.kernels._plan.tensor_key`), the
+    """The plan key of a call: its inputs' layouts (:func:`~kvarn.kernels._plan.tensor_key`), the
     config, scale and knobs; ``None`` (run the launcher, which raises) where ``out`` shares memory
     with the query."""
     query, out = inputs[0], inputs[-1]

@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from kvarn.config import KVarNConfig
+from kvarn.kernels import _plan
 from kvarn.kernels._common import (
     IMBALANCE_EPS,
     LOG_SCALE_MAX,
@@ -738,7 +739,9 @@ def write_tail(
         raise ValueError("tail_k must be contiguous along head_dim")
     n_heads = k.shape[1]
     n_rows = k.shape[0] * n_heads
-    _prepare_kernel[(cdiv(n_rows, PREPARE_ROWS), 2)](
+    _plan.launch(
+        _prepare_kernel,
+        (cdiv(n_rows, PREPARE_ROWS), 2),
         k,
         v,
         tail_k,
