@@ -256,6 +256,31 @@ def test_launch_plans_gpu(knobs):
         attention.PLANS.enabled = True
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_write_tail_plans_gpu(dtype):
+    """``write_tail`` replays its plan after the first call of a shape: the same pool bits as the launcher."""
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
+    store.WRITE_TAIL_PLANS.clear()
+    try:
+        for seed in range(3):
+            gen = torch.Generator(device=DEV).manual_seed(seed)
+            k = torch.randn(5, 8, 128, device=DEV, generator=gen).to(dtype) * 3
+            v = torch.randn(5, 8, 128, device=DEV, generator=gen).to(dtype)
+            mapping = torch.tensor([3, 130, -1, 255, 7 + seed], dtype=torch.int32, device=DEV)
+            pools = []
+            for enabled in (True, False):
+                store.WRITE_TAIL_PLANS.enabled = enabled
+                tail_k = torch.full((2, cfg.group_size, 8, 128), float("nan"), device=DEV, dtype=torch.float16)
+                tail_v = tail_k.clone()
+                store.write_tail(k, v, tail_k, tail_v, mapping, cfg)
+                pools.append((tail_k, tail_v))
+            assert torch.equal(pools[0][0].nan_to_num(7), pools[1][0].nan_to_num(7))
+            assert torch.equal(pools[0][1].nan_to_num(7), pools[1][1].nan_to_num(7))
+        assert [p is not None for p in store.WRITE_TAIL_PLANS.plans.values()] == [True]
+    finally:
+        store.WRITE_TAIL_PLANS.enabled = True
+
+
 def test_launch_plans_multi_query_gpu():
     """Multi-query calls with the step's ``key, value`` (``KVarNCache``'s steps) replay their plan too
     (the ``write_tail`` launch into the scratch pool included): bit-equal to the launcher."""

@@ -70,6 +70,7 @@ def fakes(monkeypatch):
         monkeypatch.setattr(attention, name, FakeKernel(getattr(attention, name), log))
     store = importlib.import_module("kvarn.kernels.store")  # write_tail: a multi-query call's step K/V
     monkeypatch.setattr(store, "_prepare_kernel", FakeKernel(store._prepare_kernel, log))
+    monkeypatch.setattr(store, "WRITE_TAIL_PLANS", plan.Planner())
     stream = {"id": 7}
     active = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda dev: stream["id"])
     monkeypatch.setattr(plan, "_driver", types.SimpleNamespace(active=active))
@@ -206,3 +207,31 @@ def test_replays_wait_while_a_triton_launch_hook_calls_anything():
     assert plan._idle(None) and plan._idle(chain) and plan._idle(knobs.runtime.launch_enter_hook)
     chain.add(print)
     assert not plan._idle(chain) and not plan._idle(print)
+
+
+def test_write_tail_replays_its_plan(fakes):
+    """``write_tail`` on its own (``KVarNCache``'s steps): planned, inputs traced; a strided ``k`` is copied
+    by the launcher, so that shape is never replayed."""
+    _, log, _ = fakes
+    store = importlib.import_module("kvarn.kernels.store")
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=64)
+    pool = torch.zeros(3, cfg.group_size, 2, 64, dtype=torch.float16)
+
+    def call(k):
+        v, mapping = torch.randn_like(k), torch.tensor([5, 130, -1], dtype=torch.int32)
+        store.write_tail(k, v, pool, pool.clone(), mapping, cfg)
+        return [k, v, mapping]
+
+    for strided in (False, True):
+        kinds, first = [], None
+        for _ in range(3):
+            log.clear()
+            k = torch.randn(3, 2, 128 if strided else 64).half()
+            inputs = call(k[..., ::2] if strided else k)
+            kinds.append(log[0][0])
+            first = first or log[0]
+            if log[0][0] == "replay":
+                args = log[0][4]
+                assert args[0] is inputs[0] and args[1] is inputs[1] and args[4] is inputs[2]
+                assert args[5:] == first[4][5:]
+        assert kinds == (["launch"] * 3 if strided else ["launch", "replay", "replay"])

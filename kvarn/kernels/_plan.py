@@ -101,7 +101,7 @@ class Recorder:
     def __exit__(self, *exc) -> None:
         _local.recorder = None
 
-    def plan(self, result: torch.Tensor) -> Plan | None:
+    def plan(self, result: torch.Tensor | None) -> Plan | None:
         """The plan of this call, or ``None`` where it cannot be replayed (see the module docstring)."""
         if not self.launches or _driver is None or len(self.inputs) != self.n_inputs:
             return None  # nothing launched, or one tensor passed as two inputs
@@ -121,8 +121,8 @@ class Recorder:
                     bound[pos] = None
             grid3 = (*grid, 1, 1)[:3]
             launches.append((compiled, grid3, bound, holes))
-        out = self._source(result)
-        if out is None or out[0] == _PERSISTENT:
+        out = None if result is None else self._source(result)
+        if result is not None and (out is None or out[0] == _PERSISTENT):
             return None
         return Plan(launches, self.allocs, out)
 
@@ -141,17 +141,17 @@ class Recorder:
 class Plan:
     """A recorded call, replayed for new inputs of the same key (see the module docstring)."""
 
-    def __init__(self, launches: list[tuple], allocs: list[tuple], out: tuple[int, object]):
+    def __init__(self, launches: list[tuple], allocs: list[tuple], out: tuple[int, object] | None):
         self.launches = launches
         self.allocs = allocs
-        self.out = out
-        fresh = out[1] if out[0] == _ALLOC else -1
+        self.out = out  # None: the launcher returns nothing
+        fresh = out[1] if out is not None and out[0] == _ALLOC else -1
         self.fresh = fresh
         nbytes = sum(_numel(s) * torch.empty((), dtype=dt).element_size() for s, dt, _ in allocs)
         self.reuse = nbytes <= MAX_CACHED_WORKSPACE
         self.workspaces: dict[int, list[torch.Tensor | None]] = {}
 
-    def replay(self, inputs: Sequence[torch.Tensor | None], stream: int) -> torch.Tensor:
+    def replay(self, inputs: Sequence[torch.Tensor | None], stream: int) -> torch.Tensor | None:
         allocs = self.workspaces.get(stream) if self.reuse else None
         if allocs is None:
             allocs = [None if i == self.fresh else _alloc(a) for i, a in enumerate(self.allocs)]
@@ -165,6 +165,8 @@ class Plan:
             for pos, kind, src in holes:
                 args[pos] = inputs[src] if kind == _INPUT else allocs[src] if kind == _ALLOC else src
             compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+        if self.out is None:
+            return None
         kind, src = self.out
         return inputs[src] if kind == _INPUT else allocs[src]
 
@@ -198,13 +200,19 @@ class Planner:
     def clear(self) -> None:
         self.plans.clear()
 
-    def call(self, key_of: Callable[[], tuple | None] | None, inputs: Sequence, run: Callable) -> torch.Tensor:
+    def call(self, key_of: Callable[[], tuple | None] | None, inputs: Sequence, run: Callable) -> torch.Tensor | None:
         """``run(empty)`` (the launcher, allocating through ``empty``), or a replay of the plan of ``key_of()``.
+
+        Called while another launcher is being recorded (``paged_attention``'s ``write_tail``), it runs
+        the launcher, allocating through that recording, so the outer plan holds these launches.
 
         ``key_of`` is ``None`` for a call that must not be planned, else it gives the call's key (or
         ``None``); ``inputs`` are the call's tensors, those the key describes (a call that passes one
         tensor as two inputs is not planned).
         """
+        outer = recording()
+        if outer is not None:  # inside another launcher's recording: its plan takes these launches in
+            return run(outer.empty)
         if key_of is None or not self.enabled or not _replayable():
             return run(torch.empty)
         key = key_of()

@@ -717,7 +717,22 @@ def write_tail(
 
     A negative mapping entry skips its token. The pool holds the pool form
     (:func:`kvarn.reference.prepare`: an fp16 pool the rotated values times ``1 / pool_factor``).
+    Eager calls replay a launch plan per call shape (:data:`WRITE_TAIL_PLANS`, :mod:`kvarn.kernels._plan`).
     """
+    inputs = (k, v, tail_k, tail_v, tail_slot_mapping)
+    return WRITE_TAIL_PLANS.call(
+        lambda: (cfg, *map(_plan.tensor_key, inputs)),
+        inputs,
+        lambda empty: _write_tail(k, v, tail_k, tail_v, tail_slot_mapping, cfg),
+    )
+
+
+WRITE_TAIL_PLANS = _plan.Planner()
+"""Launch plans of :func:`write_tail` (``WRITE_TAIL_PLANS.enabled = False`` turns replays off)."""
+
+
+def _write_tail(k, v, tail_k, tail_v, tail_slot_mapping, cfg: KVarNConfig) -> None:
+    """:func:`write_tail` itself (the launcher its plans record)."""
     check_dtype("k", k)
     check_dtype("tail_k", tail_k)
     if v.shape != k.shape or v.dtype != k.dtype or k.dim() != 3 or k.shape[-1] != cfg.head_dim:
