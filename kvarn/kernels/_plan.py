@@ -18,10 +18,11 @@ allocations (workspaces) are reused per CUDA stream while small, and each compil
 launched directly (``CompiledKernel.run``, the call Triton itself makes after binding).
 
 Replays are skipped (the launcher runs as usual) under CUDA-graph capture, under the Triton
-interpreter, and while Triton's launch hooks call anything (a profiler's). A launcher must only plan calls whose host
-decisions depend on the key alone (no tensor value read back, e.g. a check of ``seq_lens``).
-Workspaces are reused in stream order only: two calls of one shape running concurrently on one
-stream are impossible, on two streams they get separate workspaces.
+interpreter (which returns no compiled kernel to replay), and while Triton's launch hooks call
+anything (a profiler's). A launcher must only plan calls whose host decisions depend on the key
+alone (no tensor value read back, e.g. a check of ``seq_lens``). Workspaces are reused in stream
+order only: two calls of one shape running concurrently on one stream are impossible, on two
+streams they get separate workspaces.
 """
 
 from __future__ import annotations
@@ -229,7 +230,10 @@ class Planner:
             result = run(rec.empty)
         if len(self.plans) >= MAX_PLANS:
             self.plans.pop(next(iter(self.plans)))
-        self.plans[key] = rec.plan(result)
+        try:
+            self.plans[key] = rec.plan(result)
+        except AttributeError:  # a kernel object without Triton's JIT parameters (e.g. an autotuner)
+            self.plans[key] = None
         return result
 
 

@@ -536,6 +536,9 @@ def paged_attention(
     (or ``True`` / ``False``), and its launch is not tuned (no register cap). With one vector per
     sequence (``smooth_scope="sequence"``) the queries are smoothed once per program and every
     variant runs as for an unsmoothed config.
+
+    Eager calls replay a launch plan after the first call of a shape (:data:`PLANS`,
+    :mod:`kvarn.kernels._plan`): decode calls, and multi-query calls given ``key, value``.
     """
     knobs = (num_splits, num_warps, num_stages, fuse_query, fuse_merge, pair_tiles, tokens_m, fold_offsets)
     knobs += (min_split_tiles,)
