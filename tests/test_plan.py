@@ -23,6 +23,7 @@ pytest.importorskip("triton")
 from kernel_oracle import attention_args, build_cache
 
 from kvarn.config import KVarNConfig
+from kvarn.kernels._plan import Plan
 
 
 class FakeCompiled:
@@ -107,10 +108,13 @@ def _same_launch(replayed, launched, inputs) -> None:
 def test_a_replay_launches_what_the_launcher_would(fakes, knobs, multi):
     attention, log, _ = fakes
     cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=64)
-    first = attention.paged_attention(*_case(cfg, 1, multi=multi), **knobs)
+    attention.paged_attention(*_case(cfg, 0, multi=multi), **knobs)  # a shape's first call: only its key noted
+    assert len(attention.PLANS.plans) == 1 and not isinstance(next(iter(attention.PLANS.plans.values())), Plan)
+    log.clear()
+    first = attention.paged_attention(*_case(cfg, 1, multi=multi), **knobs)  # the second: recorded
     recorded = [e for e in log if e[0] == "launch"]
     assert len(recorded) >= 1 + multi and len(attention.PLANS.plans) == 1  # multi: write_tail's launch too
-    assert all(p is not None for p in attention.PLANS.plans.values())
+    assert all(isinstance(p, Plan) for p in attention.PLANS.plans.values())
     args = _case(cfg, 2, multi=multi)
     log.clear()
     out = attention.paged_attention(*args, **knobs)
@@ -131,7 +135,8 @@ def test_workspaces_are_reused_per_stream_and_the_output_is_new(fakes):
     attention, log, stream = fakes
     cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=64)
     knobs = {"fuse_query": False, "fuse_merge": False, "num_splits": 2}  # prologue, attention, epilogue
-    attention.paged_attention(*_case(cfg, 1), **knobs)
+    for seed in (0, 1):  # key noted, then recorded
+        attention.paged_attention(*_case(cfg, seed), **knobs)
     calls, outs, allocs = [], [], []
     for s in (7, 7, 8):
         stream["id"] = s
@@ -153,7 +158,7 @@ def test_calls_that_are_not_planned_run_the_launcher(fakes):
     # the query copied (last stride not 1): the launcher makes a tensor no plan can trace
     q = args[0]
     args[0] = torch.empty(q.shape[0], q.shape[1], 2 * q.shape[2], dtype=q.dtype)[..., ::2].copy_(q)
-    for _ in range(2):
+    for _ in range(3):
         log.clear()
         attention.paged_attention(*args)
         assert log and all(e[0] == "launch" for e in log)
@@ -166,23 +171,24 @@ def test_calls_that_are_not_planned_run_the_launcher(fakes):
     multi = attention_args(build_cache(cfg, [300, 200], 2, torch.float16, 4), torch.randn(5, 4, 64).half(), cfg, qsl)
     multi = (*multi[:11], None, None)
     for call in (args, multi):
-        for _ in range(2):
+        for _ in range(3):
             log.clear()
             attention.paged_attention(*call)
             assert log and all(e[0] == "launch" for e in log)
     assert list(attention.PLANS.plans.values()) == [None, None]
     log.clear()
-    for _ in range(2):
+    for _ in range(3):
         attention.paged_attention(*same, empty=torch.empty)  # the default allocator: planned
     attention.paged_attention(*same, empty=lambda *s, **k: torch.empty(*s, **k))  # another one: not
-    assert [e[0] for e in log] == ["launch", "replay", "launch"]
+    assert [e[0] for e in log] == ["launch", "launch", "replay", "launch"]
 
 
 def test_a_new_alignment_or_layout_is_a_new_plan(fakes):
     attention, log, _ = fakes
     cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=64)
     args = list(_case(cfg, 1))
-    attention.paged_attention(*args)
+    for _ in range(2):
+        attention.paged_attention(*args)
     q = args[0]
     flat = torch.empty(q.numel() + 1, dtype=q.dtype)
     args[0] = flat[1:].view(q.shape).copy_(q)  # 2 bytes past a 16-byte boundary
@@ -190,7 +196,8 @@ def test_a_new_alignment_or_layout_is_a_new_plan(fakes):
     attention.paged_attention(*args)
     assert log[0][0] == "launch" and len(attention.PLANS.plans) == 2
     out = torch.empty_like(q)
-    attention.paged_attention(*_case(cfg, 2), out=out)
+    for seed in (2, 4):
+        attention.paged_attention(*_case(cfg, seed), out=out)
     log.clear()
     got = attention.paged_attention(*_case(cfg, 3), out=out)
     assert got is out and log[0][0] == "replay" and len(attention.PLANS.plans) == 3
@@ -234,4 +241,4 @@ def test_write_tail_replays_its_plan(fakes):
                 args = log[0][4]
                 assert args[0] is inputs[0] and args[1] is inputs[1] and args[4] is inputs[2]
                 assert args[5:] == first[4][5:]
-        assert kinds == (["launch"] * 3 if strided else ["launch", "replay", "replay"])
+        assert kinds == (["launch"] * 3 if strided else ["launch", "launch", "replay"])

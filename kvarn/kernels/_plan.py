@@ -7,15 +7,17 @@ and Triton's argument binding ~35-50 µs a kernel, against ~10-15 µs for the la
 that depends on the tensors' values: only on their shapes, strides, dtypes, devices and 16-byte
 alignment (what Triton specializes on) and on the call's other arguments.
 
-So the first call of a shape runs the launcher under a :class:`Recorder`, which notes every
-allocation the launcher makes through it (:meth:`Recorder.empty`) and every kernel launch (the
-compiled kernel, the grid, all arguments in the kernel's order). A :class:`Plan` built from that
-record traces each tensor argument to where it came from: an input of the call (by identity), an
-allocation, or a buffer the launcher declared long-lived (:func:`persistent`). Any other tensor (a
-copy or cast made on the way) makes the call unplannable, and it keeps running the launcher. Later
-calls with the same key replay the plan: the returned allocation is made anew, the other
-allocations (workspaces) are reused per CUDA stream while small, and each compiled kernel is
-launched directly (``CompiledKernel.run``, the call Triton itself makes after binding).
+So the second call of a shape (the first only notes its key: vLLM's mixed batches change shape
+nearly every step, and recording shapes that never come back would only add cost) runs the
+launcher under a :class:`Recorder`, which notes every allocation the launcher makes through it
+(:meth:`Recorder.empty`) and every kernel launch (the compiled kernel, the grid, all arguments in
+the kernel's order). A :class:`Plan` built from that record traces each tensor argument to where
+it came from: an input of the call (by identity), an allocation, or a buffer the launcher declared
+long-lived (:func:`persistent`). Any other tensor (a copy or cast made on the way) makes the call
+unplannable, and it keeps running the launcher. Later calls with the same key replay the plan: the
+returned allocation is made anew, the other allocations (workspaces) are reused per CUDA stream
+while small, and each compiled kernel is launched directly (``CompiledKernel.run``, the call
+Triton itself makes after binding).
 
 Replays are skipped (the launcher runs as usual) under CUDA-graph capture, under the Triton
 interpreter (which returns no compiled kernel to replay), and while Triton's launch hooks call
@@ -34,13 +36,13 @@ from collections.abc import Callable, Sequence
 import torch
 
 MAX_PLANS = 64
-"""Plans kept per launcher (the oldest is dropped beyond it)."""
+"""Keys kept per launcher, plans and shapes seen once (the oldest is dropped beyond it)."""
 MAX_CACHED_WORKSPACE = 16 << 20
 """A plan reuses its workspaces per stream only while they hold at most this many bytes (else each call
 allocates them, which costs little beside a launch that large)."""
 
 _INPUT, _ALLOC, _PERSISTENT = range(3)
-_UNSEEN = object()
+_UNSEEN, _SEEN_ONCE = object(), object()
 _local = threading.local()
 
 try:  # Triton's own hooks and stream lookup, as its launcher uses them (3.6 and 3.9 alike)
@@ -224,17 +226,23 @@ class Planner:
         plan = self.plans.get(key, _UNSEEN)
         if plan is None:
             return run(torch.empty)
-        if plan is not _UNSEEN:
+        if plan is _UNSEEN:  # a shape seen once is not recorded yet (shapes that never repeat cost only the key)
+            self._insert(key, _SEEN_ONCE)
+            return run(torch.empty)
+        if plan is not _SEEN_ONCE:
             return plan.replay(inputs, _driver.active.get_current_stream(device_index))
         with Recorder(inputs) as rec:
             result = run(rec.empty)
-        if len(self.plans) >= MAX_PLANS:
-            self.plans.pop(next(iter(self.plans)))
         try:
             self.plans[key] = rec.plan(result)
         except AttributeError:  # a kernel object without Triton's JIT parameters (e.g. an autotuner)
             self.plans[key] = None
         return result
+
+    def _insert(self, key: tuple, value) -> None:
+        if len(self.plans) >= MAX_PLANS:
+            self.plans.pop(next(iter(self.plans)))
+        self.plans[key] = value
 
 
 def _replayable() -> bool:

@@ -537,7 +537,7 @@ def paged_attention(
     sequence (``smooth_scope="sequence"``) the queries are smoothed once per program and every
     variant runs as for an unsmoothed config.
 
-    Eager calls replay a launch plan after the first call of a shape (:data:`PLANS`,
+    Eager calls replay a launch plan from the third call of a shape on (:data:`PLANS`,
     :mod:`kvarn.kernels._plan`): decode calls, and multi-query calls given ``key, value``.
     """
     knobs = (num_splits, num_warps, num_stages, fuse_query, fuse_merge, pair_tiles, tokens_m, fold_offsets)
