@@ -242,3 +242,17 @@ def test_write_tail_replays_its_plan(fakes):
                 assert args[0] is inputs[0] and args[1] is inputs[1] and args[4] is inputs[2]
                 assert args[5:] == first[4][5:]
         assert kinds == (["launch"] * 3 if strided else ["launch", "launch", "replay"])
+
+
+def test_the_scratch_slot_list_is_a_view_of_one_growing_arange():
+    """``_rows(n)``: ``arange(n)`` int32, a view of one buffer per device that grows (the old one kept alive)."""
+    attention = importlib.import_module("kvarn.kernels.attention")
+    cpu = torch.device("cpu")
+    attention._aranges.pop(("cpu", 0), None)
+    small = attention._rows(5, cpu)
+    assert small.dtype == torch.int32 and torch.equal(small, torch.arange(5, dtype=torch.int32))
+    base = attention._aranges[("cpu", 0)]
+    assert small.data_ptr() == base.data_ptr() and base.numel() >= attention.MIN_COUNTERS
+    big = attention._rows(base.numel() + 1, cpu)
+    assert torch.equal(big, torch.arange(base.numel() + 1, dtype=torch.int32))
+    assert attention._aranges[("cpu", 0)] is not base and any(t is base for t in attention._retired)
