@@ -201,8 +201,14 @@ def test_a_new_alignment_or_layout_is_a_new_plan(fakes):
     log.clear()
     got = attention.paged_attention(*_case(cfg, 3), out=out)
     assert got is out and log[0][0] == "replay" and len(attention.PLANS.plans) == 3
-    with pytest.raises(ValueError, match="share memory"):  # not keyed: the launcher's check runs
-        attention.paged_attention(*args, out=args[0])
+    q = args[0]  # the misaligned query; an out= of the same layout and alignment gets a plan
+    other = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)
+    for _ in range(3):
+        attention.paged_attention(*args, out=other)
+    log.clear()
+    with pytest.raises(ValueError, match="share memory"):  # the same key: checked before any replay
+        attention.paged_attention(*args, out=q)
+    assert not log
 
 
 def test_replays_wait_while_a_triton_launch_hook_calls_anything():

@@ -30,6 +30,7 @@ streams they get separate workspaces.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import Callable, Sequence
 
@@ -148,10 +149,8 @@ class Plan:
         self.launches = launches
         self.allocs = allocs
         self.out = out  # None: the launcher returns nothing
-        fresh = out[1] if out is not None and out[0] == _ALLOC else -1
-        self.fresh = fresh
-        nbytes = sum(_numel(s) * torch.empty((), dtype=dt).element_size() for s, dt, _ in allocs)
-        self.reuse = nbytes <= MAX_CACHED_WORKSPACE
+        self.fresh = out[1] if out is not None and out[0] == _ALLOC else -1  # the returned allocation
+        self.reuse = sum(math.prod(s) * dt.itemsize for s, dt, _ in allocs) <= MAX_CACHED_WORKSPACE
         self.workspaces: dict[int, list[torch.Tensor | None]] = {}
 
     def replay(self, inputs: Sequence[torch.Tensor | None], stream: int) -> torch.Tensor | None:
@@ -172,13 +171,6 @@ class Plan:
             return None
         kind, src = self.out
         return inputs[src] if kind == _INPUT else allocs[src]
-
-
-def _numel(shape: tuple) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _alloc(spec: tuple) -> torch.Tensor:

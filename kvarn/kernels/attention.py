@@ -109,16 +109,23 @@ def merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
     graph may still point at one. Launches that run concurrently on several streams must not
     share counters: pass each its own zeroed ``counters=`` to :func:`paged_attention`.
     """
+    buf = _device_buffer(_counters, device, n, lambda size: torch.zeros(size, dtype=torch.int32, device=device))
+    return None if buf is None else _plan.persistent(buf)
+
+
+def _device_buffer(buffers: dict, device: torch.device, n: int, make: Callable) -> torch.Tensor | None:
+    """``buffers``' tensor for ``device``, at least ``n`` entries; a new one (``make(size)``, at least
+    ``MIN_COUNTERS`` and twice the old) where it is missing or too small, except while a CUDA graph is
+    captured (then ``None``). Outgrown tensors are kept alive: a captured graph may still point at one."""
     key = (device.type, device.index or 0)
-    buf = _counters.get(key)
+    buf = buffers.get(key)
     if buf is None or buf.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
         if buf is not None:
             _retired.append(buf)
-        size = max(n, MIN_COUNTERS, 0 if buf is None else 2 * buf.numel())
-        buf = _counters[key] = torch.zeros(size, dtype=torch.int32, device=device)
-    return _plan.persistent(buf)
+        buf = buffers[key] = make(max(n, MIN_COUNTERS, 0 if buf is None else 2 * buf.numel()))
+    return buf
 
 
 @functools.cache
@@ -373,15 +380,9 @@ def _rows(n: int, device: torch.device) -> torch.Tensor:
     device, declared persistent to launch plans (its values never change). Outgrown buffers stay alive
     (a captured graph may read one); while a graph is captured a buffer that is too small gives a
     fresh ``arange`` instead."""
-    key = (device.type, device.index or 0)
-    buf = _aranges.get(key)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return torch.arange(n, dtype=torch.int32, device=device)
-        if buf is not None:
-            _retired.append(buf)
-        size = max(n, MIN_COUNTERS, 0 if buf is None else 2 * buf.numel())
-        buf = _aranges[key] = torch.arange(size, dtype=torch.int32, device=device)
+    buf = _device_buffer(_aranges, device, n, lambda size: torch.arange(size, dtype=torch.int32, device=device))
+    if buf is None:
+        return torch.arange(n, dtype=torch.int32, device=device)
     return _plan.persistent(buf[:n])
 
 
@@ -565,11 +566,9 @@ step's ``key, value`` (without them the launcher reads ``seq_lens`` back to chec
 
 def _plan_key(inputs: tuple, cfg: KVarNConfig, scale, knobs: tuple) -> tuple | None:
     """The plan key of a call: its inputs' layouts (:func:`~kvarn.kernels._plan.tensor_key`), the
-    config, scale and knobs; ``None`` (run the launcher, which raises) where ``out`` shares memory
-    with the query."""
-    query, out = inputs[0], inputs[-1]
-    if out is not None and out.untyped_storage().data_ptr() == query.untyped_storage().data_ptr():
-        return None
+    config, scale and knobs. ``out`` is checked here too (:func:`_check_out`): a replay skips the
+    launcher's checks, and whether ``out`` shares the query's memory is not in the key."""
+    _check_out(inputs[-1], inputs[0])
     return (cfg, scale, knobs, *map(_plan.tensor_key, inputs))
 
 
