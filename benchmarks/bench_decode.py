@@ -281,7 +281,7 @@ def main() -> None:
     )
     sweep = []
     best, best_t = None, float("inf")
-    for warps, stages in [(4, 2), (4, 3), (4, 4), (8, 2), (8, 3)]:
+    for warps, stages in [(None, 2), (4, 2), (4, 3), (4, 4), (8, 2), (8, 3)]:  # None: decode_shape_default's
         launch = {"num_warps": warps, "num_stages": stages}
         t = 0.0
         for batch, ctx in ((16, 32768), (64, 4096)):

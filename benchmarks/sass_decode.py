@@ -46,12 +46,20 @@ INTS = [
 
 
 def compile_decode(
-    preset: str, d: int, tokens_m: bool, fold: bool, fused_q: bool, pair: bool, gq: int = 4, extra: dict | None = None
+    preset: str,
+    d: int,
+    tokens_m: bool,
+    fold: bool,
+    fused_q: bool,
+    pair: bool,
+    gq: int = 4,
+    extra: dict | None = None,
+    num_warps: int = 4,
 ):
     """The decode launch of ``bench_decode`` (32 / 8 heads, fp16, splits merged in the kernel), compiled for sm_90.
 
     ``preset`` may be a config; ``extra`` overrides constexpr arguments (``MULTI_Q``, ``HAS_SINK``,
-    ``SMOOTH_Q``, ``LATE_Q``, ...).
+    ``SMOOTH_Q``, ``LATE_Q``, ...); ``num_warps`` takes its register cap from ``DECODE_MAX_REGS``.
     """
     cfg = KVarNConfig.from_preset(preset, head_dim=d)
     ptrs = dict(q="*fp16" if fused_q else "*fp32", q_smooth="*fp32", cache="*u8", part="*fp32", ws_m="*fp32")
@@ -66,7 +74,7 @@ def compile_decode(
     sig.update({n: "constexpr" for n in const})
     aligned = set(ptrs) | {"s_cb", "s_ch", "s_iq", "s_o", "p_slot", "p_head", "s_ws"}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    opts = {"num_warps": 4, "num_stages": 2, "maxnreg": DECODE_MAX_REGS.get(d)}
+    opts = {"num_warps": num_warps, "num_stages": 2, "maxnreg": DECODE_MAX_REGS.get((d, num_warps))}
     return triton.compile(ASTSource(_attn_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
 
 

@@ -31,6 +31,11 @@ DECODE = {
     "seq_smooth_prologue": (("kvarn_k4v2_g128", SEQ), 64, True, True, False, {"SMOOTH_Q": True, "LATE_Q": True}),
     "seq_smooth_fused": (("kvarn_k2v2_g128", SEQ), 64, False, False, True, {"LATE_Q": True, "HAS_SINK": True}),
     "per_tile_smooth": (("kvarn_k4v2_g64", {"smooth_keys": True}), 64, False, False, True, {}),
+    "stack_tiles": ("kvarn_k4v2_g64", 128, True, True, True, {"STACK": True, "HAS_SINK": True}),
+    "stack_tiles_k2v2": ("kvarn_k2v2_g128", 64, True, False, True, {"STACK": True}),
+    # 2 warps under the register cap (decode_shape_default's launches)
+    "two_warps_d64": ("kvarn_k4v2_g128", 64, True, False, True, {"num_warps": 2}),
+    "two_warps_g64": ("kvarn_k4v2_g64", 128, True, True, True, {"num_warps": 2}),
     # FLAGS = (SPLIT, MERGE, ROTATE, OUT_BF16, INV_SQRT_D): the epilogue's partials, and one split
     "no_merge": ("kvarn_k4v2_g128", 128, True, True, True, {"FLAGS": (True, False, True, False, 128**-0.5)}),
     "one_split": ("kvarn_k4v2_g128", 128, False, False, True, {"FLAGS": (False, True, True, True, 128**-0.5)}),
@@ -92,8 +97,10 @@ def _compile_all() -> dict[str, str]:
 
     jobs = {}
     for name, (preset, d, tokens_m, fold, fused_q, extra) in DECODE.items():
-        jobs[f"decode/{name}"] = lambda p=preset, d=d, t=tokens_m, f=fold, q=fused_q, e=extra: compile_decode(
-            _cfg(p, d), d, t, f, q, pair=False, extra=e
+        extra = dict(extra)
+        warps = extra.pop("num_warps", 4)
+        jobs[f"decode/{name}"] = lambda p=preset, d=d, t=tokens_m, f=fold, q=fused_q, e=extra, w=warps: compile_decode(
+            _cfg(p, d), d, t, f, q, pair=False, extra=e, num_warps=w
         )
     for name, (preset, phase) in STORE.items():
         cfg = _cfg(preset, 64)

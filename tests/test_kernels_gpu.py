@@ -175,6 +175,21 @@ def test_paged_attention_tokens_m_gpu(preset, d, dtype, hq, hkv, sink, splits, w
 
 
 @pytest.mark.parametrize("fold", [False, True], ids=["nofold", "fold"])
+@pytest.mark.parametrize(
+    "preset,d,dtype,hq,hkv,sink,splits",
+    [c for c in ATTN_CASES if c[3] // c[4] <= 4] + [("kvarn_k4v2_g64", 128, torch.bfloat16, 16, 8, False, 3)],
+)
+def test_paged_attention_stack_tiles_gpu(preset, d, dtype, hq, hkv, sink, splits, fold):
+    """Two tiles a step stacked on M (``stack_tiles=True``), at most 4 query heads per KV head."""
+    args = _attn_case(preset, d, dtype, hq, hkv, sink)
+    out = attention.paged_attention(
+        *args, num_splits=splits, tokens_m=True, stack_tiles=True, fold_offsets=fold, empty=poisoned_empty
+    )
+    err = check_attention(out, args, conditioned=True)
+    print(f"STATS attention stack_tiles {preset} d={d} {dtype} hq={hq} hkv={hkv} fold={fold} rel_err={err:.2e}")
+
+
+@pytest.mark.parametrize("fold", [False, True], ids=["nofold", "fold"])
 @pytest.mark.parametrize("tokens_m", [False, True])
 @pytest.mark.parametrize("preset,d,dtype,hq,hkv,sink,splits", [ATTN_CASES[0], ATTN_CASES[8]])
 def test_paged_attention_fold_gpu(preset, d, dtype, hq, hkv, sink, splits, tokens_m, fold):

@@ -260,6 +260,62 @@ def test_paged_attention_tokens_m(preset, d, hq, hkv, splits, pair, fold):
     check_attention(out, args)
 
 
+@pytest.mark.parametrize(
+    "preset,d,dtype,hq,hkv,splits,sink,fold",
+    [
+        ("kvarn_k4v2_g64", 64, torch.float16, 8, 2, 2, True, True),  # 4 heads a KV head: the columns full
+        ("kvarn_k4v4_g64", 64, torch.bfloat16, 2, 1, 3, True, False),  # 2 heads: 4 of 8 columns padding
+        ("kvarn_k2v2_g128", 64, torch.float16, 4, 1, 2, True, False),  # 128-token tiles, four K fields
+        ("kvarn_k4v2_g64", 128, torch.float16, 4, 1, 1, False, True),  # one split: odd tile counts
+        ("kvarn_k4v2_g64", 64, torch.float16, 3, 1, 2, True, False),  # 3 heads padded to 4
+        ("kvarn_k4v2_g64_ks", 64, torch.float16, 4, 2, None, True, False),  # one smoothing vector a sequence
+        ("kvarn_k4v2_g64", 64, torch.bfloat16, 2, 2, 2, True, True),  # 1 head a KV head: 4 copies in 8 columns
+    ],
+)
+def test_paged_attention_stack_tiles(preset, d, dtype, hq, hkv, splits, sink, fold):
+    """Two tiles a loop step stacked on the dots' M (``stack_tiles=True``), against the reference."""
+    cfg = KVarNConfig.from_preset(preset, head_dim=d)
+    lengths = ragged_lengths(cfg.group_size, 10, seed=d + hq + 1, max_tiles=7 if hq == hkv else 3)
+    state = build_cache(cfg, lengths, hkv, dtype, seed=2)
+    query = torch.randn(len(lengths), hq, d).to(dtype)
+    args = attention_args(state, query, cfg, sink=sink)
+    for fuse in (None, False):  # queries rotated in the kernel, and by the prologue
+        out = attention.paged_attention(
+            *args, num_splits=splits, tokens_m=True, stack_tiles=True, fold_offsets=fold, fuse_query=fuse,
+            empty=poisoned_empty,
+        )  # fmt: skip
+        check_attention(out, args)
+
+
+@pytest.mark.parametrize(
+    "hq,knobs",
+    [(16, {"tokens_m": True}), (4, {"tokens_m": False}), (4, {"tokens_m": True, "pair_tiles": True})],
+    ids=["8_heads", "row_path", "paired"],
+)
+def test_stack_tiles_refuses(hq, knobs, monkeypatch):
+    """``stack_tiles=True`` needs ``tokens_m``, at most 4 (padded) query heads per KV head and no ``pair_tiles``;
+    multi-query launches and records smoothed per tile (neither takes ``tokens_m``) are refused too, before
+    anything is launched (the multi-query step's ``write_tail``)."""
+
+    def launched(*args, **kwargs):
+        raise AssertionError("a refused launch ran write_tail")
+
+    monkeypatch.setattr(attention, "write_tail", launched)
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
+    state = build_cache(cfg, [70, 130], 2, torch.float16, seed=2)
+    args = attention_args(state, torch.randn(2, hq, 64).half(), cfg)
+    with pytest.raises(ValueError, match="stack_tiles=True needs"):
+        attention.paged_attention(*args, stack_tiles=True, **knobs)
+    qsl = torch.tensor([0, 1, 3], dtype=torch.int32)
+    multi = attention_args(state, torch.randn(3, 4, 64).half(), cfg, qsl=qsl)
+    with pytest.raises(ValueError, match="stack_tiles=True needs"):
+        attention.paged_attention(*multi, stack_tiles=True)
+    per_tile = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64, smooth_keys=True)
+    state = build_cache(per_tile, [70, 130], 2, torch.float16, seed=2)
+    with pytest.raises(ValueError, match="stack_tiles=True needs"):
+        attention.paged_attention(*attention_args(state, torch.randn(2, 4, 64).half(), per_tile), stack_tiles=True)
+
+
 def test_tokens_m_default_rule(monkeypatch):
     """``tokens_m`` by default for decode launches on CUDA: every one at D = 128 (64-token tiles too)
     and at D = 256 (128-token tiles), over more than 2 waves at D = 64 (128-token tiles); 64-token
@@ -367,6 +423,8 @@ def test_split_rule_on_an_h200(monkeypatch):
     # launches that do not run the 128-register tokens_m kernel keep the rounded-up waves
     assert attention.default_splits(k4v2, 128, 257, False, cuda, tokens_m=False) == 10
     assert attention.default_splits(k4v2, 128, 257, False, cuda, num_warps=8) == 10
+    # 2 warps are capped too (DECODE_MAX_REGS): the whole waves, as timed for decode_shape_default
+    assert attention.default_splits(k4v2, 128, 257, False, cuda, num_warps=2) == 8
     per_tile = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128, smooth_keys=True)
     assert attention.default_splits(per_tile, 128, 257, False, cuda) == 10
     # D = 256 keeps the rounded-up waves; 64-token tiles at D = 128 take tokens_m and its whole waves
@@ -374,6 +432,63 @@ def test_split_rule_on_an_h200(monkeypatch):
     assert attention.default_splits(d256, 128, 257, False, cuda) == 10
     g64 = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=128)
     assert attention.default_splits(g64, 128, 513, False, cuda) == 8  # 16 x 32K, timed in session 13
+
+
+def test_decode_shape_default_rule(monkeypatch):
+    """Warps and stacked tiles by default (``decode_shape_default``, session 14's timings): 2 warps for
+    ``D = 64`` splits of 8+ tiles; at 64-token tiles 4 warps for splits of 16+ tiles, stacked for 2-bit
+    values and 4 heads a KV head at most, else 2 warps over 792 programs; 4 warps, no stacking elsewhere."""
+    monkeypatch.setattr(attention, "_num_sms", lambda index: 132)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    rule = attention.decode_shape_default
+    d64 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=64)
+    g64 = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=128)
+    k4v2 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
+    assert rule(d64, True, 4, 1280, 26, cuda) == (2, False)  # 16 x 32K
+    assert rule(d64, True, 4, 1280, 8, cuda) == (2, False)
+    assert rule(d64, True, 4, 1280, 7, cuda) == (4, False)
+    assert rule(d64, True, 4, 512, 4, cuda) == (4, False)  # 1 x 32K
+    assert rule(d64, False, 4, 1280, 26, cuda) == (4, False)  # the row path keeps 4 warps
+    assert rule(g64, True, 4, 1024, 65, cuda) == (4, True)  # 16 x 32K
+    assert rule(g64, True, 4, 1024, 16, cuda) == (4, True)
+    assert rule(g64, True, 4, 1024, 15, cuda) == (2, False)
+    assert rule(g64, True, 8, 1024, 65, cuda) == (4, False)  # 8 heads a KV head: no free columns
+    k4v4_g64 = KVarNConfig.from_preset("kvarn_k4v4_g64", head_dim=128)
+    assert rule(k4v4_g64, True, 4, 1024, 65, cuda) == (4, False)  # stacking was slower for 4-bit values
+    assert rule(k4v4_g64, True, 4, 1024, 5, cuda) == (2, False)
+    assert rule(g64, True, 4, 1024, 5, cuda) == (2, False)  # 8 x 4K
+    assert rule(g64, True, 4, 792, 5, cuda) == (4, False)
+    assert rule(g64, True, 4, 512, 9, cuda) == (4, False)  # 1 x 32K
+    for cfg in (k4v2, KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=256)):
+        assert rule(cfg, True, 4, 1024, 65, cuda) == (4, False)
+    assert rule(d64, True, 4, 1280, 26, cpu) == (4, False)
+    assert rule(KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64), True, 4, 1280, 26, cuda) == (4, False)
+
+
+def test_decode_shape_default_reaches_the_launch(monkeypatch):
+    """The launcher takes ``decode_shape_default``'s warps and stacking (and the split count for those
+    warps) unless the caller forces them; a forced ``num_warps`` wins over the rule."""
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
+    state = build_cache(cfg, [70, 200], 2, torch.float16, seed=2)
+    args = attention_args(state, torch.randn(2, 8, 64).half(), cfg)
+    seen, rule_args, warps_of_splits = [], [], []
+    monkeypatch.setattr(attention, "_launch_attention", lambda grid, *a: seen.append((grid, a[-1])))
+    monkeypatch.setattr(attention, "decode_shape_default", lambda *a: rule_args.append(a) or (2, True))
+    real_splits = attention.default_splits
+    monkeypatch.setattr(
+        attention, "default_splits", lambda *a: warps_of_splits.append(a[-1]) or real_splits(*a)
+    )  # fmt: skip
+    monkeypatch.setattr(attention.PLANS, "enabled", False)
+    attention.paged_attention(*args, tokens_m=True, num_splits=3)
+    attention.paged_attention(*args, tokens_m=True, num_warps=4)  # forced warps: no stacking from the rule
+    attention.paged_attention(*args, tokens_m=True, num_warps=2)  # the rule's warps: its stacking
+    (grid, first), (_, second), (_, third) = seen
+    assert (first["num_warps"], first["STACK"]) == (2, True) and grid == (2, 2, 3)
+    # (config, tokens_m, padded heads a KV head, programs, tiles a split): 2 sequences x 2 KV heads x 3 splits
+    width = state["block_table"].shape[1] + 1
+    assert rule_args[0] == (cfg, True, 4, 12, -(-width // 3), torch.device("cpu"))
+    assert (second["num_warps"], second["STACK"]) == (4, False) and (third["num_warps"], third["STACK"]) == (2, True)
+    assert warps_of_splits == [4, 4, 2]  # none for num_splits=3; a 2-warp launch asks again for its warps
 
 
 def test_fold_offsets_default_rule():

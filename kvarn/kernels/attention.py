@@ -49,7 +49,8 @@ MIN_DOT_ROWS = 16
 """``tl.dot`` needs at least 16 rows: blocks of (query, head) rows are padded up to it."""
 ATTN_NUM_WARPS = 4
 ATTN_NUM_STAGES = 2
-"""Default launch configuration of the attention kernel (the best of the sweep in ``benchmarks/RESULTS.md``)."""
+"""Launch configuration of the attention kernel (the best of the sweep in ``benchmarks/RESULTS.md``) where
+:func:`decode_shape_default` does not pick 2 warps."""
 EDGE_NUM_WARPS = 4
 """Warps of the prologue and epilogue kernels."""
 WAVES = 3
@@ -73,11 +74,13 @@ tiles: each program then pays the rotation (~half a tile of work) once, against 
 The splits are merged in the attention launch up to the same number of waves (:func:`merge_in_kernel`)."""
 SMS_OFF_CUDA = 4
 """SM count the split choice assumes on a device without SMs (the CPU interpreter)."""
-DECODE_MAX_REGS = {64: 96, 128: 128}
-"""Register cap of the decode attention kernel at 4 warps, by head dim: 5 / 4 programs per SM. Without it,
-ptxas takes 150-170 registers for some presets once the split merge is in the kernel, for the same main
+DECODE_MAX_REGS = {(64, 4): 96, (128, 4): 128, (64, 2): 96, (128, 2): 128}
+"""Register cap of the decode attention kernel by (head dim, warps): 5 / 4 programs per SM at 4 warps. Without
+it, ptxas takes 150-170 registers for some presets once the split merge is in the kernel, for the same main
 loop (local sm_90 compiles: same instruction count, no spills in the loop; a few values kept across
-the loop go to the stack). D = 256 (220+ either way) and multi-query launches are left alone."""
+the loop go to the stack). At 2 warps (:func:`decode_shape_default`) the same caps allow 10 / 8 programs
+per SM; the 2-warp launches were timed with them (session 14). D = 256 (220+ either way) and multi-query
+launches are left alone."""
 TOKENS_M_WAVES = 2
 TOKENS_M_PROGRAMS_PER_SM = 4
 """Split count of a ``tokens_m`` launch at ``D = 128`` (:func:`default_splits`): the most splits whose
@@ -156,14 +159,14 @@ def default_splits(
 ) -> int:
     """The split-K factor a launch takes by default: :func:`choose_splits` with :func:`min_tiles_per_split`,
     then, for a launch of the register-capped ``tokens_m`` kernel at ``D = 128`` (``tokens_m`` as the
-    launch will take it, ``ATTN_NUM_WARPS``, records not smoothed per tile), whole waves
+    launch will take it, 4 or 2 warps (``DECODE_MAX_REGS``), records not smoothed per tile), whole waves
     (``TOKENS_M_WAVES``), and at least ``tokens_m_min_programs // programs + 1`` splits. That floor
     dates from when ``tokens_m`` at ``D = 128`` needed that many programs (it no longer does,
     :func:`tokens_m_default`); it is kept as the rule measured in session 9 and raises the split
     count only for launches of 529-792 programs before splitting on 132 SMs (not re-timed)."""
     min_tiles = min_tiles_per_split(cfg, programs, max_units, device)
     splits = choose_splits(programs, max_units, device, min_tiles)
-    capped = num_warps == ATTN_NUM_WARPS and not (cfg.smooth_keys and not cfg.seq_smooth) and not multi_q
+    capped = _decode_max_regs(cfg, num_warps, multi_q) is not None
     if tokens_m is None:
         tokens_m = tokens_m_default(cfg, multi_q, programs * splits, device)
     if cfg.head_dim != 128 or not capped or not tokens_m or device.type != "cuda":
@@ -172,6 +175,14 @@ def default_splits(
     whole = TOKENS_M_WAVES * TOKENS_M_PROGRAMS_PER_SM * sms // programs
     still_tokens_m = tokens_m_min_programs(device) // programs + 1
     return max(1, min(max(whole, still_tokens_m), max_units // min_tiles, MAX_SPLITS))
+
+
+def _decode_max_regs(cfg: KVarNConfig, num_warps: int, multi_q: bool) -> int | None:
+    """The attention kernel's register cap (``DECODE_MAX_REGS``), ``None`` for uncapped launches (multi-query,
+    records smoothed per tile, head dims and warps the table lacks)."""
+    if multi_q or (cfg.smooth_keys and not cfg.seq_smooth):
+        return None
+    return DECODE_MAX_REGS.get((cfg.head_dim, num_warps))
 
 
 def min_tiles_per_split(cfg: KVarNConfig, programs: int, max_units: int, device: torch.device) -> int:
@@ -494,7 +505,7 @@ def paged_attention(
     value: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
-    num_warps: int = ATTN_NUM_WARPS,
+    num_warps: int | None = None,
     num_stages: int = ATTN_NUM_STAGES,
     fuse_query: bool | None = None,
     fuse_merge: bool | None = None,
@@ -503,6 +514,7 @@ def paged_attention(
     fold_offsets: bool | None = None,
     counters: torch.Tensor | None = None,
     min_split_tiles: int | None = None,
+    stack_tiles: bool | None = None,
     empty: Callable[..., torch.Tensor] = torch.empty,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -516,9 +528,10 @@ def paged_attention(
     from the tail slot (written there before attention) and ignores ``key, value``; see :func:`_step_kv`.
 
     Knobs (keyword only): ``num_splits`` forces the split-K factor (default :func:`default_splits`);
-    ``num_warps``, ``num_stages`` launch the attention kernel; ``fuse_query`` forces where the
-    queries are rotated (default :func:`fuse_query_rotation`); ``fuse_merge`` whether the attention
-    launch merges the splits (else the epilogue launch; default :func:`merge_in_kernel`);
+    ``num_warps`` (default :func:`decode_shape_default`), ``num_stages`` launch the attention kernel;
+    ``fuse_query`` forces where the queries are rotated (default :func:`fuse_query_rotation`);
+    ``fuse_merge`` whether the attention launch merges the splits (else the epilogue launch; default
+    :func:`merge_in_kernel`);
     ``counters`` (int32 zeros, at least query blocks x Hkv entries; left zero) replaces the
     device's :func:`merge_counters`; ``pair_tiles`` walks two tiles per loop step (default
     :func:`pair_tiles_default`); ``tokens_m`` (decode only) puts the tokens on the M side of the
@@ -527,7 +540,11 @@ def paged_attention(
     (:func:`~kvarn.kernels.attention_tiles._unpack_raw`) and takes their offsets out of the
     zero-point terms instead (default :func:`fold_offsets_default`; ``False`` is the per-field
     shift-mask-subtract unpack); ``min_split_tiles``: the fewest tiles a split of a sequence walks
-    (default :func:`min_split_tiles_default`); ``empty`` allocates the output and the
+    (default :func:`min_split_tiles_default`); ``stack_tiles`` (decode with ``tokens_m``, at most 4 query
+    heads per KV head, padded to a power of two, not with ``pair_tiles``) scores and weighs two tiles a
+    loop step in one dot each, stacked on M, the second tile in the query columns the heads leave free
+    (default :func:`decode_shape_default`, only at its own warps when ``num_warps`` is forced); a forced
+    ``num_warps`` of 2 takes the register cap too (``DECODE_MAX_REGS``); ``empty`` allocates the output and the
     workspaces (``torch.empty``'s signature; tests pass one that fills with NaN); ``out`` (``[Nq, Hq,
     D]`` in ``query.dtype``, unit last stride, e.g. a view of the caller's buffer) receives the
     result instead of a new tensor and is returned (no copy launch after the kernel).
@@ -542,7 +559,7 @@ def paged_attention(
     :mod:`kvarn.kernels._plan`): decode calls, and multi-query calls given ``key, value``.
     """
     knobs = (num_splits, num_warps, num_stages, fuse_query, fuse_merge, pair_tiles, tokens_m, fold_offsets)
-    knobs += (min_split_tiles,)
+    knobs += (min_split_tiles, stack_tiles)
     inputs = (query, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, query_start_loc, sink_slots, key, value)
     inputs += (counters, out)
     key_of = None
@@ -575,7 +592,7 @@ def _plan_key(inputs: tuple, cfg: KVarNConfig, scale, knobs: tuple) -> tuple | N
 def _paged_attention(
     query, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, cfg, query_start_loc, sink_slots, scale, key,
     value, num_splits, num_warps, num_stages, fuse_query, fuse_merge, pair_tiles, tokens_m, fold_offsets,
-    min_split_tiles, counters, empty, out,
+    min_split_tiles, stack_tiles, counters, empty, out,
 ) -> torch.Tensor:  # fmt: skip
     """:func:`paged_attention` itself (the launcher its plans record)."""
     _check_args(query, cache, block_table, seq_lens, tail_k, tail_v, cfg, query_start_loc, (key, value))
@@ -592,13 +609,23 @@ def _paged_attention(
     seq_lens, query_start_loc = index_list(seq_lens), index_list(query_start_loc)
     if nq == 0:
         return torch.empty_like(query) if out is None else out
-    step = _step_kv(key, value, query_start_loc, seq_lens, tail_k, cfg, empty)
     dev = query.device
     gqp = next_pow2(hq // hkv)
     block_q = max(1, MIN_DOT_ROWS // gqp) if multi_q else 1
     n_blocks = cdiv(nq, block_q) + batch if multi_q else batch  # one spare block per sequence
     max_units = block_table.shape[1] + 1
-    splits = num_splits or default_splits(cfg, n_blocks * hkv, max_units, multi_q, dev, tokens_m, num_warps)
+    splits = num_splits or default_splits(cfg, n_blocks * hkv, max_units, multi_q, dev, tokens_m, ATTN_NUM_WARPS)
+    if tokens_m is None:
+        tokens_m = tokens_m_default(cfg, multi_q, n_blocks * hkv * splits, dev)
+    tokens_m = not multi_q and tokens_m
+    warps, stack = decode_shape_default(cfg, tokens_m, gqp, n_blocks * hkv * splits, cdiv(max_units, splits), dev)
+    if num_warps is not None:  # the rule's stacking was timed at its own warps only
+        stack, warps = stack and num_warps == warps, num_warps
+    pair = pair_tiles_default(cfg, tokens_m) if pair_tiles is None else pair_tiles
+    stack = _stack_tiles(stack_tiles, stack, gqp, tokens_m, pair)
+    step = _step_kv(key, value, query_start_loc, seq_lens, tail_k, cfg, empty)
+    if warps != ATTN_NUM_WARPS and not num_splits:  # the split choice depends on the launch's warps
+        splits = default_splits(cfg, n_blocks * hkv, max_units, multi_q, dev, tokens_m, warps)
     if fuse_merge is None:
         fuse_merge = merge_in_kernel(n_blocks * hkv, splits, dev)
     if fuse_merge and splits > 1 and counters is None:
@@ -620,21 +647,78 @@ def _paged_attention(
     pool = (tail_k, tail_v, slots, slots if sink_slots is None else _as_int32(sink_slots), *(step or (tail_k, tail_v)))
     ws = (part, ws_m, ws_l, final, part if counters is None else counters)
     flags = (splits > 1, merge, cfg.rotate, query.dtype == torch.bfloat16, inv_sqrt(d))
-    launch = {"num_warps": num_warps, "num_stages": num_stages, "FUSED_Q": fused_q, "FACTOR": _query_factor(cfg, scale)}
+    launch = {"num_warps": warps, "num_stages": num_stages, "FUSED_Q": fused_q, "FACTOR": _query_factor(cfg, scale)}
     launch.update(SMOOTH_Q=smooth_q, LATE_Q=smooth_q or (cfg.seq_smooth and fused_q))
     launch.update(HAS_SINK=sink_slots is not None, HAS_KV=step is not None)
-    if tokens_m is None:
-        tokens_m = tokens_m_default(cfg, multi_q, n_blocks * hkv * splits, dev)
-    launch["TOKENS_M"] = not multi_q and tokens_m
-    launch["PAIR"] = pair_tiles_default(cfg, launch["TOKENS_M"]) if pair_tiles is None else pair_tiles
+    launch["TOKENS_M"] = tokens_m
+    launch["PAIR"] = pair
     launch["FOLD"] = fold_offsets_default(cfg, launch["TOKENS_M"]) if fold_offsets is None else fold_offsets
     launch["min_units"] = min_split_tiles or min_split_tiles_default(cfg, launch["TOKENS_M"], n_blocks * hkv)
+    launch["STACK"] = stack
     _launch_attention(
         grid, (q, q_s), query, cache, block_table, seq_lens, query_start_loc, pool, ws, cfg, flags, launch
     )
     if merge:
         return final
     return _launch_epilogue(part, ws_m, ws_l, splits, hq, query.dtype, cfg, empty, out)
+
+
+def _stack_tiles(stack_tiles: bool | None, default: bool, gqp: int, tokens_m: bool, pair: bool) -> bool:
+    """``stack_tiles`` as launched (``tokens_m``, ``pair`` as launched): the default, or the caller's choice
+    checked against the launch before anything is launched."""
+    if stack_tiles is None:
+        return default and not pair
+    if stack_tiles and (not tokens_m or 2 * gqp > TOKENS_M_MIN_ROWS or pair):
+        raise ValueError(
+            "stack_tiles=True needs a decode launch that takes tokens_m (one query per sequence, tokens_m=True "
+            "or on by default; not for records smoothed per tile), at most "
+            f"{TOKENS_M_MIN_ROWS // 2} query heads per KV head (padded to a power of two; got {gqp}) and pair_tiles "
+            "not True"
+        )
+    return stack_tiles
+
+
+TWO_WARP_D64_MIN_TILES = 8
+STACK_MIN_TILES = 16
+"""See :func:`decode_shape_default`."""
+
+
+def decode_shape_default(
+    cfg: KVarNConfig, tokens_m: bool, gqp: int, programs: int, tiles_per_split: int, device: torch.device
+) -> tuple[int, bool]:
+    """Defaults of ``num_warps`` and ``stack_tiles`` for a launch of ``programs`` programs (splits included)
+    whose splits walk up to ``tiles_per_split`` tiles (the block table's width over the splits).
+
+    ``(ATTN_NUM_WARPS, False)`` except for ``tokens_m`` decode launches on CUDA of:
+
+    - ``D = 64``, 128-token tiles, ``TWO_WARP_D64_MIN_TILES`` or more tiles a split: 2 warps (96
+      registers, 10 programs per SM). Measured on the H200 (session 14, k4v2, 4 -> 2 warps): batch 16
+      / 32K 177.5 -> 143.2 us, 4 / 128K 189.2 -> 150.1, 8 / 32K 110.1 -> 89.4, 64 / 4K 119.3 -> 114.4;
+      k2v2 and k4v4 at 16 / 32K 200.5 -> 144.8 and 187.5 -> 149.3. Slower with short splits: 1 / 32K
+      (4 tiles a split) 35.3 -> 49.0, 8 / 4K 30.1 -> 45.4.
+    - 64-token tiles at ``D = 128``: with ``STACK_MIN_TILES`` or more tiles a split, 4 warps, and
+      ``stack_tiles`` for 2-bit values and at most 4 query heads a KV head (padded) (k4v2_g64: 16 / 32K
+      383.9 -> 356.2 us, 4 / 128K 383.9 -> 358.4, 8 / 32K 212.6 -> 202.6, 64 / 4K 211.1 -> 201.8, 32 / 4K
+      119.8 -> 117.8; slower at 4-8 tiles a split: 8 / 4K 55.3 -> 60.8, 4 / 4K 31.6 -> 37.4; k4v4_g64 at
+      16 / 32K 378.5 -> 401.0); with shorter splits over :func:`tokens_m_min_programs`, 2 warps (128
+      registers, no duplicated unpack: a 64-token tile's 32 token pairs are one 16-row block per warp):
+      k4v2_g64 8 / 4K 55.3 -> 42.1, 2 / 32K 94.7 -> 70.6, 16 / 4K 76.1 -> 67.4, k4v4_g64 8 / 4K 55.6 ->
+      43.8 (timed with the rounded-up split rule); slower with fewer programs (4 / 4K 31.6 -> 36.4,
+      1 / 32K 54.5 -> 62.7) and with long splits (16 / 32K 383.9 -> 515.2).
+
+    Timed at 4 query heads per KV head (32 / 8) only. In vLLM the block table is ``max_model_len``
+    wide, so short sequences in a long-context engine count as long splits here.
+    """
+    if not tokens_m or device.type != "cuda":
+        return ATTN_NUM_WARPS, False
+    if cfg.head_dim == 64 and cfg.group_size == 128 and tiles_per_split >= TWO_WARP_D64_MIN_TILES:
+        return 2, False
+    if cfg.head_dim == 128 and cfg.group_size == 64:
+        if tiles_per_split >= STACK_MIN_TILES:
+            return ATTN_NUM_WARPS, cfg.v_bits == 2 and 2 * gqp <= TOKENS_M_MIN_ROWS
+        if programs > tokens_m_min_programs(device):
+            return 2, False
+    return ATTN_NUM_WARPS, False
 
 
 def _check_counts(**counts) -> None:
@@ -741,8 +825,6 @@ def _launch_attention(grid, qs, query, cache, block_table, seq_lens, qsl, pool, 
         IN_BF16=query.dtype == torch.bfloat16,
         MERGE_CH=max(1, MERGE_CHUNK // (block_q * gqp * d)),
         FLAGS=flags,
-        maxnreg=None
-        if multi_q or (cfg.smooth_keys and not cfg.seq_smooth) or launch["num_warps"] != ATTN_NUM_WARPS
-        else DECODE_MAX_REGS.get(d),
+        maxnreg=_decode_max_regs(cfg, launch["num_warps"], multi_q),
         **launch,
     )

@@ -39,8 +39,10 @@ from kvarn.kernels.attention_tiles import (
     _fp_tile,
     _split_fields,
     _tile_scores,
+    _tile_scores_st,
     _tile_scores_t,
     _tile_values,
+    _tile_values_st,
     _tile_values_t,
 )
 
@@ -294,6 +296,13 @@ def _quantized_tiles(
 
 
 @triton.jit
+def _transposed(query):
+    """:func:`_load_query`'s ``(q0, q1, q2, q3, rf)`` with the channel blocks transposed to ``[DK, N]``."""
+    q0, q1, q2, q3, rf = query
+    return tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3), rf
+
+
+@triton.jit
 def _quantized_tiles_t(
     query, records, bt_row, u0, u1, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, PAIR, FOLD: tl.constexpr = False
 ):
@@ -305,9 +314,8 @@ def _quantized_tiles_t(
     Same returns as :func:`_quantized_tiles`. ``FOLD``: the codes are unpacked without removing
     their offsets, which leave the zero-point terms instead (:func:`_tile_scores_t`).
     """
-    q0, q1, q2, q3, rf = query
-    query_t = (tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3), rf)  # [DK, N] each
-    N: tl.constexpr = rf.shape[0]
+    query_t = _transposed(query)  # [DK, N] each
+    N: tl.constexpr = query_t[4].shape[0]
     G: tl.constexpr = LAYOUT.G
     D: tl.constexpr = LAYOUT.D
     cache, s_cb, s_ch, kvh = records
@@ -342,6 +350,68 @@ def _quantized_tiles_t(
 
 
 @triton.jit
+def _quantized_tiles_st(
+    query, records, bt_row, u0, u1, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, GQP: tl.constexpr, FOLD: tl.constexpr
+):
+    """:func:`_quantized_tiles_t` with two tiles a step stacked on the dots' M (``STACK``, decode only).
+
+    Column ``c`` of the ``N`` query rows walks the even tiles of the split (``u0, u0 + 2, ..``) where
+    ``(c // GQP) % 2 == 0``, the odd ones otherwise: the caller loads rows ``GQP .. 2 GQP - 1`` with
+    the same queries as rows ``0 .. GQP - 1`` (``2 GQP <= N``). One step scores and weighs both tiles
+    in one dot each (:func:`_tile_scores_st`, :func:`_tile_values_st`); at the end each row's two
+    running states merge into the first copy (:func:`_merge_stacked`), the second left empty.
+    Same returns as :func:`_quantized_tiles_t`.
+    """
+    query_t = _transposed(query)  # [DK, N] each
+    N: tl.constexpr = query_t[4].shape[0]
+    G: tl.constexpr = LAYOUT.G
+    D: tl.constexpr = LAYOUT.D
+    cache, s_cb, s_ch, kvh = records
+    base = cache + kvh.to(tl.int64) * s_ch
+    second = (tl.arange(0, N) // GQP) % 2 == 1
+    m_i = tl.full([N], NEG_BIG, tl.float32)
+    l_e = tl.zeros([G, N], tl.float32)
+    acc = (tl.zeros([D // 2, N], tl.float32), tl.zeros([D // 2, N], tl.float32))  # even, odd output channels
+    for u in range(u0, u1, 2):
+        off_a = tl.load(bt_row + u).to(tl.int64) * s_cb
+        off_b = tl.load(bt_row + tl.minimum(u + 1, u1 - 1)).to(tl.int64) * s_cb
+        s_e, s_o = _tile_scores_st(base, off_a, off_b, u + 1 < u1, query_t, second, LAYOUT, USE_ASM, FOLD)
+        m_new = tl.maximum(m_i, tl.max(tl.maximum(s_e, s_o), axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p_e = tl.exp2(s_e - m_new[None, :])
+        p_o = tl.exp2(s_o - m_new[None, :])
+        l_e = l_e * alpha[None, :] + (p_e + p_o)
+        acc = _tile_values_st(base, off_a, off_b, p_e, p_o, alpha, acc, second, LAYOUT, USE_ASM, FOLD)
+        m_i = m_new
+    acc_e, acc_o = acc
+    acc = tl.reshape(tl.permute(tl.join(acc_e, acc_o), (1, 0, 2)), (N, D))
+    return _merge_stacked(m_i, tl.sum(l_e, axis=0), acc, GQP)
+
+
+@triton.jit
+def _merge_stacked(m_i, l_i, acc, GQP: tl.constexpr):
+    """Merge the online-softmax states of rows ``c`` and ``c + GQP`` of each ``2 GQP`` rows into row ``c``.
+
+    ``m_i, l_i: [N]``, ``acc: [N, D]``; rows ``c + GQP`` come back empty (``NEG_BIG``, 0, 0).
+    """
+    N: tl.constexpr = m_i.shape[0]
+    D: tl.constexpr = acc.shape[1]
+    P: tl.constexpr = N // (2 * GQP)
+    m_a, m_b = tl.split(tl.permute(tl.reshape(m_i, (P, 2, GQP)), (0, 2, 1)))  # [P, GQP]
+    l_a, l_b = tl.split(tl.permute(tl.reshape(l_i, (P, 2, GQP)), (0, 2, 1)))
+    a_a, a_b = tl.split(tl.permute(tl.reshape(acc, (P, 2, GQP, D)), (0, 2, 3, 1)))  # [P, GQP, D]
+    m = tl.maximum(m_a, m_b)
+    f_a = tl.exp2(m_a - m)
+    f_b = tl.exp2(m_b - m)
+    l_m = l_a * f_a + l_b * f_b
+    a_m = a_a * f_a[:, :, None] + a_b * f_b[:, :, None]
+    m_out = tl.reshape(tl.permute(tl.join(m, tl.full([P, GQP], NEG_BIG, tl.float32)), (0, 2, 1)), (N,))
+    l_out = tl.reshape(tl.permute(tl.join(l_m, tl.zeros([P, GQP], tl.float32)), (0, 2, 1)), (N,))
+    a_out = tl.reshape(tl.permute(tl.join(a_m, tl.zeros([P, GQP, D], tl.float32)), (0, 3, 1, 2)), (N, D))
+    return m_out, l_out, a_out
+
+
+@triton.jit
 def _record_tiles(
     query,
     walk,
@@ -356,8 +426,11 @@ def _record_tiles(
     IN_BF16: tl.constexpr,
     FACTOR: tl.constexpr,
     FOLD: tl.constexpr,
+    STACK: tl.constexpr = False,
+    GQP: tl.constexpr = 1,
 ):
-    """The program's quantized tiles: :func:`_quantized_tiles_t` with ``TOKENS_M``, else :func:`_quantized_tiles`.
+    """The program's quantized tiles: :func:`_quantized_tiles_t` with ``TOKENS_M`` (:func:`_quantized_tiles_st`
+    with ``STACK`` too), else :func:`_quantized_tiles`.
 
     ``walk = (records, bt_row, u0, u1, pos_q)``; ``FOLD`` as in :func:`_quantized_tiles`; the raw queries
     at ``q_base`` (rows ``row_ok``)
@@ -368,7 +441,11 @@ def _record_tiles(
     if TOKENS_M:
         if not LAYOUT.SEQ_SMOOTH:
             tl.static_assert(LAYOUT.K_SMOOTH < 0, "per-tile smoothed records are not implemented with TOKENS_M")
-        out = _quantized_tiles_t(query, records, bt_row, u0, u1, LAYOUT, USE_ASM, PAIR, FOLD)
+        if STACK:
+            tl.static_assert(not MULTI_Q and 2 * GQP <= query[4].shape[0], "STACK: decode, 2 GQP <= BLOCK_M")
+            out = _quantized_tiles_st(query, records, bt_row, u0, u1, LAYOUT, USE_ASM, GQP, FOLD)
+        else:
+            out = _quantized_tiles_t(query, records, bt_row, u0, u1, LAYOUT, USE_ASM, PAIR, FOLD)
     elif LAYOUT.SEQ_SMOOTH:  # query: the sequence's smoothed queries (_sequence_query)
         out = _quantized_tiles(query, records, bt_row, u0, u1, pos_q, LAYOUT, MULTI_Q, USE_ASM, PAIR, None, FOLD)
     elif LAYOUT.K_SMOOTH >= 0:
@@ -392,6 +469,19 @@ def _program_rows(N: tl.constexpr, q_start, q_first, n_q, kvh, GQ: tl.constexpr,
     q_local = q_first + rows // GQP
     row_ok = (hj < GQ) & (q_local < n_q)
     return (q_start + q_local).to(tl.int64), kvh * GQ + hj, row_ok, q_local
+
+
+@triton.jit
+def _read_rows(rows, q_start, kvh, GQ: tl.constexpr, GQP: tl.constexpr, STACK: tl.constexpr):
+    """The rows whose queries a program reads: ``rows = (q_row, head, row_ok)`` of :func:`_program_rows`, or
+    with ``STACK`` (decode) row ``r`` reading head ``r % GQP`` of the query (real where ``r % GQP < GQ``):
+    rows from ``GQP`` on carry the queries of the other tile of a step (:func:`_quantized_tiles_st`) and
+    are never written."""
+    q_row, head, row_ok = rows
+    if STACK:
+        r = tl.arange(0, q_row.shape[0]) % GQP
+        return q_row * 0 + q_start, kvh * GQ + r, r < GQ
+    return q_row, head, row_ok
 
 
 @triton.jit
@@ -616,6 +706,7 @@ def _attn_kernel(
     SMOOTH_Q: tl.constexpr = False,
     LATE_Q: tl.constexpr = False,
     HAS_KV: tl.constexpr = False,
+    STACK: tl.constexpr = False,
 ):
     """Grid ``(query blocks, Hkv, num_splits)``; see :func:`kvarn.kernels.attention_merge._finish` for what it writes.
 
@@ -632,7 +723,7 @@ def _attn_kernel(
     ``FUSED_Q``): the unsmoothed queries are loaded only after the tile loop, for the sink and tail.
     ``HAS_KV`` (multi-query only): ``key, value: [Nq, Hkv, D]`` hold the step's own K/V in the pool
     form (contiguous, rows as ``q``'s), read for the own-tile positions from the step's first on;
-    else those are read from the tail slot too (:func:`_split_units`).
+    else those are read from the tail slot too (:func:`_split_units`). ``STACK``: :func:`_quantized_tiles_st`.
     """
     G: tl.constexpr = LAYOUT.G
     ROTATE: tl.constexpr = FLAGS[2]
@@ -651,7 +742,8 @@ def _attn_kernel(
     seq_len = tl.load(seq_lens + seq, mask=has_q, other=0)
     q_row, head, row_ok, q_local = _program_rows(BLOCK_M, q_start, q_first, n_q, kvh, GQ, GQP)
     pos_q = seq_len - n_q + q_local  # [BLOCK_M]
-    q_base = q + q_row[:, None] * s_iq + head[:, None] * s_iqh  # [BLOCK_M, 1]
+    ld_row, ld_head, ld_ok = _read_rows((q_row, head, row_ok), q_start, kvh, GQ, GQP, STACK)
+    q_base = q + ld_row[:, None] * s_iq + ld_head[:, None] * s_iqh  # [BLOCK_M, 1]
     n_full, own, u0, u1, qt0, sink_slot, has_sink, n_act = _split_units(
         seq, seq_len, n_q, q_first, split, num_splits, min_units, sink_slots, G, BLOCK_Q, MULTI_Q, HAS_SINK, HAS_KV
     )
@@ -661,17 +753,15 @@ def _attn_kernel(
         records = (cache, s_cb, s_ch, kvh)
         qt1 = tl.minimum(u1, n_full)
         walk = (records, bt_row, qt0, qt1, lo_q - 1)
-        qs_base = q_smooth + q_row[:, None] * s_iq + head[:, None] * s_iqh
-        query, rec_query = _records_query(
-            q_base, qs_base, row_ok, walk, n_full, LAYOUT, ROTATE, IN_BF16, FACTOR, FUSED_Q, SMOOTH_Q, LATE_Q
-        )
-        state = _record_tiles(
-            rec_query, walk, q_base, row_ok, LAYOUT, MULTI_Q, USE_ASM, PAIR, TOKENS_M, FUSED_Q, IN_BF16, FACTOR, FOLD
-        )
+        qs_base = q_smooth + ld_row[:, None] * s_iq + ld_head[:, None] * s_iqh
+        query, rec_query = _records_query(q_base, qs_base, ld_ok, walk, n_full, LAYOUT, ROTATE, IN_BF16, FACTOR,
+            FUSED_Q, SMOOTH_Q, LATE_Q)  # fmt: skip
+        state = _record_tiles(rec_query, walk, q_base, ld_ok, LAYOUT, MULTI_Q, USE_ASM, PAIR, TOKENS_M, FUSED_Q,
+            IN_BF16, FACTOR, FOLD, STACK, GQP)  # fmt: skip
         pool = (tail_k, tail_v, p_slot, p_tok, p_head, kvh)
         own_here = (own[0] + own[3] > 0) & (u0 <= n_full) & (n_full < u1)
         units = (has_sink & (u0 == 0), sink_slot, own_here, tail_slots + seq, own, pos_q, lo_q)
-        src = (q_base, row_ok, pool, (key, value, q_start + own[2] - (seq_len - n_q)))
+        src = (q_base, ld_ok, pool, (key, value, q_start + own[2] - (seq_len - n_q)))
         m_i, l_i, acc = _fp_tiles(
             state, query, src, units, LAYOUT, ROTATE, IN_BF16, FACTOR, FUSED_Q, POOL_BF16, LATE_Q, MULTI_Q, HAS_KV
         )

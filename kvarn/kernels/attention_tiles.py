@@ -217,17 +217,8 @@ def _k_operands(q_f, rec, f: tl.constexpr, LAYOUT: tl.constexpr, FOLD: tl.conste
     ``FOLD``: the zero-point term also subtracts :func:`_unpack_raw`'s offset times the fp16
     operand (the very values the dot multiplies, so the offset cancels up to fp32 rounding).
     """
-    DK: tl.constexpr = LAYOUT.D // LAYOUT.K_PER_BYTE
-    KC: tl.constexpr = 1 << (LAYOUT.K_BITS - 1)
-    ch = f * DK + tl.arange(0, DK)
-    ks = _load_f16(rec + LAYOUT.K_SCALE + 2 * ch)  # [DK]
-    kz = _load_f16(rec + LAYOUT.K_ZERO + 2 * ch) + KC * ks
-    qs = (q_f * ks[None, :]).to(tl.float16)
-    qz = q_f * kz[None, :]
-    if FOLD:
-        OFF: tl.constexpr = (1024 >> (f * LAYOUT.K_BITS)) + KC
-        qz -= OFF * qs.to(tl.float32)
-    return qs, qz
+    ks, kz = _k_scales(rec, f, LAYOUT)  # [DK]
+    return _k_apply(q_f, ks[None, :], kz[None, :], f, LAYOUT, FOLD)
 
 
 @triton.jit
@@ -344,13 +335,26 @@ def _k_operands_t(q_f, rec, f: tl.constexpr, LAYOUT: tl.constexpr, FOLD: tl.cons
     ``FOLD``: the zero-point term also subtracts :func:`_unpack_raw`'s offset times the fp16
     operand (the very values the dot multiplies, so the offset cancels up to fp32 rounding).
     """
+    ks, kz = _k_scales(rec, f, LAYOUT)
+    return _k_apply(q_f, ks[:, None], kz[:, None], f, LAYOUT, FOLD)
+
+
+@triton.jit
+def _k_scales(rec, f: tl.constexpr, LAYOUT: tl.constexpr):
+    """K field ``f``'s channel scales and centered zero points ``k_zero + 2^(K_BITS-1) k_scale``, ``[DK]`` fp32."""
     DK: tl.constexpr = LAYOUT.D // LAYOUT.K_PER_BYTE
     KC: tl.constexpr = 1 << (LAYOUT.K_BITS - 1)
     ch = f * DK + tl.arange(0, DK)
-    ks = _load_f16(rec + LAYOUT.K_SCALE + 2 * ch)  # [DK]
-    kz = _load_f16(rec + LAYOUT.K_ZERO + 2 * ch) + KC * ks
-    qs = (q_f * ks[:, None]).to(tl.float16)  # [DK, N]
-    qz = q_f * kz[:, None]
+    ks = _load_f16(rec + LAYOUT.K_SCALE + 2 * ch)
+    return ks, _load_f16(rec + LAYOUT.K_ZERO + 2 * ch) + KC * ks
+
+
+@triton.jit
+def _k_apply(q_f, ks, kz, f: tl.constexpr, LAYOUT: tl.constexpr, FOLD: tl.constexpr):
+    """``(q k_scale)`` fp16 and the zero-point term of a query block ``q_f`` with scales ``ks, kz`` broadcast to it."""
+    KC: tl.constexpr = 1 << (LAYOUT.K_BITS - 1)
+    qs = (q_f * ks).to(tl.float16)  # [DK, N]
+    qz = q_f * kz
     if FOLD:
         OFF: tl.constexpr = (1024 >> (f * LAYOUT.K_BITS)) + KC
         qz -= OFF * qs.to(tl.float32)
@@ -456,6 +460,144 @@ def _tile_values_t(
         acc_o = acc_o * alpha[None, :]
     acc_e += (o_e + z[None, :]) * vc_e[:, None]
     acc_o += (o_o + z[None, :]) * vc_o[:, None]
+    return acc_e, acc_o
+
+
+@triton.jit
+def _by_column(second, a, b):
+    """``[R, N]``: column ``c`` holds ``b: [R]`` where ``second[c]`` (its tile is the step's second), else ``a``."""
+    return tl.where(second[None, :], b[:, None], a[:, None])
+
+
+@triton.jit
+def _pair(a, b):
+    """Scalars ``a, b`` as a ``[2]`` tensor."""
+    return a + (b - a) * tl.arange(0, 2)  # not tl.where: the compiler keeps the 16-byte alignment of a product
+
+
+@triton.jit
+def _tile_scores_st(
+    base, off_a, off_b, has_b, query_t, second, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr
+):
+    """:func:`_tile_scores_t` on two tiles stacked on the dot's M: ``(even, odd)`` tokens, ``[G, N]`` fp32 each.
+
+    Rows ``0 .. G/2 - 1`` are the token pairs of the record at ``base + off_a``, the rest those of
+    the record at ``base + off_b`` (byte offsets; ``has_b``: it is a real tile). Column ``c``
+    scores tile b where ``second[c]``, else tile a, with that tile's channel scales; the other
+    tile's rows of each column (and every row of a missing tile b) are ``-inf``. So one dot of
+    ``G`` rows serves two tiles whose own M (``G / 2`` = 32 rows at 64-token tiles) four warps could
+    not split without doing the unpack twice, and the columns the query heads leave free (``N = 8``
+    at 4 heads) carry the second tile. The code words of both tiles are one ``[2, G / 2, DK]`` load
+    from the two records (:func:`_pair`): a record chosen per row lost the 16-byte loads and spilled,
+    and joining two loaded tiles cost ~200 more instructions a step (sm_90, RESULTS.md session 14).
+    """
+    q0, q1, q2, q3, rf = query_t
+    PK: tl.constexpr = LAYOUT.K_PER_BYTE
+    DK: tl.constexpr = LAYOUT.D // PK
+    GH: tl.constexpr = LAYOUT.G // 2
+    qs0, qz = _k_operands_st(q0, base + off_a, base + off_b, second, 0, LAYOUT, FOLD)  # [DK, N]
+    qs1, qz1 = _k_operands_st(q1, base + off_a, base + off_b, second, 1, LAYOUT, FOLD)
+    qz += qz1
+    qs2 = qs0
+    qs3 = qs0
+    if PK == 4:
+        qs2, qz2 = _k_operands_st(q2, base + off_a, base + off_b, second, 2, LAYOUT, FOLD)
+        qz += qz2
+        qs3, qz3 = _k_operands_st(q3, base + off_a, base + off_b, second, 3, LAYOUT, FOLD)
+        qz += qz3
+    qz = tl.sum(qz, axis=0)  # [N]
+    recs = base + _pair(off_a, off_b)  # [2]
+    ti = tl.arange(0, GH)
+    jk = tl.arange(0, DK)
+    words = jk[None, None, :] * GH + ti[None, :, None]  # [1, GH, DK]
+    kw = tl.load((recs[:, None, None] + LAYOUT.K_CODES).to(tl.pointer_type(tl.int16)) + words)
+    kw = tl.reshape(kw, (2 * GH, DK))  # [G, DK]: tile a's token pairs, then tile b's
+    if FOLD:
+        s_e, s_o = _packed_dot_raw(kw, qs0, qs1, qs2, qs3, PK, LAYOUT.K_BITS, USE_ASM)  # [G, N] each
+    else:
+        s_e, s_o = _packed_dot(qs0, qs1, qs2, qs3, kw, PK, LAYOUT.K_BITS, USE_ASM, True)
+    kt_e = tl.reshape(_load_bf16(recs[:, None] + LAYOUT.K_TOK + 4 * ti[None, :]), (2 * GH,))  # [G]
+    kt_o = tl.reshape(_load_bf16(recs[:, None] + LAYOUT.K_TOK + 4 * ti[None, :] + 2), (2 * GH,))
+    i = tl.arange(0, 2 * GH)
+    mine = ((i >= GH)[:, None] == second[None, :]) & ((i < GH) | has_b)[:, None]
+    s_e = tl.where(mine, (s_e + qz[None, :]) * (kt_e[:, None] * rf[None, :]), float("-inf"))
+    s_o = tl.where(mine, (s_o + qz[None, :]) * (kt_o[:, None] * rf[None, :]), float("-inf"))
+    return s_e, s_o
+
+
+@triton.jit
+def _k_operands_st(q_f, rec_a, rec_b, second, f: tl.constexpr, LAYOUT: tl.constexpr, FOLD: tl.constexpr):
+    """:func:`_k_operands_t`, column ``c`` scaled by ``rec_b``'s field ``f`` where ``second[c]``, else ``rec_a``'s."""
+    ks_a, kz_a = _k_scales(rec_a, f, LAYOUT)
+    ks_b, kz_b = _k_scales(rec_b, f, LAYOUT)
+    return _k_apply(q_f, _by_column(second, ks_a, ks_b), _by_column(second, kz_a, kz_b), f, LAYOUT, FOLD)
+
+
+@triton.jit
+def _split_fields_st(x, PV: tl.constexpr, CT: tl.constexpr):
+    """``x: [2 PV CT, N]`` (two tiles' tokens in order) -> ``PV`` blocks ``[2 CT, N]``: field ``f``'s tokens of
+    tile a, then of tile b (as :func:`_split_fields_t`, four returned)."""
+    N: tl.constexpr = x.shape[1]
+    if PV == 2:
+        y = tl.reshape(tl.permute(tl.reshape(x, (2, 2, CT, N)), (0, 2, 3, 1)), (2 * CT, N, 2))
+        a, b = tl.split(y)
+        return a, b, a, b
+    else:
+        y = tl.reshape(tl.permute(tl.reshape(x, (2, 2, 2, CT, N)), (0, 3, 4, 1, 2)), (2 * CT, N, 2, 2))
+        e, o = tl.split(y)
+        x0, x2 = tl.split(e)
+        x1, x3 = tl.split(o)
+        return x0, x1, x2, x3
+
+
+@triton.jit
+def _tile_values_st(
+    base, off_a, off_b, p_e, p_o, alpha, acc, second, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr
+):
+    """:func:`_tile_values_t` on the two stacked tiles of :func:`_tile_scores_st`; ``p_e, p_o: [G, N]``.
+
+    The value dot reduces over both tiles' tokens at once (V code words ``[D // 2, 2 G // PV]``, tile
+    a's then tile b's of each field); a column's probabilities are 0 on the other tile's tokens, so
+    column ``c`` gets its own tile's values, scaled by that tile's ``v_chan``. ``acc = (acc_e, acc_o)``.
+    """
+    acc_e, acc_o = acc
+    N: tl.constexpr = p_e.shape[1]
+    G: tl.constexpr = LAYOUT.G
+    PV: tl.constexpr = LAYOUT.V_PER_BYTE
+    CT: tl.constexpr = G // PV
+    GH: tl.constexpr = G // 2
+    DH: tl.constexpr = LAYOUT.D // 2
+    VC: tl.constexpr = 1 << (LAYOUT.V_BITS - 1)  # code centering, see _unpack
+    recs = base + _pair(off_a, off_b)  # [2]
+    ti = tl.arange(0, GH)
+    tok = recs[:, None] + 4 * ti[None, :]  # [2, GH]: each token pair's entry of its record
+    vs_e = tl.reshape(_load_f16(tok + LAYOUT.V_SCALE), (G,))
+    vs_o = tl.reshape(_load_f16(tok + LAYOUT.V_SCALE + 2), (G,))
+    vz_e = tl.reshape(_load_f16(tok + LAYOUT.V_ZERO), (G,)) + VC * vs_e
+    vz_o = tl.reshape(_load_f16(tok + LAYOUT.V_ZERO + 2), (G,)) + VC * vs_o
+    pv_e = (p_e * vs_e[:, None]).to(tl.float16)
+    pv_o = (p_o * vs_o[:, None]).to(tl.float16)
+    zt = p_e * vz_e[:, None] + p_o * vz_o[:, None]  # [G, N]
+    if FOLD:
+        off = _raw_offset((2 * (tl.arange(0, G) % GH)) // CT, LAYOUT.V_BITS)  # [G]
+        zt -= off[:, None] * (pv_e.to(tl.float32) + pv_o.to(tl.float32))
+    z = tl.sum(zt, axis=0)  # [N]
+    pv = tl.reshape(tl.permute(tl.join(pv_e, pv_o), (0, 2, 1)), (2 * G, N))  # tile a's tokens, then tile b's
+    pv0, pv1, pv2, pv3 = _split_fields_st(pv, PV, CT)  # [2 CT, N] each
+    dh = tl.arange(0, DH)
+    words = tl.arange(0, CT)[None, None, :] * DH + dh[:, None, None]  # [DH, 1, CT]
+    vw = tl.load((recs[None, :, None] + LAYOUT.V_CODES).to(tl.pointer_type(tl.int16)) + words)
+    vw = tl.reshape(vw, (DH, 2 * CT))  # tile a's tokens of each field, then tile b's
+    if FOLD:
+        o_e, o_o = _packed_dot_raw(vw, pv0, pv1, pv2, pv3, PV, LAYOUT.V_BITS, USE_ASM)  # [DH, N] each
+    else:
+        o_e, o_o = _packed_dot(pv0, pv1, pv2, pv3, vw, PV, LAYOUT.V_BITS, USE_ASM, True)
+    vc_a = base + off_a + LAYOUT.V_CHAN + 4 * dh  # [DH] v_chan of the even channels, tile a
+    vc_b = base + off_b + LAYOUT.V_CHAN + 4 * dh
+    vc_e = _by_column(second, _load_bf16(vc_a), _load_bf16(vc_b))  # [DH, N]
+    vc_o = _by_column(second, _load_bf16(vc_a + 2), _load_bf16(vc_b + 2))
+    acc_e = acc_e * alpha[None, :] + (o_e + z[None, :]) * vc_e
+    acc_o = acc_o * alpha[None, :] + (o_o + z[None, :]) * vc_o
     return acc_e, acc_o
 
 
