@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import inspect
 import os
 import re
 import subprocess
@@ -69,6 +70,8 @@ def compile_decode(
     const.update(MULTI_Q=False, HAS_SINK=False, POOL_BF16=False, USE_ASM=True, IN_BF16=False, FACTOR=0.1275)
     const.update(FUSED_Q=fused_q, PAIR=pair, TOKENS_M=tokens_m, FOLD=fold, MERGE_CH=max(1, 4096 // (gq * d)))
     const["FLAGS"] = (True, True, True, False, d**-0.5)
+    unset = inspect.Parameter.empty  # constexprs left out take their defaults (a missing one would be a pointer)
+    const.update({p.name: p.default for p in _attn_kernel.params if p.is_constexpr and p.default is not unset})
     const.update(extra or {})
     sig = {n: ptrs.get(n, "i32" if n in INTS else "*i32") for n in names if n not in const}
     sig.update({n: "constexpr" for n in const})
