@@ -262,3 +262,20 @@ def test_the_scratch_slot_list_is_a_view_of_one_growing_arange():
     big = attention._rows(base.numel() + 1, cpu)
     assert torch.equal(big, torch.arange(base.numel() + 1, dtype=torch.int32))
     assert attention._aranges[("cpu", 0)] is not base and any(t is base for t in attention._retired)
+
+
+def test_plans_are_dropped_least_recently_used_first(monkeypatch):
+    """Beyond ``MAX_PLANS`` keys the least recently used goes: a plan that keeps replaying survives any
+    number of one-off shapes (vLLM's mixed batches), which a first-in-first-out drop would not."""
+    plan = importlib.import_module("kvarn.kernels._plan")
+    active = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda dev: 7)
+    monkeypatch.setattr(plan, "_driver", types.SimpleNamespace(active=active))
+    monkeypatch.setattr(plan, "_replayable", lambda: True)
+    monkeypatch.setattr(plan, "MAX_PLANS", 4)
+    planner = plan.Planner()
+    planner.plans[("hot", 0)] = types.SimpleNamespace(replay=lambda inputs, stream: "replayed")
+    for i in range(10):
+        assert planner.call(lambda: ("hot",), [], lambda empty: "ran") == "replayed"
+        assert planner.call(lambda i=i: ("once", i), [], lambda empty: "ran") == "ran"
+    assert ("hot", 0) in planner.plans and len(planner.plans) == 4
+    assert list(planner.plans)[-1] == ("once", 9, 0)  # the newest key last, the oldest one-offs gone

@@ -37,7 +37,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 MAX_PLANS = 64
-"""Keys kept per launcher, plans and shapes seen once (the oldest is dropped beyond it)."""
+"""Keys kept per launcher, plans and shapes seen once (beyond it the least recently used is dropped: a plan
+that replays stays while vLLM's mixed batches bring one-off shapes)."""
 MAX_CACHED_WORKSPACE = 16 << 20
 """A plan reuses its workspaces per stream only while they hold at most this many bytes (else each call
 allocates them, which costs little beside a launch that large)."""
@@ -222,6 +223,8 @@ class Planner:
             self._insert(key, _SEEN_ONCE)
             return run(torch.empty)
         if plan is not _SEEN_ONCE:
+            self.plans.pop(key, None)  # to the recent end, so eviction (oldest first) spares it
+            self.plans[key] = plan
             return plan.replay(inputs, _driver.active.get_current_stream(device_index))
         with Recorder(inputs) as rec:
             result = run(rec.empty)
