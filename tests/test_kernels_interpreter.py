@@ -1,8 +1,8 @@
 """Triton kernels vs the reference on the CPU, under the Triton interpreter, on tiny shapes.
 
-``TRITON_INTERPRET=1`` must be set before the kernels are defined; this module sets it when no
+``TRITON_INTERPRET=1`` must be set before Triton is first imported; ``conftest.py`` sets it when no
 CUDA device is present (on a GPU machine these tests skip: ``test_kernels_gpu.py`` covers them
-there) and reloads the kernel modules if something imported them in compiled mode first. The
+there), and this module reloads the kernel modules if they were defined in compiled mode anyway. The
 interpreter runs the portable code paths: the GPU-only inline-asm unpack is covered on the GPU.
 """
 
@@ -15,9 +15,6 @@ import zlib
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton")
 

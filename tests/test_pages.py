@@ -27,10 +27,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 from kernel_oracle import make_kv
 
 from kvarn import ops

@@ -9,14 +9,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import os
 import types
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():  # as test_kernels_interpreter.py: Triton must see it before its first import
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton")
 
