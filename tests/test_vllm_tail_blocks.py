@@ -1,0 +1,180 @@
+"""Tails in vLLM's own blocks, the vLLM side (``kvarn.integration.vllm.tail_blocks``; not switched on yet).
+
+Held against vLLM's real ``KVCacheManager`` (this CPU build's): a request holds the blocks its tokens
+need plus ``tail_blocks``, from its first allocation through decode steps that cross tile boundaries,
+prefix hits share only the blocks of whole tiles, freeing returns every block, the admission check
+counts the tail blocks, and vLLM's own registration chain hands the spec its manager.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+from vllm.v1.request import Request
+
+from kvarn.config import PRESETS, KVarNConfig
+from kvarn.integration.vllm import tail_blocks as tb
+from kvarn.integration.vllm.backend import BACKENDS
+from kvarn.paged import tail_geometry
+
+pytestmark = pytest.mark.vllm
+
+PRESET = "kvarn_k4v2_g128"
+G = 128
+
+
+def _vllm_config(max_model_len: int = 4096):
+    return SimpleNamespace(
+        model_config=SimpleNamespace(max_model_len=max_model_len),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+    )
+
+
+def _spec(preset: str = PRESET, d: int = 64, heads: int = 2):
+    cfg = KVarNConfig.from_preset(preset, head_dim=d)
+    base = FullAttentionSpec(block_size=cfg.group_size, num_kv_heads=heads, head_size=d, dtype=torch.bfloat16)
+    return cfg, BACKENDS[preset].customize_spec(base)
+
+
+@pytest.mark.parametrize("preset", [p for p in PRESETS if "_sink" not in p])
+def test_a_tail_fits_in_its_blocks_and_no_block_is_spare(preset):
+    """``tail_geometry``: ``rows`` tail tokens (K and V, 16-bit) fit in one record's bytes, ``N`` blocks hold a
+    whole tile and ``N - 1`` do not; the design's counts at head_dim 128 (k4v2 5, k4v4 4, k2v2 7)."""
+    for d in (64, 128, 256):
+        cfg = KVarNConfig.from_preset(preset, head_dim=d)
+        rows, n = tail_geometry(cfg)
+        assert rows * 2 * d * 2 <= cfg.record_bytes < (rows + 1) * 2 * d * 2
+        assert n * rows >= cfg.group_size > (n - 1) * rows
+    counts = {p: tail_geometry(KVarNConfig.from_preset(p, head_dim=128)) for p in PRESETS}
+    assert counts["kvarn_k4v2_g128"] == (27, 5) and counts["kvarn_k4v2_g64"][1] == 5
+    assert counts["kvarn_k4v4_g128"][1] == 4 and counts["kvarn_k2v2_g128"][1] == 7
+    assert tail_geometry(KVarNConfig.from_preset(PRESET, head_dim=128), pool_itemsize=4) == (13, 10)
+
+
+def test_the_spec_counts_its_tail_blocks_and_survives_merge_and_pickle():
+    cfg, spec = _spec()
+    n = tail_geometry(cfg)[1]
+    tail = tb.tail_spec(spec, n)
+    assert isinstance(tail, type(spec)) and tail.tail_blocks == n
+    assert tail.page_size_bytes == spec.page_size_bytes == 2 * cfg.record_bytes
+    vc = _vllm_config(4096)
+    assert tail.max_num_blocks_per_req(vc, 4096) == spec.max_num_blocks_per_req(vc, 4096) + n == 32 + n
+    assert tail.max_memory_usage_bytes(vc) == (32 + n) * spec.page_size_bytes
+    assert type(tail).merge([tail, tail]) == tail
+    with pytest.raises(ValueError, match="one tail block count"):
+        type(tail).merge([tail, tb.tail_spec(spec, n + 1)])
+    assert tb.tail_spec(tail, 2).tail_blocks == 2 and type(tb.tail_spec(tail, 2)) is type(tail)
+    assert tail.copy_with_new_block_size(64).tail_blocks == n
+    with pytest.raises(ValueError, match="tail_blocks must be >= 0"):
+        tb.tail_spec(spec, -1)
+    assert pickle.loads(pickle.dumps(tail)) == tail
+    # a process that never built the class (vLLM's engine core) unpickles it by name
+    code = "import pickle, sys; s = pickle.loads(sys.stdin.buffer.read()); print(type(s).__name__, s.tail_blocks)"
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(tail), capture_output=True, check=True)
+    assert out.stdout.decode().split() == ["KVarNTailFullAttentionSpec", str(n)]
+
+
+@pytest.fixture
+def registered():
+    """vLLM's own registration chain (built-in specs, then the platform's hook) with kvarn's hook installed."""
+    from vllm.platforms import current_platform
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+
+    cls = type(current_platform)
+    before = vars(cls).get("register_custom_kv_cache_specs")
+    try:
+        assert tb.install_registry_hook(current_platform)
+        assert not tb.install_registry_hook(current_platform)  # once
+        register_all_kvcache_specs(None)
+        yield
+    finally:
+        if before is None:
+            delattr(cls, "register_custom_kv_cache_specs")
+        else:
+            cls.register_custom_kv_cache_specs = before
+
+
+def test_the_registration_chain_gives_the_tail_spec_its_manager(registered):
+    _, spec = _spec()
+    assert KVCacheSpecRegistry.get_manager_class(tb.tail_spec(spec, 5)) is tb.manager_class()
+    assert KVCacheSpecRegistry.get_uniform_type_base_spec(tb.tail_spec(spec, 5)) is FullAttentionSpec
+    assert KVCacheSpecRegistry.get_manager_class(spec) is not tb.manager_class()  # kvarn's spec itself: unchanged
+
+
+def _manager(spec, num_blocks: int, max_model_len: int = 4096) -> KVCacheManager:
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    return KVCacheManager(config, max_model_len=max_model_len, scheduler_block_size=G, hash_block_size=G)
+
+
+def _request(rid: str, tokens: list[int]) -> Request:
+    init_none_hash(sha256)
+    return Request(rid, tokens, SamplingParams(max_tokens=512), None, block_hasher=get_request_block_hasher(G, sha256))
+
+
+def _held(manager: KVCacheManager, rid: str) -> list[int]:
+    return list(manager.get_block_ids(rid)[0])
+
+
+def test_a_request_holds_its_tiles_blocks_plus_the_tail_blocks_from_prefill_to_free(registered):
+    cfg, spec = _spec()
+    n = tail_geometry(cfg)[1]
+    m = _manager(tb.tail_spec(spec, n), num_blocks=64)  # 63 usable: a 4096-token request's 32 + n fit
+    assert type(m.coordinator.single_type_managers[0]) is tb.manager_class()
+    free0 = m.block_pool.get_num_free_blocks()
+    req = _request("a", list(range(300)))
+    assert m.allocate_slots(req, 300) is not None
+    assert len(_held(m, "a")) == math.ceil(300 / G) + n
+    req.num_computed_tokens = 300
+    for step in range(300, 520):  # decode steps, crossing the tile boundaries at 384 and 512
+        req.append_output_token_ids(7)
+        assert m.allocate_slots(req, 1) is not None
+        req.num_computed_tokens = step + 1
+        assert len(_held(m, "a")) == math.ceil((step + 1) / G) + n, step
+    assert len(set(_held(m, "a"))) == len(_held(m, "a"))
+    m.free(req)
+    assert m.block_pool.get_num_free_blocks() == free0
+    longest = _request("b", list(range(4096)))  # max_model_len tokens: the tail blocks too, as the table is wide
+    assert m.allocate_slots(longest, 4096) is not None
+    assert (
+        len(_held(m, "b"))
+        == 32 + n
+        == m.coordinator.single_type_managers[0].kv_cache_spec.max_num_blocks_per_req(_vllm_config(4096), 4096)
+    )
+
+
+def test_a_prefix_hit_shares_whole_tiles_only_and_admission_counts_the_tail_blocks(registered):
+    cfg, spec = _spec()
+    n = tail_geometry(cfg)[1]
+    m = _manager(tb.tail_spec(spec, n), num_blocks=2 * n + 6)  # the null block, a's 3 + n, b's 1 + n new, 1 spare
+    prompt = list(range(2 * G + 40))
+    a = _request("a", prompt)
+    assert m.allocate_slots(a, len(prompt)) is not None
+    a.num_computed_tokens = len(prompt)
+    b = _request("b", prompt[: 2 * G] + [9] * 40)
+    hit, hit_tokens = m.get_computed_blocks(b)[:2]  # (blocks, tokens[, ...]) by version
+    assert hit_tokens == 2 * G  # the two whole tiles; a's tail blocks were never hashed
+    assert m.allocate_slots(b, len(prompt) - hit_tokens, hit_tokens, hit) is not None
+    a_blocks, b_blocks = _held(m, "a"), _held(m, "b")
+    assert b_blocks[:2] == a_blocks[:2] and not set(b_blocks[2:]) & set(a_blocks)
+    assert len(b_blocks) == 3 + n
+    c = _request("c", list(range(1000, 1040)))  # 1 tile + n tail blocks: more than the one block left
+    assert m.block_pool.get_num_free_blocks() == 1
+    assert m.allocate_slots(c, 40) is None
+    m.free(a)
+    m.free(b)
+    assert m.allocate_slots(c, 40) is not None and len(_held(m, "c")) == 1 + n
