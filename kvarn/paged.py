@@ -859,6 +859,56 @@ class PagedKV:
         v = ops.from_pool(self.tail_v[idx, :count])
         return self.to_model_frame(k), self.to_model_frame(v)
 
+    def tail_block_view(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The records' bytes as tail rows (``docs/tail_blocks.md``): ``k, v: [num_blocks, rows, Hkv, D]``.
+
+        Strided views of :attr:`cache` in the pool dtype: row ``r`` of block ``b`` and KV head ``h``
+        holds one tail token's K then V (pool form) at bytes ``r * 2 D e ..`` of that head's record
+        (``rows`` from :func:`tail_geometry`). Writing them writes the cache.
+        """
+        d, dtype = self.cfg.head_dim, self.tail_k.dtype
+        num_blocks, heads, record = self.cache.shape
+        width = rows * 2 * d * dtype.itemsize
+        if width > record or record % dtype.itemsize:
+            raise ValueError(f"{rows} tail rows of head_dim {d} in {dtype} do not fit a {record}-byte record")
+        x = self.cache[:, :, :width].view(dtype).view(num_blocks, heads, rows, 2, d).permute(0, 2, 1, 3, 4)
+        return x[..., 0, :], x[..., 1, :]
+
+    def _tail_rows(self, block_table: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor, rows: int):
+        """Where the partial tiles of sequences of ``lens: [B]`` tokens live: ``(slot, offset)`` in the pool and
+        ``(block, row)`` in the tail blocks, per token."""
+        g = self.cfg.group_size
+        lens = lens.long().to(block_table.device)
+        n = lens % g  # tokens of each sequence's partial tile
+        seq = torch.repeat_interleave(torch.arange(lens.shape[0], device=lens.device), n)
+        offset = torch.arange(seq.shape[0], device=lens.device) - (torch.cumsum(n, 0) - n)[seq]
+        col = lens[seq] // g + 1 + offset // rows  # tail blocks follow the partial tile's block
+        if col.numel() and int(col.max()) >= block_table.shape[1]:
+            bad = int(seq[col.argmax()])
+            raise ValueError(
+                f"sequence {bad} of {int(lens[bad])} tokens keeps its tail in blocks up to column {int(col.max())}, "
+                f"but its block table has {block_table.shape[1]} columns (vLLM must give it the tail blocks)"
+            )
+        return (slots.long().to(lens.device)[seq], offset), (block_table[seq, col].long(), offset % rows)
+
+    def gather_tails(self, block_table: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor, rows: int) -> None:
+        """Before a step: each sequence's partial-tile tokens (``lens: [B]`` before the step) from its tail
+        blocks into pool slot ``slots[b]`` at their offsets (``block_table: [B, W]``; see :meth:`tail_block_view`)."""
+        (slot, offset), (block, row) = self._tail_rows(block_table, lens, slots, rows)
+        view_k, view_v = self.tail_block_view(rows)
+        self.tail_k[slot, offset] = view_k[block, row]
+        self.tail_v[slot, offset] = view_v[block, row]
+
+    def scatter_tails(self, block_table: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor, rows: int) -> None:
+        """After a step (its late tail written): :meth:`gather_tails` backwards, for ``lens`` after the step.
+
+        Writes only rows of the blocks after each sequence's partial tile: never a record.
+        """
+        (slot, offset), (block, row) = self._tail_rows(block_table, lens, slots, rows)
+        view_k, view_v = self.tail_block_view(rows)
+        view_k[block, row] = self.tail_k[slot, offset]
+        view_v[block, row] = self.tail_v[slot, offset]
+
     def to_model_frame(self, x: torch.Tensor) -> torch.Tensor:
         """Rotated-frame ``x: [..., D]`` back to the model frame (the rotation is its own inverse)."""
         return ops.rotate(x, impl=self.impl) if self.cfg.rotate else x

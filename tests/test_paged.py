@@ -3,6 +3,7 @@
 The planner imports torch only; these tests run without vLLM.
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -401,3 +402,63 @@ def test_sink_slots_serve_a_prefix_hit_scheduled_before_its_claim():
     held = SinkSlots(1, G, pinned=lambda block: block == 3, on_evicted=evicted.append)
     held.assign([(0, 4, 0)], 1)
     assert held.assign([(0, 5, 0)], 1) == [0] and evicted == [4] and held.live == {5: 0}
+
+
+@pytest.mark.parametrize("sink", [False, True])
+def test_tails_in_blocks_attend_and_store_as_the_pool_bit_for_bit(sink):
+    """Tails kept in the blocks after each partial tile (``docs/tail_blocks.md``, step 1): gathered into a step
+    pool before the step, scattered back after it, a random schedule of three requests (prompt chunks inside
+    tiles, chunks that complete a tile and start the next, decode, whole tiles) attends as with a pool slot per
+    request, bit for bit, and writes the same records (so no tail row lands in a record)."""
+    from kvarn.config import KVarNConfig
+    from kvarn.paged import PagedKV, plan_request_slots, tail_geometry
+
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
+    g, hkv, hq = cfg.group_size, 2, 4
+    rows, n_tail = tail_geometry(cfg)
+    gen = torch.Generator().manual_seed(11)
+    lengths = [300, 129, 70]
+    k, v, q = ([torch.randn(n, hkv if i < 2 else hq, 64, generator=gen).half() for n in lengths] for i in range(3))
+    width = max(-(-n // g) + n_tail for n in lengths)
+    table = torch.zeros(len(lengths), width, dtype=torch.int64)
+    table[:] = torch.arange(1, 1 + table.numel()).view(table.shape)  # every request its own blocks; 0 unused
+    sinks = len(lengths) if sink else 0
+    pooled = PagedKV.allocate(cfg, table.numel() + 1, hkv, len(lengths), torch.float16, "cpu", num_sink_slots=sinks,
+                              impl="reference")  # fmt: skip
+    paged = PagedKV.allocate(cfg, table.numel() + 1, hkv, len(lengths), torch.float16, "cpu", num_sink_slots=sinks,
+                             impl="reference")  # fmt: skip
+    done = [0] * len(lengths)
+    seen = {"late": 0, "commit": 0, "whole": 0}
+    rng = np.random.default_rng(5)
+    while any(d < n for d, n in zip(done, lengths, strict=True)):
+        live = [r for r in range(len(lengths)) if done[r] < lengths[r]]
+        batch = list(rng.permutation(live)[: rng.integers(1, len(live) + 1)])
+        sizes = [min(lengths[r] - done[r], int(rng.choice([1, 1, 7, 64, 90]))) for r in batch]
+        qsl = torch.tensor([0, *np.cumsum(sizes)])
+        lens = torch.tensor([done[r] + n for r, n in zip(batch, sizes, strict=True)])
+        step_k = torch.cat([k[r][done[r] : done[r] + n] for r, n in zip(batch, sizes, strict=True)])
+        step_v = torch.cat([v[r][done[r] : done[r] + n] for r, n in zip(batch, sizes, strict=True)])
+        step_q = torch.cat([q[r][done[r] : done[r] + n] for r, n in zip(batch, sizes, strict=True)])
+        bt, total = table[batch], int(qsl[-1])
+        sink_slots = list(batch) if sink else None
+        outs = []
+        for kv, slots in ((pooled, [sinks + r for r in batch]), (paged, [sinks + i for i in range(len(batch))])):
+            plan = plan_request_slots(qsl, lens, bt, total, slots, g, sink_slots)
+            seen["late"] += plan.late_tail_slot_mapping is not None
+            seen["commit"] += plan.commit_blocks.numel()
+            seen["whole"] += plan.store_blocks.numel()
+            if kv is paged:
+                kv.gather_tails(bt, lens - torch.tensor(sizes), torch.tensor(slots), rows)
+            kv.store(plan, step_k, step_v)
+            outs.append(kv.attend(plan, step_q, bt, lens, qsl, key=step_k, value=step_v))
+            kv.write_late_tail(plan, step_k, step_v)
+            if kv is paged:
+                kv.scatter_tails(bt, lens, torch.tensor(slots), rows)
+                kv.tail_k[sinks:], kv.tail_v[sinks:] = float("nan"), float("nan")  # the blocks carry the tails
+        assert torch.equal(outs[0], outs[1]), (batch, sizes, done)
+        for r, n in zip(batch, sizes, strict=True):
+            done[r] += n
+    for r, n in enumerate(lengths):
+        full = table[r, : n // g]
+        assert torch.equal(paged.cache[full], pooled.cache[full]), r
+    assert min(seen.values()) > 0, seen  # the schedule took every path: late tails, commits, whole tiles
