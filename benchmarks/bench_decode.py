@@ -228,6 +228,54 @@ def eager_main(out_path: str, env: dict, copy_bw: float) -> None:
             json.dump({"env": env, "copy_GBps": copy_bw, "eager": rows}, f, indent=1)
 
 
+RULE_SHAPES = [
+    *[("kvarn_k4v2_g64", 128, b, c) for b, c in ((8, 4096), (2, 32768), (16, 4096), (4, 4096), (1, 32768))],
+    ("kvarn_k4v2_g64", 128, 16, 32768),
+    ("kvarn_k4v4_g64", 128, 16, 32768),
+    ("kvarn_k4v4_g64", 128, 8, 4096),
+    *[("kvarn_k4v2_g128", 256, b, c) for b, c in ((1, 4096), (8, 4096), (16, 32768))],
+    *[("kvarn_k4v2_g128", 64, b, c) for b, c in ((1, 4096), (8, 4096), (16, 32768))],
+    *[("kvarn_k4v2_g128", 128, b, c) for b, c in ((1, 1024), (8, 1024), (1, 4096), (16, 32768), (64, 32768))],
+    ("kvarn_k2v2_g128", 128, 16, 32768),
+    ("kvarn_k4v4_g128", 128, 16, 32768),
+]
+"""``--rules`` shapes (preset, D, batch, context; 32/8 heads, fp16): where ``decode_shape_default`` and the split
+rules pick 2 warps or stacked tiles, and their neighbours."""
+
+
+def rules_main(out_path: str, env: dict, copy_bw: float) -> None:
+    """The default launches of ``RULE_SHAPES`` against SDPA, each with the split count, warps and stacking it took.
+
+    What was launched is read from the launcher's call of ``_launch_attention`` (the graph capture's),
+    so the table names the rules' choices as they ran, not as this script would recompute them.
+    """
+    seen = {}
+    launch = A._launch_attention
+
+    def spy(grid, *args):
+        seen.update(splits=grid[2], warps=args[-1]["num_warps"], stack=args[-1]["STACK"])
+        return launch(grid, *args)
+
+    A._launch_attention = spy
+    rows = []
+    print("| preset | D | B | ctx | kvarn us | SDPA us | vs SDPA | % copy BW | splits | warps | stacked |")
+    try:
+        for preset, d, batch, ctx in RULE_SHAPES:
+            r = bench_shape(preset, d, 32, 8, batch, ctx, torch.float16, copy_bw, {})
+            r.update(seen)
+            rows.append(r)
+            torch.cuda.empty_cache()
+            print(
+                f"| {preset} | {d} | {batch} | {ctx} | {r['kvarn_us']:.1f} | {r['sdpa_us']:.1f} | "
+                f"{r['speedup']:.2f}x | {r['kvarn_pct_copy']:.0f}% | {r['splits']} | {r['warps']} | {r['stack']} |",
+                flush=True,
+            )
+            with open(out_path, "w") as f:
+                json.dump({"env": env, "copy_GBps": copy_bw, "rules": rows}, f, indent=1)
+    finally:
+        A._launch_attention = launch
+
+
 def correctness_suite(configs, smooth: str | None = None) -> list[dict]:
     out = []
     for preset, d, dtype, hq, hkv in configs:
@@ -257,6 +305,9 @@ def main() -> None:
     ap.add_argument(
         "--smooth", action="store_true", help="key smoothing: a few shapes, smoothed (per tile, per sequence) and not"
     )
+    ap.add_argument(
+        "--rules", action="store_true", help="the launch rules' shapes (2 warps, stacked tiles): default launches"
+    )
     args = ap.parse_args()
     env = environment()
     copy_bw = copy_bandwidth()
@@ -266,6 +317,9 @@ def main() -> None:
         return
     if args.eager:
         eager_main(args.out, env, copy_bw)
+        return
+    if args.rules:
+        rules_main(args.out, env, copy_bw)
         return
     checks = correctness_suite(
         [
