@@ -249,6 +249,40 @@ def _sink_rows(llm_cls, model_dir, engine_args, ids, base) -> dict:
     return rows
 
 
+def _tail_block_facts(llm) -> dict:
+    """The engine core's view of a run with tails in blocks: its KV spec, manager and vLLM's block count."""
+    core = llm.llm_engine.engine_core.engine_core  # in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    manager = core.scheduler.kv_cache_manager
+    spec = manager.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    return {
+        "spec": type(spec).__name__,
+        "tail_blocks": getattr(spec, "tail_blocks", None),
+        "manager": type(manager.coordinator.single_type_managers[0]).__name__,
+        "num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
+    }
+
+
+def _tail_block_rows(llm_cls, model_dir, engine_args, ids, texts_one) -> dict:
+    """``$KVARN_TAIL_BLOCKS=1``: the chunked, prefix-hit and concurrent scenarios with tails in vLLM's blocks."""
+    from vllm import TokensPrompt
+
+    from kvarn.integration.vllm.checks import TAIL_BLOCKS_ENV
+
+    os.environ[TAIL_BLOCKS_ENV] = "1"
+    try:
+        llm = llm_cls(model=model_dir, kv_cache_dtype=TINY_PRESET, **engine_args)
+        row = _tail_block_facts(llm)
+        row["chunked"], _ = _generate(llm, texts_one)
+        row["again"], outs = _generate(llm, texts_one)
+        row["num_cached_tokens"] = outs[0].num_cached_tokens
+        row["concurrent"], _ = _generate(llm, [TokensPrompt(prompt_token_ids=p) for p in ids])
+        row["preemptions"] = _preemptions(llm)
+        _shutdown(llm)
+    finally:
+        del os.environ[TAIL_BLOCKS_ENV]
+    return row
+
+
 def run_scenarios(out_path: str, tiny_dir: str, smol_dir: str | None, biased_dir: str | None = None) -> None:
     """The child process: every engine in turn, results as JSON at ``out_path``."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -294,7 +328,16 @@ def run_scenarios(out_path: str, tiny_dir: str, smol_dir: str | None, biased_dir
     tiny["concurrent"].update(agreement(many, base))
     tiny["preemptions"] = _preemptions(llm)
     tiny["facts"] = _engine_facts(llm)
+    tiny["concurrent_tokens"] = many
     _shutdown(llm)
+    budget_args = {
+        "kv_cache_memory_bytes": budget,
+        "max_num_batched_tokens": 96,
+        "enable_prefix_caching": True,
+        "disable_log_stats": False,
+        **common,
+    }
+    tiny["tail_blocks"] = _tail_block_rows(LLM, tiny_dir, budget_args, ids, one)
 
     llm = LLM(model=tiny_dir, kv_cache_dtype=TINY_PRESET, block_size=256, kv_cache_dtype_skip_layers=["0"], **tiny_args)
     toks, _ = _generate(llm, [TokensPrompt(prompt_token_ids=p) for p in ids[:4]])
@@ -412,6 +455,27 @@ def test_chunked_prefill_with_chunks_starting_inside_tiles(results):
     assert tiny["after_chunked"]["stats"]["chunks_starting_inside_a_tile"] >= 2
     assert tiny["after_chunked"]["stats"]["committed_tiles"] >= 2
     assert len(tiny["chunked"]["tokens"]) == MAX_TOKENS
+
+
+def test_tails_in_vllm_blocks_serve_as_the_pool(results):
+    """``KVARN_TAIL_BLOCKS=1`` (experimental, CPU engine): each running request keeps its tail in ``N`` more of
+    vLLM's own blocks, which vLLM's scheduler counts (its KV spec and manager are kvarn's, the worker's block
+    table is ``N`` wider), and the engine generates the pool run's tokens: chunked prefill with chunks inside
+    tiles and a prefix hit exactly; 16 concurrent requests under the tiny budget all finish with the same tokens
+    (batch composition differs between the runs, so a rare fp difference in the linear layers is allowed)."""
+    from kvarn.config import KVarNConfig
+    from kvarn.paged import tail_geometry
+
+    tiny = results["tiny"]
+    row = tiny["tail_blocks"]
+    assert (row["spec"], row["manager"]) == ("KVarNTailFullAttentionSpec", "TailBlockManager")
+    assert row["tail_blocks"] == tail_geometry(KVarNConfig.from_preset(TINY_PRESET, head_dim=64), 2)[1]  # bf16
+    assert row["num_gpu_blocks"] == tiny["facts"]["num_gpu_blocks"]
+    assert row["chunked"] == [tiny["chunked"]["tokens"]] and row["again"] == row["chunked"]
+    assert row["num_cached_tokens"] == tiny["prefix_hit"]["num_cached_tokens"] > 0
+    assert all(len(t) == MAX_TOKENS for t in row["concurrent"])
+    assert agreement(row["concurrent"], tiny["concurrent_tokens"])["agreement"] >= 0.98
+    assert "keeps its tail in 5 more blocks" in results["log"]
 
 
 def test_a_prefix_cache_hit_reuses_whole_tiles(results):

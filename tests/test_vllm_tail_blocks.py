@@ -1,4 +1,4 @@
-"""Tails in vLLM's own blocks, the vLLM side (``kvarn.integration.vllm.tail_blocks``; not switched on yet).
+"""Tails in vLLM's own blocks, the vLLM side (``kvarn.integration.vllm.tail_blocks``; ``KVARN_TAIL_BLOCKS=1``).
 
 Held against vLLM's real ``KVCacheManager`` (this CPU build's): a request holds the blocks its tokens
 need plus ``tail_blocks``, from its first allocation through decode steps that cross tile boundaries,
@@ -98,7 +98,7 @@ def registered():
     cls = type(current_platform)
     before = vars(cls).get("register_custom_kv_cache_specs")
     try:
-        assert tb.install_registry_hook(current_platform)
+        tb.install_registry_hook(current_platform)  # kvarn's register() may have installed it already
         assert not tb.install_registry_hook(current_platform)  # once
         register_all_kvcache_specs(None)
         yield
@@ -178,3 +178,56 @@ def test_a_prefix_hit_shares_whole_tiles_only_and_admission_counts_the_tail_bloc
     m.free(a)
     m.free(b)
     assert m.allocate_slots(c, 40) is not None and len(_held(m, "c")) == 1 + n
+
+
+def _run(device="cpu", block_size=G, max_num_seqs=8):
+    return SimpleNamespace(
+        device_config=SimpleNamespace(device_type=device),
+        cache_config=SimpleNamespace(block_size=block_size),
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+        model_config=SimpleNamespace(dtype=torch.bfloat16),
+    )
+
+
+def test_tails_in_blocks_are_opt_in_and_refused_where_not_built(monkeypatch):
+    """``$KVARN_TAIL_BLOCKS``: off unless ``1``; refused, with what to change, on CUDA, with a sink, with cache
+    blocks of several tiles, and for values other than 0 and 1. With it the pool is the shared step pool."""
+    from kvarn.integration.vllm.backend import pool_slots, tail_blocks_enabled
+    from kvarn.integration.vllm.checks import TAIL_BLOCKS_ENV
+
+    monkeypatch.delenv(TAIL_BLOCKS_ENV, raising=False)
+    assert not tail_blocks_enabled(_run(), PRESET)
+    monkeypatch.setenv(TAIL_BLOCKS_ENV, "0")
+    assert not tail_blocks_enabled(_run("cuda"), PRESET)
+    monkeypatch.setenv(TAIL_BLOCKS_ENV, "1")
+    assert tail_blocks_enabled(_run(), PRESET)
+    assert pool_slots(_run(max_num_seqs=8), preset=PRESET) == 8
+    for run, preset, why in [
+        (_run("cuda"), PRESET, "CPU engine only"),
+        (_run(), PRESET + "_sink", "does not keep a sink yet"),
+        (_run(block_size=2 * G), PRESET, "cache blocks of one tile"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            tail_blocks_enabled(run, preset)
+    monkeypatch.setenv(TAIL_BLOCKS_ENV, "yes")
+    with pytest.raises(ValueError, match="must be 0 or 1"):
+        tail_blocks_enabled(_run(), PRESET)
+
+
+def test_a_failing_registration_leaves_vllm_starting(monkeypatch, caplog):
+    """The registry hook runs in every vLLM run with kvarn installed: if kvarn's registration fails, the platform's
+    own result comes back and a warning says why, instead of vLLM failing to start."""
+
+    class Platform:
+        @classmethod
+        def register_custom_kv_cache_specs(cls, vllm_config):
+            return "platform's own"
+
+    def broken():
+        raise RuntimeError("no registry here")
+
+    monkeypatch.setattr(tb, "register_specs", broken)
+    assert tb.install_registry_hook(Platform())
+    with caplog.at_level("WARNING", logger="vllm.kvarn"):
+        assert Platform.register_custom_kv_cache_specs(None) == "platform's own"
+    assert "tail-block specs not registered (no registry here)" in caplog.text

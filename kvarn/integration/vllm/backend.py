@@ -49,6 +49,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import os
 import sys
 import weakref
 from dataclasses import dataclass
@@ -76,6 +77,7 @@ from kvarn.integration.vllm.checks import (
     CACHE_DTYPES,
     SINK_SUFFIX,
     SUPPORTED_MODEL_DTYPES,
+    TAIL_BLOCKS_ENV,
     check_run,
     has_sink,
     preset_config,
@@ -92,12 +94,17 @@ from kvarn.paged import (
     VarlenAttention,
     plan_request_slots,
     split_prefill,
+    tail_geometry,
 )
 
 logger = logging.getLogger("vllm.kvarn")
 
 BACKEND_NAME = "KVARN"
 _logged_capacity: set[tuple] = set()
+_serving: dict[str, object] = {}
+"""``config``: the vLLM config of the last KVarN layer built in this process (its spec is asked for later)."""
+_shared_pools: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+"""Step pools of runs with tails in blocks, one per (device, dtype, KV heads, head size) for all layers."""
 _step: dict[str, object] = {"rows": None, "qsl": None, "req_ids": None, "hooked": False, "scheduler_hooked": False}
 
 
@@ -337,9 +344,50 @@ def per_request_slots(vllm_config) -> bool:
     return device in (None, "cuda")
 
 
-def pool_slots(vllm_config, sink: bool = False) -> int:
+def tail_blocks_enabled(vllm_config, preset: str) -> bool:
+    """Whether this run keeps tails in vLLM's own blocks (``$KVARN_TAIL_BLOCKS=1``; experimental).
+
+    Each running request then holds ``N`` more blocks (:func:`kvarn.paged.tail_geometry`, counted by
+    vLLM's scheduler through :mod:`kvarn.integration.vllm.tail_blocks`), each layer gathers the
+    step's partial tiles from them into one step pool that all layers share and scatters them back
+    (:meth:`kvarn.paged.PagedKV.gather_tails`), instead of a pool of ``max_num_seqs`` or more slots
+    per layer. Implemented for vLLM's CPU engine, without the sink and with cache blocks of one tile;
+    refused elsewhere (``docs/tail_blocks.md``: the GPU runner's CUDA graphs read request-index slots).
+    """
+    env = os.environ.get(TAIL_BLOCKS_ENV, "")
+    if env in ("", "0"):
+        return False
+    if env != "1":
+        raise ValueError(f"{TAIL_BLOCKS_ENV} must be 0 or 1, got {env!r}")
+    problems = []
+    if (
+        per_request_slots(vllm_config)
+        or getattr(getattr(vllm_config, "device_config", None), "device_type", "") == "cuda"
+    ):
+        problems.append("it runs on vLLM's CPU engine only so far")
+    if has_sink(preset):
+        problems.append(f"it does not keep a sink yet (use {preset.removesuffix(SINK_SUFFIX)})")
+    block = getattr(getattr(vllm_config, "cache_config", None), "block_size", None)
+    if block is not None and block != preset_config(preset).group_size:
+        problems.append(f"it needs cache blocks of one tile ({preset_config(preset).group_size} tokens), not {block}")
+    if problems:
+        raise ValueError(
+            f"{TAIL_BLOCKS_ENV}=1 with --kv-cache-dtype {preset}: " + "; ".join(problems) + f"; unset {TAIL_BLOCKS_ENV}"
+        )
+    return True
+
+
+def _pool_itemsize(vllm_config) -> int:
+    """Bytes per element of the full-precision pool: the model dtype's (fp16/bf16 2, fp32 4)."""
+    dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", torch.float16)
+    return torch.tensor([], dtype=dtype).element_size()
+
+
+def pool_slots(vllm_config, sink: bool = False, preset: str = "") -> int:
     """Slots of each layer's full-precision pool: the sink slots (with ``sink``), the tail slots, and
-    one scratch slot in request index mode."""
+    one scratch slot in request index mode; with tails in blocks, the step pool's ``max_num_seqs``."""
+    if preset and tail_blocks_enabled(vllm_config, preset):
+        return int(vllm_config.scheduler_config.max_num_seqs)
     per_request = per_request_slots(vllm_config)
     released = not per_request and install_release_hook()
     tails = tail_slot_count(vllm_config, per_request=per_request, departures_reported=released)
@@ -415,6 +463,20 @@ class KVarNBackend(AttentionBackend):
                 f"{cls.preset} needs equal K and V head sizes, got {spec.head_size} and {spec.head_size_v}; "
                 "serve this model with --kv-cache-dtype auto"
             )
+        page = cls._record_page_spec(spec)
+        from vllm.config import get_current_vllm_config_or_none
+
+        # vLLM 0.32 asks for the spec outside its config context: the config the layers were built under
+        config = get_current_vllm_config_or_none() or _serving.get("config")
+        if config is None or not tail_blocks_enabled(config, cls.preset):
+            return page
+        from kvarn.integration.vllm.tail_blocks import tail_spec
+
+        return tail_spec(page, tail_geometry(cls.config(spec.head_size), _pool_itemsize(config))[1])
+
+    @classmethod
+    def _record_page_spec(cls, spec):
+        """``spec`` with pages of one record per (block, KV head)."""
         per_slot = page_slot_bytes(cls.config(spec.head_size))
         if "state_content_bytes" in {f.name for f in dataclasses.fields(spec)}:
             return dataclasses.replace(spec, dtype=torch.uint8, state_content_bytes=per_slot, tokens_per_state=1)
@@ -452,6 +514,8 @@ class KVarNMetadata(AttentionMetadata):
     commit_flag: torch.Tensor | None = None
     decode: bool = False
     prefill: PrefillSplit | None = None
+    tails: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+    """Tails in blocks: ``(lengths before the step, after it, step pool slots, rows per block)``."""
 
 
 class _DecodeBuffers:
@@ -491,15 +555,20 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             )
         self.per_request = per_request_slots(vllm_config) and torch.device(device).type == "cuda"
         check_sink(vllm_config, self.backend.preset)
-        released = not self.per_request and install_release_hook()
-        self.num_slots = tail_slot_count(vllm_config, per_request=self.per_request, departures_reported=released)
+        self.tail_rows = 0  # tails in blocks: rows of a block (else tails in this group's pool)
+        if tail_blocks_enabled(vllm_config, self.backend.preset):
+            self.tail_rows = tail_geometry(self.cfg, _pool_itemsize(vllm_config))[0]
+            self.num_slots = int(vllm_config.scheduler_config.max_num_seqs)
+        else:
+            released = not self.per_request and install_release_hook()
+            self.num_slots = tail_slot_count(vllm_config, per_request=self.per_request, departures_reported=released)
         self.num_sink_slots = sink_slot_count(vllm_config) if self.backend.sink else 0
         self.scratch_slot = self.num_sink_slots + self.num_slots
         self.sinks = None  # request-index mode: the sink slots (the planner keeps them otherwise)
         self._first_cache = None  # (book version, request ids, their first blocks) of the last step
         self.layer_name = layer_names[0] if layer_names else ""
         self.planner = None
-        if not self.per_request:
+        if not self.per_request and not self.tail_rows:
             self.planner = TilePlanner(
                 self.num_slots,
                 self.cfg.group_size,
@@ -524,7 +593,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
 
     def _log_capacity(self, vllm_config, spec, num_layers: int) -> None:
         num_blocks = vllm_config.cache_config.num_gpu_blocks
-        key = (num_blocks, spec.num_kv_heads, spec.head_size, num_layers, self.backend.preset)
+        key = (num_blocks, spec.num_kv_heads, spec.head_size, num_layers, self.backend.preset, self.tail_rows)
         if not num_blocks or key in _logged_capacity:
             return
         _logged_capacity.add(key)
@@ -534,7 +603,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         dtype_bytes = torch.tensor([], dtype=vllm_config.model_config.dtype).element_size()
         pool = self.num_slots + int(self.per_request)
         slot_bytes = cfg.group_size * spec.num_kv_heads * cfg.head_dim * 2 * dtype_bytes * num_layers
-        tail_bytes = pool * slot_bytes
+        tail_bytes = pool * slot_bytes // (num_layers if self.tail_rows else 1)  # tails in blocks: one step pool
         sink_bytes = self.num_sink_slots * slot_bytes
         fp16_tokens = cache_bytes // (num_layers * spec.num_kv_heads * 4 * cfg.head_dim)
         fp16_all = (cache_bytes + tail_bytes + sink_bytes) // (num_layers * spec.num_kv_heads * 4 * cfg.head_dim)
@@ -561,7 +630,14 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             fp16_tokens,
             tokens / max(fp16_tokens, 1),
             pool,
-            "one per request index + 1 scratch" if self.per_request else "keyed by block id",
+            (
+                f"a step pool shared by the layers; each running request keeps its tail in "
+                f"{getattr(spec, 'tail_blocks', 0)} more blocks of the cache above"
+                if self.tail_rows
+                else "one per request index + 1 scratch"
+                if self.per_request
+                else "keyed by block id"
+            ),
             tail_bytes / 2**20,
             where,
             (
@@ -642,6 +718,15 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             exact = cam.seq_lens[:batch].cpu().numpy()
             if exact.size and int(exact.max()) <= block_table.shape[1] * self.cfg.group_size:  # not a dummy run's
                 meta.prefill = split_prefill(qsl_cpu.numpy(), exact, self.device)
+        if self.tail_rows:
+            qsl_np, lens_np = qsl_cpu.numpy(), np.asarray(lens_cpu, dtype=np.int64)
+            slots = np.arange(batch)  # the step pool: a slot per row, refilled from the blocks every step
+            meta.plan = plan_request_slots(
+                qsl_np, lens_np, block_table, cam.num_actual_tokens, slots, self.cfg.group_size
+            )
+            starts = lens_np - (qsl_np[1:] - qsl_np[:-1])
+            meta.tails = (torch.from_numpy(starts), torch.from_numpy(lens_np), torch.from_numpy(slots), self.tail_rows)
+            return meta
         if not self.per_request:
             meta.plan = self.planner.plan(qsl_cpu, lens_cpu, block_table.cpu(), cam.num_actual_tokens, self.device)
             return meta
@@ -812,16 +897,24 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
         if config is not None:
             check_run(config, preset)
             check_sink(config, preset)
+            _serving["config"] = config
         self.num_sink_slots = sink_slot_count(config) if config is not None and self.backend.sink else 0
-        self.pool_slots = pool_slots(config, self.backend.sink) if config is not None else 1
+        self.pool_slots = pool_slots(config, self.backend.sink, preset) if config is not None else 1
+        self.shared_pool = config is not None and tail_blocks_enabled(config, preset)
 
     def _pool(self, layer, num_slots: int, dtype: torch.dtype, device: torch.device):
-        """The layer's ``tail_k, tail_v: [num_slots, G, Hkv, D]``, allocated in vLLM's profiling run."""
-        pool = getattr(layer, "_kvarn_tail", None)
+        """The layer's ``tail_k, tail_v: [num_slots, G, Hkv, D]``, allocated in vLLM's profiling run.
+
+        With tails in blocks (``shared_pool``) one step pool of that shape serves every layer of its
+        shape: each layer fills it from its blocks and empties it back within its own forward.
+        """
+        owner = _shared_pools if self.shared_pool else layer.__dict__
+        key = ("_kvarn_tail", device, dtype, self.num_kv_heads, self.head_size) if self.shared_pool else "_kvarn_tail"
+        pool = owner.get(key)
         if pool is None or pool[0].shape[0] != num_slots or pool[0].dtype != dtype or pool[0].device != device:
             shape = (num_slots, self.cfg.group_size, self.num_kv_heads, self.head_size)
             pool = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            layer._kvarn_tail = pool
+            owner[key] = pool
         return pool
 
     @staticmethod
@@ -873,6 +966,9 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
             k = key[:n].view(n, self.num_kv_heads, self.head_size)
             v = value[:n].view(n, self.num_kv_heads, self.head_size)
         stored = kv_cache.numel() and k is not None
+        if meta.tails is not None and kv_cache.numel():
+            starts, _, slots, rows = meta.tails
+            paged.gather_tails(meta.block_table, starts, slots, rows)
         if stored:
             paged.write_tail(plan, k, v)
             if capturing:
@@ -897,6 +993,9 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
                 output[:n] = out.view(output[:n].shape)
         if stored:
             paged.write_late_tail(plan, k, v)
+            if meta.tails is not None:
+                _, lens, slots, rows = meta.tails
+                paged.scatter_tails(meta.block_table, lens, slots, rows)
         return output
 
 

@@ -18,6 +18,9 @@ KEY_SMOOTHING_ENV = "KVARN_KEY_SMOOTHING"
 KEY_SMOOTHING_MODES = ("auto", "off")
 TAIL_SLOTS_ENV = "KVARN_TAIL_SLOTS"
 SINK_SLOTS_ENV = "KVARN_SINK_SLOTS"
+TAIL_BLOCKS_ENV = "KVARN_TAIL_BLOCKS"
+"""``1``: keep each running request's tail in vLLM's own blocks (experimental, vLLM's CPU engine only;
+``docs/tail_blocks.md``)."""
 SINK_SUFFIX = "_sink"
 SUPPORTED_MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CACHE_DTYPES: tuple[str, ...] = tuple(

@@ -353,10 +353,12 @@ def install() -> str:
     from vllm.platforms import current_platform
 
     from kvarn.integration.vllm.backend import install_block_pool_hook
+    from kvarn.integration.vllm.tail_blocks import install_registry_hook
 
     install_backend_name()
     install_spec_hook()
     install_block_pool_hook()
+    install_registry_hook(current_platform)
     if current_platform.is_cuda_alike():
         install_runner_hook()
     hooked = configured = False

@@ -1,10 +1,12 @@
 """Full-precision tails in vLLM's own blocks: the vLLM side (``docs/tail_blocks.md``, step 2).
 
-Status: built and tested against vLLM's own KV-cache manager, **not switched on**. The backend still
-keeps each running request's tail tile in its pool of ``max_num_seqs + 1`` slots (16 GiB at vLLM's
-H200 defaults for Llama-3-8B shapes, the gap between 4.74x and 4.05x of issue 8); the kernels and
-:mod:`kvarn.paged` address that pool by slot until the plan's other steps land. Nothing here is
-installed by :func:`kvarn.integration.vllm.register`.
+Status: experimental, off by default. With ``KVARN_TAIL_BLOCKS=1`` on vLLM's CPU engine the backend
+builds its spec with :func:`tail_spec` and keeps tails in these blocks
+(:func:`~kvarn.integration.vllm.backend.tail_blocks_enabled`); by default, and on the GPU engine,
+each running request's tail tile stays in a pool of ``max_num_seqs + 1`` or more slots per layer
+(16 GiB at vLLM's H200 defaults for Llama-3-8B shapes: the gap between 4.74x and 4.05x of issue 8).
+:func:`kvarn.integration.vllm.register` installs the registry hook in every run: it registers only
+kvarn's own spec classes, which no other spec resolves to.
 
 What this module gives vLLM:
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import sys
 
 _HOOK_MARK = "_kvarn_tail_blocks_hook"
@@ -144,7 +147,10 @@ def install_registry_hook(platform=None) -> bool:
 
     def register_custom_kv_cache_specs(cls, vllm_config, *args, **kwargs):
         result = original(vllm_config, *args, **kwargs)
-        register_specs()
+        try:
+            register_specs()
+        except Exception as exc:  # never break vLLM's start-up for a run that does not keep tails in blocks
+            logging.getLogger("vllm.kvarn").warning("KVarN: tail-block specs not registered (%s)", exc)
         return result
 
     setattr(register_custom_kv_cache_specs, _HOOK_MARK, True)
