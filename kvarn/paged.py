@@ -40,6 +40,11 @@ A caller that gives every live request a stable index (vLLM's GPU model runner) 
 :func:`plan_request_slots` instead: the request's slot is its index, nothing is claimed or
 evicted, and no block id is read on the host.
 
+Tails in blocks (``docs/tail_blocks.md``; vLLM's CPU engine with ``KVARN_TAIL_BLOCKS=1``): a
+sequence's partial tile lives in the blocks after its own (:func:`tail_geometry` rows each), and
+:meth:`PagedKV.gather_tails` / :meth:`PagedKV.scatter_tails` move it into and out of a step pool
+of one slot per row around the step, which is then planned with :func:`plan_request_slots`.
+
 Sink (optional, ``num_sink_slots > 0``): the tokens of a sequence's first tile also go to a
 *sink slot*, keyed by the block id of that first tile, and attention reads the first tile from
 the sink slot in full precision instead of from its record (the record is written all the same).
