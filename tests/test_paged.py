@@ -462,3 +462,48 @@ def test_tails_in_blocks_attend_and_store_as_the_pool_bit_for_bit(sink):
         full = table[r, : n // g]
         assert torch.equal(paged.cache[full], pooled.cache[full]), r
     assert min(seen.values()) > 0, seen  # the schedule took every path: late tails, commits, whole tiles
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_scatter_tails_writes_only_the_tail_rows_of_the_blocks_after_each_partial_tile(dtype):
+    """``scatter_tails`` then ``gather_tails`` gives each partial tile back, and the scatter changes no byte but
+    rows ``0 .. n - 1`` of the blocks after each sequence's partial tile (no record, no other sequence's block,
+    no byte of a block past its tail rows); a sequence without a partial tile touches nothing; a block table
+    too narrow for a tail is refused before anything is written."""
+    from kvarn.config import KVarNConfig
+    from kvarn.paged import PagedKV, tail_geometry
+
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
+    g, hkv = cfg.group_size, 2
+    rows, n_tail = tail_geometry(cfg, dtype.itemsize)
+    lens = torch.tensor([g - 1, 3 * g, 2 * g + 17, 1])
+    width = 3 + n_tail
+    table = torch.randperm(len(lens) * width)[: len(lens) * width].view(len(lens), width) + 1
+    kv = PagedKV.allocate(cfg, table.numel() + 1, hkv, len(lens), dtype, "cpu", impl="reference")
+    kv.cache.random_(0, 256)
+    before = kv.cache.clone()
+    kv.tail_k.normal_()
+    kv.tail_v.normal_()
+    want_k, want_v = kv.tail_k.clone(), kv.tail_v.clone()
+    slots = torch.tensor([2, 0, 3, 1])
+    kv.scatter_tails(table, lens, slots, rows)
+    changed = (kv.cache != before).any(dim=1)  # [blocks, record bytes]
+    allowed = torch.zeros_like(changed)
+    for b, n in enumerate(lens.tolist()):
+        c, m = divmod(n, g)
+        for j in range(m):
+            blk = int(table[b, c + 1 + j // rows])
+            r = j % rows
+            allowed[blk, r * 2 * 64 * dtype.itemsize : (r + 1) * 2 * 64 * dtype.itemsize] = True
+    assert changed.any() and not (changed & ~allowed).any()
+    kv.tail_k.zero_()
+    kv.tail_v.zero_()
+    kv.gather_tails(table, lens, slots, rows)
+    for b, n in enumerate(lens.tolist()):
+        m = n % g
+        assert torch.equal(kv.tail_k[slots[b], :m], want_k[slots[b], :m]), b
+        assert torch.equal(kv.tail_v[slots[b], :m], want_v[slots[b], :m]), b
+    snapshot = kv.cache.clone()
+    with pytest.raises(ValueError, match="tail in blocks up to column"):
+        kv.scatter_tails(table[:, :4], lens, slots, rows)
+    assert torch.equal(kv.cache, snapshot)
