@@ -15,11 +15,11 @@ What this module gives vLLM:
   N`` more blocks per request: its ``max_num_blocks_per_req`` (the worker's block-table width) and
   ``max_memory_usage_bytes`` (vLLM's check that a ``max_model_len`` request fits, and its
   concurrency line) count them, and ``merge`` keeps them.
-- :func:`manager_class` (``TailBlockManager``): vLLM's ``FullAttentionManager`` asking for ``N`` blocks beyond those a
-  request's tokens need (``num_tokens + N * block_size`` to vLLM's own arithmetic, the way vLLM's
-  Mamba manager reserves its speculative blocks), so they are allocated with the request's other
-  blocks, counted by the scheduler's admission and preemption, and freed with them. They are
-  never hashed for the prefix cache: vLLM hashes only blocks its tokens fill.
+- :func:`manager_class` (``TailBlockManager``): vLLM's ``FullAttentionManager`` asking for ``N``
+  blocks beyond those a request's tokens need (``num_tokens + N * block_size`` to vLLM's own
+  arithmetic, the way vLLM's Mamba manager reserves its speculative blocks), so they are allocated
+  with the request's other blocks, counted by the scheduler's admission and preemption, and freed
+  with them. They are never hashed for the prefix cache: vLLM hashes only blocks its tokens fill.
 - :func:`install_registry_hook`: the spec's manager, registered through the platform's
   ``register_custom_kv_cache_specs`` (which vLLM calls once its built-in specs are registered, in
   every process that builds managers; registering earlier would make vLLM skip its built-ins).
@@ -121,15 +121,14 @@ def manager_class() -> type:
 
 
 def register_specs() -> None:
-    """Register every tail spec class built so far, and those of vLLM's full-attention specs, with the manager."""
+    """Register the tail subclasses of the specs kvarn's pages use with the manager, grouped as full attention:
+    ``FullAttentionSpec`` (vLLM 0.32) and ``TQFullAttentionSpec`` where it exists (vLLM 0.26)."""
     from vllm.v1 import kv_cache_interface
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
     full = kv_cache_interface.FullAttentionSpec
-    bases = [full] + [
-        getattr(kv_cache_interface, n) for n in ("TQFullAttentionSpec",) if hasattr(kv_cache_interface, n)
-    ]
-    for base in bases:
+    tq = getattr(kv_cache_interface, "TQFullAttentionSpec", None)
+    for base in [full] if tq is None else [full, tq]:
         KVCacheSpecRegistry.register(tail_spec_class(base), manager_class(), uniform_type_base_spec=full)
 
 
