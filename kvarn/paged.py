@@ -43,7 +43,8 @@ evicted, and no block id is read on the host.
 Tails in blocks (``docs/tail_blocks.md``; vLLM's CPU engine with ``KVARN_TAIL_BLOCKS=1``): a
 sequence's partial tile lives in the blocks after its own (:func:`tail_geometry` rows each), and
 :meth:`PagedKV.gather_tails` / :meth:`PagedKV.scatter_tails` move it into and out of a step pool
-of one slot per row around the step, which is then planned with :func:`plan_request_slots`.
+of one slot per row around the step (at the places :func:`tail_rows` finds once a step), which is
+then planned with :func:`plan_request_slots`.
 
 Sink (optional, ``num_sink_slots > 0``): the tokens of a sequence's first tile also go to a
 *sink slot*, keyed by the block id of that first tile, and attention reads the first tile from
@@ -879,40 +880,19 @@ class PagedKV:
         x = self.cache[:, :, :width].view(dtype).view(num_blocks, heads, rows, 2, d).permute(0, 2, 1, 3, 4)
         return x[..., 0, :], x[..., 1, :]
 
-    def _tail_rows(self, block_table: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor, rows: int):
-        """Where the partial tiles of sequences of ``lens: [B]`` tokens live: ``(slot, offset)`` in the pool and
-        ``(block, row)`` in the tail blocks, per token."""
-        g = self.cfg.group_size
-        lens = lens.long().to(block_table.device)
-        n = lens % g  # tokens of each sequence's partial tile
-        seq = torch.repeat_interleave(torch.arange(lens.shape[0], device=lens.device), n)
-        offset = torch.arange(seq.shape[0], device=lens.device) - (torch.cumsum(n, 0) - n)[seq]
-        col = lens[seq] // g + 1 + offset // rows  # tail blocks follow the partial tile's block
-        if col.numel() and int(col.max()) >= block_table.shape[1]:
-            bad = int(seq[col.argmax()])
-            raise ValueError(
-                f"sequence {bad} of {int(lens[bad])} tokens keeps its tail in blocks up to column {int(col.max())}, "
-                f"but its block table has {block_table.shape[1]} columns (vLLM must give it the tail blocks)"
-            )
-        return (slots.long().to(lens.device)[seq], offset), (block_table[seq, col].long(), offset % rows)
+    def gather_tails(self, where: TailRows) -> None:
+        """Before a step: each sequence's partial-tile tokens from its tail blocks into its pool slot at their
+        offsets (``where``: :func:`tail_rows` of the lengths before the step; see :meth:`tail_block_view`)."""
+        view_k, view_v = self.tail_block_view(where.rows_per_block)
+        self.tail_k[where.slot, where.offset] = view_k[where.block, where.row]
+        self.tail_v[where.slot, where.offset] = view_v[where.block, where.row]
 
-    def gather_tails(self, block_table: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor, rows: int) -> None:
-        """Before a step: each sequence's partial-tile tokens (``lens: [B]`` before the step) from its tail
-        blocks into pool slot ``slots[b]`` at their offsets (``block_table: [B, W]``; see :meth:`tail_block_view`)."""
-        (slot, offset), (block, row) = self._tail_rows(block_table, lens, slots, rows)
-        view_k, view_v = self.tail_block_view(rows)
-        self.tail_k[slot, offset] = view_k[block, row]
-        self.tail_v[slot, offset] = view_v[block, row]
-
-    def scatter_tails(self, block_table: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor, rows: int) -> None:
-        """After a step (its late tail written): :meth:`gather_tails` backwards, for ``lens`` after the step.
-
-        Writes only rows of the blocks after each sequence's partial tile: never a record.
-        """
-        (slot, offset), (block, row) = self._tail_rows(block_table, lens, slots, rows)
-        view_k, view_v = self.tail_block_view(rows)
-        view_k[block, row] = self.tail_k[slot, offset]
-        view_v[block, row] = self.tail_v[slot, offset]
+    def scatter_tails(self, where: TailRows) -> None:
+        """After a step (its late tail written): :meth:`gather_tails` backwards (``where`` for the lengths
+        after the step). Writes only rows of the blocks after each sequence's partial tile: never a record."""
+        view_k, view_v = self.tail_block_view(where.rows_per_block)
+        view_k[where.block, where.row] = self.tail_k[where.slot, where.offset]
+        view_v[where.block, where.row] = self.tail_v[where.slot, where.offset]
 
     def to_model_frame(self, x: torch.Tensor) -> torch.Tensor:
         """Rotated-frame ``x: [..., D]`` back to the model frame (the rotation is its own inverse)."""
@@ -1133,6 +1113,44 @@ def tail_geometry(cfg: KVarNConfig, pool_itemsize: int = 2) -> tuple[int, int]:
             f"a {cfg.record_bytes}-byte record holds no {pool_itemsize}-byte tail token of head_dim {cfg.head_dim}"
         )
     return rows, math.ceil(cfg.group_size / rows)
+
+
+@dataclass(frozen=True)
+class TailRows:
+    """Where a step's partial tiles live, one entry per token (:func:`tail_rows`): pool ``(slot, offset)``
+    and tail-block ``(block, row)``, ``rows_per_block`` rows a block."""
+
+    slot: torch.Tensor
+    offset: torch.Tensor
+    block: torch.Tensor
+    row: torch.Tensor
+    rows_per_block: int
+
+
+def tail_rows(
+    block_table: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor, group_size: int, rows_per_block: int
+) -> TailRows:
+    """The :class:`TailRows` of sequences of ``lens: [B]`` tokens whose step-pool slots are ``slots: [B]``.
+
+    A sequence's partial tile (``lens % G`` tokens) keeps token ``j`` in ``block_table[b, lens // G + 1 +
+    j // rows_per_block]``, row ``j % rows_per_block`` (``docs/tail_blocks.md``). Computed once a step and
+    used by every layer's :meth:`PagedKV.gather_tails` / :meth:`PagedKV.scatter_tails`; a block table too
+    narrow for a tail is refused here, before any layer writes.
+    """
+    g, rows = group_size, rows_per_block
+    lens = lens.long().to(block_table.device)
+    n = lens % g  # tokens of each sequence's partial tile
+    seq = torch.repeat_interleave(torch.arange(lens.shape[0], device=lens.device), n)
+    offset = torch.arange(seq.shape[0], device=lens.device) - (torch.cumsum(n, 0) - n)[seq]
+    col = lens[seq] // g + 1 + offset // rows  # tail blocks follow the partial tile's block
+    if col.numel() and int(col.max()) >= block_table.shape[1]:
+        bad = int(seq[col.argmax()])
+        raise ValueError(
+            f"sequence {bad} of {int(lens[bad])} tokens keeps its tail in blocks up to column {int(col.max())}, "
+            f"but its block table has {block_table.shape[1]} columns (vLLM must give it the tail blocks)"
+        )
+    slot = slots.long().to(lens.device)[seq]
+    return TailRows(slot, offset, block_table[seq, col].long(), offset % rows, rows)
 
 
 def plan_request_slots(

@@ -231,3 +231,20 @@ def test_a_failing_registration_leaves_vllm_starting(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="vllm.kvarn"):
         assert Platform.register_custom_kv_cache_specs(None) == "platform's own"
     assert "tail-block specs not registered (no registry here)" in caplog.text
+
+
+def test_a_spec_without_its_tail_blocks_is_refused_at_start_up(monkeypatch):
+    """With ``$KVARN_TAIL_BLOCKS=1`` the builder checks that vLLM's spec gives each request the tail blocks its
+    geometry needs, so a spec built without the run's config fails at start-up, not at the first long request."""
+    from kvarn.integration.vllm.checks import TAIL_BLOCKS_ENV
+
+    cfg, spec = _spec()
+    monkeypatch.setenv(TAIL_BLOCKS_ENV, "1")
+    run = _run()
+    run.cache_config.num_gpu_blocks = None  # no capacity log
+    builder_cls = BACKENDS[PRESET].get_builder_cls()
+    rows, n = tail_geometry(cfg)
+    with pytest.raises(RuntimeError, match=f"gives each request 0 tail blocks, the backend needs {n}"):
+        builder_cls(spec, ["layer.0"], run, torch.device("cpu"))
+    builder = builder_cls(tb.tail_spec(spec, n), ["layer.0"], run, torch.device("cpu"))
+    assert (builder.tail_rows, builder.num_slots, builder.planner) == (rows, 8, None)

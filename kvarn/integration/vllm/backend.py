@@ -89,12 +89,14 @@ from kvarn.paged import (
     PagedKV,
     PrefillSplit,
     SinkSlots,
+    TailRows,
     TilePlan,
     TilePlanner,
     VarlenAttention,
     plan_request_slots,
     split_prefill,
     tail_geometry,
+    tail_rows,
 )
 
 logger = logging.getLogger("vllm.kvarn")
@@ -514,8 +516,8 @@ class KVarNMetadata(AttentionMetadata):
     commit_flag: torch.Tensor | None = None
     decode: bool = False
     prefill: PrefillSplit | None = None
-    tails: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
-    """Tails in blocks: ``(lengths before the step, after it, step pool slots, rows per block)``."""
+    tails: tuple[TailRows, TailRows] | None = None
+    """Tails in blocks: where the partial tiles are before the step and after it (:func:`kvarn.paged.tail_rows`)."""
 
 
 class _DecodeBuffers:
@@ -557,7 +559,13 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         check_sink(vllm_config, self.backend.preset)
         self.tail_rows = 0  # tails in blocks: rows of a block (else tails in this group's pool)
         if tail_blocks_enabled(vllm_config, self.backend.preset):
-            self.tail_rows = tail_geometry(self.cfg, _pool_itemsize(vllm_config))[0]
+            self.tail_rows, tail_blocks = tail_geometry(self.cfg, _pool_itemsize(vllm_config))
+            if getattr(kv_cache_spec, "tail_blocks", None) != tail_blocks:
+                raise RuntimeError(
+                    f"{TAIL_BLOCKS_ENV}=1: vLLM's KV cache spec for these layers gives each request "
+                    f"{getattr(kv_cache_spec, 'tail_blocks', 0)} tail blocks, the backend needs {tail_blocks} "
+                    f"(the spec was built without this run's config); unset {TAIL_BLOCKS_ENV}"
+                )
             self.num_slots = int(vllm_config.scheduler_config.max_num_seqs)
         else:
             released = not self.per_request and install_release_hook()
@@ -725,7 +733,9 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
                 qsl_np, lens_np, block_table, cam.num_actual_tokens, slots, self.cfg.group_size
             )
             starts = lens_np - (qsl_np[1:] - qsl_np[:-1])
-            meta.tails = (torch.from_numpy(starts), torch.from_numpy(lens_np), torch.from_numpy(slots), self.tail_rows)
+            g, slots_t = self.cfg.group_size, torch.from_numpy(slots)
+            before = tail_rows(block_table, torch.from_numpy(starts), slots_t, g, self.tail_rows)
+            meta.tails = (before, tail_rows(block_table, torch.from_numpy(lens_np), slots_t, g, self.tail_rows))
             return meta
         if not self.per_request:
             meta.plan = self.planner.plan(qsl_cpu, lens_cpu, block_table.cpu(), cam.num_actual_tokens, self.device)
@@ -967,8 +977,7 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
             v = value[:n].view(n, self.num_kv_heads, self.head_size)
         stored = kv_cache.numel() and k is not None
         if meta.tails is not None and kv_cache.numel():
-            starts, _, slots, rows = meta.tails
-            paged.gather_tails(meta.block_table, starts, slots, rows)
+            paged.gather_tails(meta.tails[0])
         if stored:
             paged.write_tail(plan, k, v)
             if capturing:
@@ -994,8 +1003,7 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
         if stored:
             paged.write_late_tail(plan, k, v)
             if meta.tails is not None:
-                _, lens, slots, rows = meta.tails
-                paged.scatter_tails(meta.block_table, lens, slots, rows)
+                paged.scatter_tails(meta.tails[1])
         return output
 
 
