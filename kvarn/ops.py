@@ -119,6 +119,11 @@ def write_tail(k, v, tail_k, tail_v, tail_slot_mapping, cfg, *, impl: str = "aut
     _pick("write_tail", impl, k)(k, v, tail_k, tail_v, tail_slot_mapping, cfg)
 
 
+def gather_tail_tiles(rows_k, rows_v, tables, tail_k, tail_v, slots, *, impl: str = "auto") -> None:
+    """Copy whole tiles kept as block rows into pool slots. See :func:`kvarn.reference.gather_tail_tiles`."""
+    _pick("gather_tail_tiles", impl, tail_k)(rows_k, rows_v, tables, tail_k, tail_v, slots)
+
+
 def commit_tiles(tail_k, tail_v, tail_slots, block_ids, cache, cfg, smooth_src=None, *, impl: str = "auto") -> None:
     """Quantize full pool tiles into cache records. See :func:`kvarn.reference.commit_tiles`."""
     fn = _pick("commit_tiles", impl, tail_k, _smoothed(cfg))

@@ -691,22 +691,28 @@ class PagedKV:
         out: torch.Tensor | None = None,
         key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
+        tails: BlockTails | None = None,
     ) -> torch.Tensor:
         """Attention of one step's ``query: [T, Hq, D]`` after :meth:`store` -> ``[T, Hq, D]`` (``out`` if given).
 
         Each request's tokens attend causally over its first ``seq_lens`` tokens under the own-tile
         rule: the tiles before a query's own from the records (the first from its sink slot, with a
         sink), its own tile from the step's head slot and ``key, value: [T, Hkv, D]`` (the step's
-        K/V as stored; needed where a request's queries span tiles, e.g. a prompt chunk).
+        K/V as stored; needed where a request's queries span tiles, e.g. a prompt chunk). With
+        ``tails`` (a decode step, tails in the cache's blocks: :func:`block_tails`) the own tiles are
+        read from their blocks instead of the head slots.
         """
+        pool_k, pool_v, own = self.tail_k, self.tail_v, plan.head_slots
+        if tails is not None:
+            (pool_k, pool_v), own = self.tail_block_view(tails.rows_per_block), tails.tables
         return ops.paged_attention(
             query,
             self.cache,
             block_table,
             seq_lens,
-            self.tail_k,
-            self.tail_v,
-            plan.head_slots,
+            pool_k,
+            pool_v,
+            own,
             self.cfg,
             query_start_loc,
             plan.sink_slots,
@@ -893,6 +899,20 @@ class PagedKV:
         view_k, view_v = self.tail_block_view(where.rows_per_block)
         view_k[where.block, where.row] = self.tail_k[where.slot, where.offset]
         view_v[where.block, where.row] = self.tail_v[where.slot, where.offset]
+
+    def write_block_tails(self, tails: BlockTails, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A decode step's tokens ``k, v: [B, Hkv, D]`` straight into their rows of the cache's blocks
+        (:func:`block_tails`; no step pool)."""
+        view_k, view_v = self.tail_block_view(tails.rows_per_block)
+        ops.write_tail(k, v, view_k, view_v, tails.mapping, self.cfg, impl=self.impl)
+
+    def commit_block_tails(self, plan: TilePlan, tails: BlockTails) -> None:
+        """Commit the tiles a decode step filled when they are kept in the cache's blocks: each committing
+        row's tile is copied from its blocks into its step-pool slot (``plan.commit_slots``, slots by row,
+        as :func:`plan_request_slots` with ``arange`` slots gives them), then committed from there."""
+        view_k, view_v = self.tail_block_view(tails.rows_per_block)
+        ops.gather_tail_tiles(view_k, view_v, tails.tables, self.tail_k, self.tail_v, plan.commit_slots, impl=self.impl)
+        self.commit(plan)
 
     def to_model_frame(self, x: torch.Tensor) -> torch.Tensor:
         """Rotated-frame ``x: [..., D]`` back to the model frame (the rotation is its own inverse)."""
@@ -1151,6 +1171,45 @@ def tail_rows(
         )
     slot = slots.long().to(lens.device)[seq]
     return TailRows(slot, offset, block_table[seq, col].long(), offset % rows, rows)
+
+
+@dataclass(frozen=True)
+class BlockTails:
+    """A decode step's own tiles where tails live in the cache's blocks (:func:`block_tails`).
+
+    ``tables: [B, N]`` int32, the blocks of each sequence's own tile (row ``j`` of the tile in block
+    ``tables[b, j // rows_per_block]``); ``mapping: [B]`` int64, the step's token as ``block *
+    rows_per_block + row`` for :func:`kvarn.ops.write_tail` on :meth:`PagedKV.tail_block_view` (``-1``:
+    a padding row, skipped).
+    """
+
+    tables: torch.Tensor
+    mapping: torch.Tensor
+    rows_per_block: int
+
+
+def block_tails(
+    block_table: torch.Tensor, seq_lens: torch.Tensor, group_size: int, rows_per_block: int, tail_blocks: int
+) -> BlockTails:
+    """The :class:`BlockTails` of a decode step (one new token per sequence; ``seq_lens: [B]`` after it),
+    computed where the tensors are, without a host sync (a CUDA-graph step's builder runs it).
+
+    The token at position ``p = seq_lens - 1`` belongs to tile ``p // G``, whose rows are kept from
+    block-table column ``p // G + 1`` on (:func:`tail_rows`' layout before the step; the tile stays there
+    in the step that fills it, after its commit). Columns past the table's width are clamped: the caller
+    checks the width on the host (:meth:`kvarn.integration` builders do, from the lengths they plan with).
+    A row with ``seq_lens <= 0`` (padding) gets mapping ``-1``.
+    """
+    g, rows = group_size, rows_per_block
+    lens = seq_lens.long()
+    pos = (lens - 1).clamp(min=0)
+    cols = pos // g + 1
+    cols = (cols[:, None] + torch.arange(tail_blocks, device=lens.device)).clamp(max=block_table.shape[1] - 1)
+    tables = block_table[: lens.shape[0]].gather(1, cols).to(torch.int32)
+    off = pos % g
+    blk = tables.gather(1, (off // rows)[:, None])[:, 0].long()
+    mapping = torch.where(lens > 0, blk * rows + off % rows, -1)
+    return BlockTails(tables, mapping, rows)
 
 
 def plan_request_slots(

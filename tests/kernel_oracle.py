@@ -205,6 +205,30 @@ def build_cache(cfg: KVarNConfig, seq_lens: list[int], hkv: int, dtype: torch.dt
     return {k: t.to(device) for k, t in out.items()}
 
 
+def with_block_tails(state: dict, cfg: KVarNConfig, seed: int) -> dict:
+    """``state`` (:func:`build_cache`) with each sequence's own tile moved from its tail slot into rows of
+    blocks appended to the cache, as tails in vLLM's blocks keep them (``kvarn.paged.PagedKV.tail_block_view``,
+    ``kvarn.paged.tail_geometry``'s rows): ``tail_k, tail_v`` the block views, ``tail_slots`` ``[B, N]`` int32
+    tables of distinct random blocks. Every other byte of the new blocks is random (NaN/inf patterns
+    included), so a read of a row past a tile's tokens shows."""
+    from kvarn.paged import PagedKV, tail_geometry
+
+    gen = torch.Generator().manual_seed(seed)
+    cache, tail_k = state["cache"], state["tail_k"]
+    rows, n = tail_geometry(cfg, tail_k.element_size())
+    batch, g = state["seq_lens"].shape[0], cfg.group_size
+    extra = torch.randint(0, 256, (batch * n + 3, *cache.shape[1:]), dtype=torch.uint8, generator=gen)
+    cache = torch.cat([cache, extra.to(cache.device)])
+    ids = torch.randperm(batch * n + 3, generator=gen)[: batch * n] + state["cache"].shape[0]
+    tables = ids.view(batch, n).to(torch.int32).to(cache.device)
+    view_k, view_v = PagedKV(cfg, cache, tail_k, state["tail_v"]).tail_block_view(rows)
+    j = torch.arange(g, device=cache.device)
+    own = state["tail_slots"].long()
+    view_k[tables[:, j // rows].long(), j % rows] = tail_k[own]
+    view_v[tables[:, j // rows].long(), j % rows] = state["tail_v"][own]
+    return {**state, "cache": cache, "tail_k": view_k, "tail_v": view_v, "tail_slots": tables}
+
+
 POISON_BLOCK = 2**30
 """Block id in the unused block table entries of per-sequence smoothed caches: a kernel that reads one faults."""
 

@@ -39,6 +39,9 @@ DECODE = {
     # FLAGS = (SPLIT, MERGE, ROTATE, OUT_BF16, INV_SQRT_D): the epilogue's partials, and one split
     "no_merge": ("kvarn_k4v2_g128", 128, True, True, True, {"FLAGS": (True, False, True, False, 128**-0.5)}),
     "one_split": ("kvarn_k4v2_g128", 128, False, False, True, {"FLAGS": (False, True, True, True, 128**-0.5)}),
+    # own tiles kept as rows of the cache's blocks (tails in vLLM's blocks: 27 rows a block, 5 blocks)
+    "block_rows": ("kvarn_k4v2_g128", 128, True, True, True, {"TAIL_ROWS": 27, "TAIL_COLS": 5}),
+    "block_rows_g64": ("kvarn_k4v2_g64", 128, True, True, True, {"TAIL_ROWS": 13, "TAIL_COLS": 5, "STACK": True}),
 }
 STORE = {
     # id: preset config, SMOOTH_PHASE (None: no smooth_src)
@@ -53,11 +56,13 @@ PAGES = {
     "records_d256": ("_record_pages_kernel", "kvarn_k4v2_g64", 256, 8, {"HAS_SINK": False, "ROTATE": True}),
     "rows_from_model": ("_row_pages_kernel", "kvarn_k4v2_g128", 128, 4, {"FROM_MODEL": True, "HAS_SLOTS": False}),
     "rows_from_pool": ("_row_pages_kernel", "kvarn_k4v2_g64", 64, 4, {"FROM_MODEL": False, "HAS_SLOTS": True}),
-    "write_tail_d256": ("_prepare_kernel", "kvarn_k4v2_g64", 256, 4, {"ROTATE": True}),  # store.py, same helper
+    "write_tail_d256": ("_prepare_kernel", "kvarn_k4v2_g64", 256, 4, {"ROTATE": True, "SLOT_ROWS": 64}),  # store.py
+    "write_tail_block_rows": ("_prepare_kernel", "kvarn_k4v2_g128", 128, 4, {"ROTATE": True, "SLOT_ROWS": 27}),
+    "gather_tail_tiles": ("_gather_tiles_kernel", "kvarn_k4v2_g128", 128, 4, {"G": 128, "D": 128, "R": 27, "ROWS": 32}),
 }
 PAGE_PTRS = {"cache": "*u8", "block_table": "*i32", "rows": "*i64", "tiles": "*i64", "sink_slots": "*i64"}
-PAGE_PTRS |= {"slots": "*i64", "dst": "*i64", "mapping": "*i64"} | {
-    n: "*bf16" for n in ("k", "v", "k_pages", "v_pages", "tail_k", "tail_v")
+PAGE_PTRS |= {"slots": "*i64", "dst": "*i64", "mapping": "*i64", "tables": "*i32"} | {
+    n: "*bf16" for n in ("k", "v", "k_pages", "v_pages", "tail_k", "tail_v", "rows_k", "rows_v")
 }
 
 pytestmark = pytest.mark.slow  # ~45 s on 2 cores: each compile runs ptxas

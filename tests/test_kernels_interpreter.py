@@ -28,6 +28,7 @@ from kernel_oracle import (
     make_kv,
     poisoned_empty,
     ragged_lengths,
+    with_block_tails,
 )
 
 from kvarn import reference as R
@@ -157,6 +158,88 @@ def test_write_tail_then_commit(dtype):
     R.commit_tiles(want_k, want_v, slots_t, blocks, cache_want, cfg)
     assert (cache_got[[0, 1, 3]] == 0x5A).all() and (cache_want[[0, 1, 3]] == 0x5A).all()
     check_records(cache_got[2], cache_want[2], want_k[1].transpose(0, 1), want_v[1].transpose(0, 1), cfg)
+
+
+@pytest.mark.parametrize(
+    "preset,d,dtype,hq,hkv,tokens_m,splits",
+    [
+        ("kvarn_k4v2_g64", 64, torch.float16, 4, 2, True, 2),
+        ("kvarn_k4v2_g128", 64, torch.bfloat16, 2, 1, False, 1),
+        ("kvarn_k4v4_g64", 128, torch.float16, 2, 2, True, 3),
+    ],
+)
+def test_paged_attention_decode_own_tiles_in_block_rows(preset, d, dtype, hq, hkv, tokens_m, splits):
+    """Tails in vLLM's blocks: ``[B, N]`` tables of block rows (the cache's own bytes) instead of pool slots.
+    The reference reads them as the pool they came from, bit for bit; the kernel matches it and never reads
+    a row past a tile's tokens (the rest of those blocks is random bytes)."""
+    cfg = KVarNConfig.from_preset(preset, head_dim=d)
+    lengths = ragged_lengths(cfg.group_size, 10, seed=d + hq + 5)
+    pooled = build_cache(cfg, lengths, hkv, dtype, seed=6)
+    query = torch.randn(len(lengths), hq, d).to(dtype)
+    args = attention_args(with_block_tails(pooled, cfg, seed=7), query, cfg)
+    assert torch.equal(R.paged_attention(query.float(), *args[1:]), R.paged_attention(
+        query.float(), *attention_args(pooled, query, cfg)[1:]))  # fmt: skip
+    out = attention.paged_attention(*args, num_splits=splits, tokens_m=tokens_m, empty=poisoned_empty)
+    check_attention(out, args)
+
+
+def test_paged_attention_block_rows_refuses():
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
+    state = with_block_tails(build_cache(cfg, [70, 5], 1, torch.float16, seed=1), cfg, seed=2)
+    query = torch.randn(2, 2, 64).to(torch.float16)
+    args = list(attention_args(state, query, cfg))
+    with pytest.raises(ValueError, match="without a sink"):
+        attention.paged_attention(*args[:9], state["sink_slots"], *args[10:])
+    with pytest.raises(ValueError, match="N \\* "):
+        attention.paged_attention(*args[:6], state["tail_slots"][:, :1], *args[7:])
+    with pytest.raises(ValueError, match="tail_slots must be"):
+        attention.paged_attention(*args[:6], state["tail_slots"][:, 0], *args[7:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_write_tail_and_gather_tail_tiles_on_block_rows(dtype):
+    """``write_tail`` into a cache's block rows (``slot * rows + row`` mappings) and ``gather_tail_tiles`` back into
+    pool slots: the reference's bytes, nothing written outside the mapped rows or the listed slots."""
+    from kvarn.paged import PagedKV, tail_geometry
+
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
+    g, hkv, d = 64, 2, 64
+    rows, n = tail_geometry(cfg, 2)
+    k, v = make_kv(1, 2 * g, hkv, d, dtype, seed=3)
+    k, v = k[0], v[0]
+    gen = torch.Generator().manual_seed(4)
+    tables = (torch.randperm(2 * n + 1, generator=gen)[: 2 * n] + 1).view(2, n).to(torch.int32)
+    j = torch.arange(g)
+    # two tiles' tokens into their blocks' rows, two padding entries
+    mapping = torch.cat([tables[t, j // rows].long() * rows + j % rows for t in range(2)])
+    mapping[[3, 70]] = -1
+    caches = [torch.randint(0, 256, (2 * n + 2, hkv, cfg.record_bytes), dtype=torch.uint8) for _ in range(2)]
+    caches[1].copy_(caches[0])
+    before = caches[0].clone()
+    pool = torch.zeros(4, g, hkv, d, dtype=dtype)
+    views = [PagedKV(cfg, c, pool, pool).tail_block_view(rows) for c in caches]
+    store.write_tail(k, v, *views[0], mapping, cfg)
+    R.write_tail(k, v, *views[1], mapping, cfg)
+    written = torch.zeros_like(before, dtype=torch.bool)
+    for m in mapping[mapping >= 0].tolist():
+        blk, r = divmod(m, rows)
+        written[blk, :, r * 2 * d * 2 : (r + 1) * 2 * d * 2] = True
+    for c in caches:
+        assert torch.equal(c[~written], before[~written]), "wrote outside the mapped block rows"
+    keep = mapping >= 0
+    for got, want in zip(views[0], views[1], strict=True):
+        blk, r = mapping[keep] // rows, mapping[keep] % rows
+        check_prepared(got[blk, r], want[blk, r])
+    by_slot = torch.zeros(4, n, dtype=torch.int32)
+    by_slot[[2, 0]] = tables
+    slots = torch.tensor([2, -1, 0, -1], dtype=torch.int32)
+    pools = [torch.full((4, g, hkv, d), float("nan"), dtype=dtype) for _ in range(4)]
+    store.gather_tail_tiles(*views[0], by_slot, pools[0], pools[1], slots)
+    R.gather_tail_tiles(*views[0], by_slot, pools[2], pools[3], slots)
+    for got, want in ((pools[0], pools[2]), (pools[1], pools[3])):
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~got.isnan()], want[~want.isnan()])
+        assert got[[1, 3]].isnan().all(), "wrote a slot the list does not name"
+    assert torch.equal(pools[2][2, 4], views[0][0][tables[0, 0], 4])  # slot 2 holds tile 0: row 4 of its first block
 
 
 @pytest.mark.parametrize("d", [64, 128])

@@ -404,14 +404,16 @@ def test_sink_slots_serve_a_prefix_hit_scheduled_before_its_claim():
     assert held.assign([(0, 5, 0)], 1) == [0] and evicted == [4] and held.live == {5: 0}
 
 
-@pytest.mark.parametrize("sink", [False, True])
-def test_tails_in_blocks_attend_and_store_as_the_pool_bit_for_bit(sink):
+@pytest.mark.parametrize("sink,decode_in_blocks", [(False, False), (True, False), (False, True)])
+def test_tails_in_blocks_attend_and_store_as_the_pool_bit_for_bit(sink, decode_in_blocks):
     """Tails kept in the blocks after each partial tile (``docs/tail_blocks.md``, step 1): gathered into a step
     pool before the step, scattered back after it, a random schedule of three requests (prompt chunks inside
     tiles, chunks that complete a tile and start the next, decode, whole tiles) attends as with a pool slot per
-    request, bit for bit, and writes the same records (so no tail row lands in a record)."""
+    request, bit for bit, and writes the same records (so no tail row lands in a record). With
+    ``decode_in_blocks`` the decode steps go through the blocks directly instead (``block_tails``: the token
+    into its block row, a filled tile committed through its step-pool slot, attention reading the blocks)."""
     from kvarn.config import KVarNConfig
-    from kvarn.paged import PagedKV, plan_request_slots, tail_geometry, tail_rows
+    from kvarn.paged import PagedKV, block_tails, plan_request_slots, tail_geometry, tail_rows
 
     cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
     g, hkv, hq = cfg.group_size, 2, 4
@@ -429,11 +431,15 @@ def test_tails_in_blocks_attend_and_store_as_the_pool_bit_for_bit(sink):
                              impl="reference")  # fmt: skip
     done = [0] * len(lengths)
     seen = {"late": 0, "commit": 0, "whole": 0}
-    rng = np.random.default_rng(5)
+    if decode_in_blocks:
+        seen.update(block_steps=0, block_commits=0)
+    rng = np.random.default_rng(6 if decode_in_blocks else 5)
     while any(d < n for d, n in zip(done, lengths, strict=True)):
         live = [r for r in range(len(lengths)) if done[r] < lengths[r]]
         batch = list(rng.permutation(live)[: rng.integers(1, len(live) + 1)])
         sizes = [min(lengths[r] - done[r], int(rng.choice([1, 1, 7, 64, 90]))) for r in batch]
+        if decode_in_blocks and rng.random() < 0.8:
+            sizes = [1] * len(batch)
         qsl = torch.tensor([0, *np.cumsum(sizes)])
         lens = torch.tensor([done[r] + n for r, n in zip(batch, sizes, strict=True)])
         step_k = torch.cat([k[r][done[r] : done[r] + n] for r, n in zip(batch, sizes, strict=True)])
@@ -447,6 +453,15 @@ def test_tails_in_blocks_attend_and_store_as_the_pool_bit_for_bit(sink):
             seen["late"] += plan.late_tail_slot_mapping is not None
             seen["commit"] += plan.commit_blocks.numel()
             seen["whole"] += plan.store_blocks.numel()
+            if kv is paged and decode_in_blocks and max(sizes) == 1 and plan.late_tail_slot_mapping is None:
+                tails = block_tails(bt, lens, g, rows, n_tail)  # as the vLLM builder's decode steps
+                kv.write_block_tails(tails, step_k, step_v)
+                kv.commit_block_tails(plan, tails)
+                outs.append(kv.attend(plan, step_q, bt, lens, None, tails=tails))
+                seen["block_steps"] += 1
+                seen["block_commits"] += plan.commit_blocks.numel()
+                kv.tail_k[sinks:], kv.tail_v[sinks:] = float("nan"), float("nan")
+                continue
             if kv is paged:
                 kv.gather_tails(tail_rows(bt, lens - torch.tensor(sizes), torch.tensor(slots), g, rows))
             kv.store(plan, step_k, step_v)

@@ -330,12 +330,16 @@ def _check_args(query, cache, block_table, seq_lens, tail_k, tail_v, cfg, query_
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
     if (
-        tail_k.shape[1:] != (cfg.group_size, hkv, d)
+        tail_k.dim() != 4
+        or tail_k.shape[2:] != (hkv, d)
+        or not 0 < tail_k.shape[1] <= cfg.group_size
         or tail_v.shape != tail_k.shape
         or tail_v.stride() != tail_k.stride()
+        or tail_k.stride(-1) != 1
     ):
         raise ValueError(
-            f"tail_k, tail_v must both be [num_slots, {cfg.group_size}, {hkv}, {d}], got {tuple(tail_k.shape)}"
+            f"tail_k, tail_v must both be [num_slots, {cfg.group_size}, {hkv}, {d}] (or [num_blocks, rows, {hkv}, "
+            f"{d}] with [B, N] tail_slots) with equal strides, got {tuple(tail_k.shape)}"
         )
     batch = seq_lens.shape[0]
     if query_start_loc is None and query.shape[0] != batch:
@@ -347,6 +351,25 @@ def _check_args(query, cache, block_table, seq_lens, tail_k, tail_v, cfg, query_
     if block_table.dim() != 2 or block_table.shape[0] < batch or block_table.stride(-1) != 1:
         raise ValueError(f"block_table must be [B, max_blocks] with unit last stride, got {tuple(block_table.shape)}")
     _check_kv(*kv, query, cache)
+
+
+def _tail_block_rows(tail_slots, tail_k, cfg: KVarNConfig, batch: int, query_start_loc, sink_slots) -> int:
+    """0 for ``tail_slots: [B]`` slots of a pool ``[num_slots, G, Hkv, D]``; for ``[B, N]`` tables of own tiles
+    kept as rows of blocks (``tail_k: [num_blocks, R, Hkv, D]``, ``N * R >= G``), ``R`` (decode, no sink)."""
+    g, rows = cfg.group_size, tail_k.shape[1]
+    if tail_slots.dim() == 1 and tail_slots.shape[0] >= batch and rows == g:
+        return 0
+    if tail_slots.dim() != 2:
+        raise ValueError(
+            f"tail_slots must be [B] slots of a [num_slots, {g}, Hkv, D] pool or [B, N] blocks of rows, "
+            f"got {tuple(tail_slots.shape)} with a pool of {rows} rows a slot"
+        )
+    if tail_slots.shape[0] < batch or tail_slots.shape[1] * rows < g:
+        raise ValueError(f"tail_slots [B, N] must cover {batch} sequences and N * {rows} >= {g} rows, "
+                         f"got {tuple(tail_slots.shape)}")  # fmt: skip
+    if query_start_loc is not None or sink_slots is not None:
+        raise ValueError("own tiles kept as block rows ([B, N] tail_slots) are read by decode launches without a sink")
+    return rows
 
 
 def _check_kv(key, value, query, cache) -> None:
@@ -522,7 +545,8 @@ def paged_attention(
 
     Same contract as :func:`kvarn.reference.paged_attention`: ``cache: [num_blocks, Hkv, record_bytes]``,
     ``block_table: [B, max_blocks]``, ``seq_lens: [B]``, ``tail_k, tail_v: [num_slots, G, Hkv, D]``,
-    ``tail_slots: [B]``, ``query_start_loc: [B + 1]`` or ``None`` (one query per sequence),
+    ``tail_slots: [B]`` (or ``[B, N]`` with ``tail_k, tail_v: [num_blocks, R, Hkv, D]``: own tiles kept as
+    rows of blocks, decode without a sink), ``query_start_loc: [B + 1]`` or ``None`` (one query per sequence),
     ``sink_slots: [B]`` or ``None``, ``scale`` default ``1 / sqrt(D)``, ``key, value: [Nq, Hkv, D]``
     or ``None``, the own-tile rule. A decode launch (one query per sequence) reads the step's token
     from the tail slot (written there before attention) and ignores ``key, value``; see :func:`_step_kv`.
@@ -596,6 +620,7 @@ def _paged_attention(
 ) -> torch.Tensor:  # fmt: skip
     """:func:`paged_attention` itself (the launcher its plans record)."""
     _check_args(query, cache, block_table, seq_lens, tail_k, tail_v, cfg, query_start_loc, (key, value))
+    block_rows = _tail_block_rows(tail_slots, tail_k, cfg, seq_lens.shape[0], query_start_loc, sink_slots)
     fuse_query, tokens_m = _per_tile_smooth_knobs(cfg, fuse_query, tokens_m)
     _check_counts(num_splits=num_splits, min_split_tiles=min_split_tiles)
     nq, hq, d = query.shape
@@ -655,6 +680,8 @@ def _paged_attention(
     launch["FOLD"] = fold_offsets_default(cfg, launch["TOKENS_M"]) if fold_offsets is None else fold_offsets
     launch["min_units"] = min_split_tiles or min_split_tiles_default(cfg, launch["TOKENS_M"], n_blocks * hkv)
     launch["STACK"] = stack
+    if block_rows:
+        launch.update(TAIL_ROWS=block_rows, TAIL_COLS=slots.stride(0))
     _launch_attention(
         grid, (q, q_s), query, cache, block_table, seq_lens, query_start_loc, pool, ws, cfg, flags, launch
     )

@@ -35,6 +35,7 @@ from kvarn.kernels._common import NEG_BIG, fp8e4m3_to_f32, frexp_exponent, hadam
 from kvarn.kernels.attention_merge import _finish, _unrotate
 from kvarn.kernels.attention_tiles import (
     _causal,
+    _fp_block_tile,
     _fp_rows,
     _fp_tile,
     _split_fields,
@@ -611,8 +612,12 @@ def _fp_tiles(
     LATE_Q: tl.constexpr,
     MULTI_Q: tl.constexpr,
     HAS_KV: tl.constexpr,
+    TAIL_ROWS: tl.constexpr = 0,
 ):
     """The full-precision units of a split, the sink (tile 0) and the own tile, into ``state = (m, l, acc)``.
+
+    ``TAIL_ROWS > 0`` (decode, no sink): the own tile is kept as rows of blocks, ``TAIL_ROWS`` a
+    block, and the tail slot pointer points at the sequence's row of blocks (:func:`_fp_block_tile`).
 
     ``src = (q_base, row_ok, pool, step)``, ``units = (sink_here, sink_slot, own_here, tail slot
     pointer, own, pos_q, lo_q)`` with ``own`` from :func:`_split_units` and ``lo_q`` each row's
@@ -636,7 +641,10 @@ def _fp_tiles(
                 state = _fp_tile(q_full, state, pool, sink_slot, LAYOUT.G, 0, lo_q - 1, POOL_BF16)
             else:
                 state = _fp_tile(q_full, state, pool, sink_slot, LAYOUT.G, 0, pos_q, POOL_BF16)
-        if own_here:
+        if TAIL_ROWS > 0:
+            if own_here:
+                state = _fp_block_tile(q_full, state, pool, tail_slot_ptr, n_slot, fp0, pos_q, TAIL_ROWS, POOL_BF16)
+        elif own_here:
             slot = tl.load(tail_slot_ptr)
             if MULTI_Q:
                 state = _fp_tile(q_full, state, pool, slot, n_slot, fp0, pos_q, POOL_BF16, lo_q)
@@ -707,6 +715,8 @@ def _attn_kernel(
     LATE_Q: tl.constexpr = False,
     HAS_KV: tl.constexpr = False,
     STACK: tl.constexpr = False,
+    TAIL_ROWS: tl.constexpr = 0,
+    TAIL_COLS: tl.constexpr = 1,
 ):
     """Grid ``(query blocks, Hkv, num_splits)``; see :func:`kvarn.kernels.attention_merge._finish` for what it writes.
 
@@ -724,6 +734,9 @@ def _attn_kernel(
     ``HAS_KV`` (multi-query only): ``key, value: [Nq, Hkv, D]`` hold the step's own K/V in the pool
     form (contiguous, rows as ``q``'s), read for the own-tile positions from the step's first on;
     else those are read from the tail slot too (:func:`_split_units`). ``STACK``: :func:`_quantized_tiles_st`.
+    ``TAIL_ROWS > 0`` (decode without a sink): each sequence's own tile is kept as rows of blocks of
+    ``tail_k, tail_v`` (strides ``p_slot, p_tok, p_head`` of a block view), ``TAIL_ROWS`` a block, and
+    ``tail_slots`` is ``[B, TAIL_COLS]``: the blocks of each sequence's own tile.
     """
     G: tl.constexpr = LAYOUT.G
     ROTATE: tl.constexpr = FLAGS[2]
@@ -760,11 +773,10 @@ def _attn_kernel(
             IN_BF16, FACTOR, FOLD, STACK, GQP)  # fmt: skip
         pool = (tail_k, tail_v, p_slot, p_tok, p_head, kvh)
         own_here = (own[0] + own[3] > 0) & (u0 <= n_full) & (n_full < u1)
-        units = (has_sink & (u0 == 0), sink_slot, own_here, tail_slots + seq, own, pos_q, lo_q)
+        units = (has_sink & (u0 == 0), sink_slot, own_here, tail_slots + seq * TAIL_COLS, own, pos_q, lo_q)
         src = (q_base, ld_ok, pool, (key, value, q_start + own[2] - (seq_len - n_q)))
-        m_i, l_i, acc = _fp_tiles(
-            state, query, src, units, LAYOUT, ROTATE, IN_BF16, FACTOR, FUSED_Q, POOL_BF16, LATE_Q, MULTI_Q, HAS_KV
-        )
+        m_i, l_i, acc = _fp_tiles(state, query, src, units, LAYOUT, ROTATE, IN_BF16, FACTOR, FUSED_Q, POOL_BF16,
+            LATE_Q, MULTI_Q, HAS_KV, TAIL_ROWS)  # fmt: skip
 
         R: tl.constexpr = BLOCK_Q * GQP  # the program's distinct rows
         q_row_c, head_c, row_ok_c, _ = _program_rows(R, q_start, q_first, n_q, kvh, GQ, GQP)

@@ -611,12 +611,17 @@ def _causal(s_e, s_o, pos_q, key0, GH: tl.constexpr):
 
 
 @triton.jit
-def _fp_rows(q_full, state, k_ptr, v_ptr, base, tok_stride, n_valid, key0, pos_q, lo_q, POOL_BF16: tl.constexpr):
+def _fp_rows(
+    q_full, state, k_ptr, v_ptr, base, tok_stride, n_valid, key0, pos_q, lo_q, POOL_BF16: tl.constexpr,
+    table=None, blk_stride=0, ROWS: tl.constexpr = 0,
+):  # fmt: skip
     """Online-softmax steps over ``n_valid`` full-precision keys and values at positions ``key0 ..``.
 
     ``q_full: [BLOCK_M, D]`` fp32; ``state = (m_i, l_i, acc)`` (``[BLOCK_M]``, ``[BLOCK_M]``,
     ``[BLOCK_M, D]``) in and out. The first token's ``D`` values (pool form, one KV head) are at
     ``k_ptr + base``, ``v_ptr + base`` (``base`` an int64 offset), the next ``tok_stride`` further.
+    With ``ROWS > 0`` the tokens are rows of blocks instead: token ``t`` is row ``t % ROWS`` of block
+    ``table[t // ROWS]``, at ``base + block * blk_stride + row * tok_stride``.
     Row ``r`` sees positions ``lo_q[r] .. pos_q[r]`` (``lo_q=None``: from 0). Walks the tokens
     ``FP_TILE_TOKENS`` at a time. (An offset rather than moved pointers: measured on the H200,
     k4v2 ``tokens_m`` decode at batch 16 / 32K, 212 against 223 us.)
@@ -626,8 +631,12 @@ def _fp_rows(q_full, state, k_ptr, v_ptr, base, tok_stride, n_valid, key0, pos_q
     ft = tl.arange(0, FP_TILE_TOKENS)
     for c in range(0, n_valid, FP_TILE_TOKENS):
         tt = c + ft
-        off = base + tt[:, None] * tok_stride + dd[None, :]
         tok_ok = tt < n_valid
+        if ROWS > 0:
+            blk = tl.load(table + tt // ROWS, mask=tok_ok, other=0).to(tl.int64)
+            off = (base + blk * blk_stride + (tt % ROWS) * tok_stride)[:, None] + dd[None, :]
+        else:
+            off = base + tt[:, None] * tok_stride + dd[None, :]
         unpool = pool_factor(q_full.shape[1], POOL_BF16)  # the pool form back to the rotated values
         kt = load_f32(k_ptr + off, tok_ok[:, None], POOL_BF16) * unpool  # [FP_TILE_TOKENS, D]
         vt = load_f32(v_ptr + off, tok_ok[:, None], POOL_BF16) * unpool
@@ -655,3 +664,15 @@ def _fp_tile(q_full, state, pool, slot, n_valid, key0, pos_q, POOL_BF16: tl.cons
     tail_k, tail_v, p_slot, p_tok, p_head, kvh = pool
     base = slot.to(tl.int64) * p_slot + kvh.to(tl.int64) * p_head
     return _fp_rows(q_full, state, tail_k, tail_v, base, p_tok, n_valid, key0, pos_q, lo_q, POOL_BF16)
+
+
+@triton.jit
+def _fp_block_tile(q_full, state, pool, table, n_valid, key0, pos_q, ROWS: tl.constexpr, POOL_BF16: tl.constexpr):
+    """:func:`_fp_rows` over the first ``n_valid`` tokens of a tile kept as rows of blocks (``ROWS`` a
+    block; token ``t`` in block ``table[t // ROWS]``), ``pool`` as for :func:`_fp_tile` with the block
+    view's strides."""
+    tail_k, tail_v, p_slot, p_tok, p_head, kvh = pool
+    base = kvh.to(tl.int64) * p_head
+    return _fp_rows(
+        q_full, state, tail_k, tail_v, base, p_tok, n_valid, key0, pos_q, None, POOL_BF16, table, p_slot, ROWS
+    )

@@ -685,9 +685,13 @@ def _prepare_kernel(
     IN_BF16: tl.constexpr,
     POOL_BF16: tl.constexpr,
     INV_SQRT_D: tl.constexpr,
+    SLOT_ROWS: tl.constexpr,
 ):
-    """Grid ``(cdiv(T * Hkv, ROWS), 2)``: ``ROWS`` (token, head) rows of K (0) or V (1) -> ``prepare`` -> pool."""
-    G: tl.constexpr = LAYOUT.G
+    """Grid ``(cdiv(T * Hkv, ROWS), 2)``: ``ROWS`` (token, head) rows of K (0) or V (1) -> ``prepare`` -> pool.
+
+    ``mapping`` entries are ``slot * SLOT_ROWS + row`` (``SLOT_ROWS = G`` for a pool, a block's rows
+    for tails in a cache's blocks)."""
+    G: tl.constexpr = SLOT_ROWS
     D: tl.constexpr = LAYOUT.D
     which = tl.program_id(1)
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -713,10 +717,12 @@ def write_tail(
     tail_slot_mapping: torch.Tensor,
     cfg: KVarNConfig,
 ) -> None:
-    """``prepare`` new tokens ``k, v: [T, Hkv, D]`` into the pool at ``tail_slot_mapping: [T]`` (``slot * G + offset``).
+    """``prepare`` new tokens ``k, v: [T, Hkv, D]`` into the pool at ``tail_slot_mapping: [T]`` (``slot * R + offset``).
 
-    A negative mapping entry skips its token. The pool holds the pool form
-    (:func:`kvarn.reference.prepare`: an fp16 pool the rotated values times ``1 / pool_factor``).
+    ``R = tail_k.shape[1]``: ``G`` for a pool ``[num_slots, G, Hkv, D]``, fewer for tails kept as rows of a
+    cache's blocks (``kvarn.paged.PagedKV.tail_block_view``). A negative mapping entry skips its token. The
+    pool holds the pool form (:func:`kvarn.reference.prepare`: an fp16 pool the rotated values times
+    ``1 / pool_factor``).
     Eager calls replay a launch plan per call shape (:data:`WRITE_TAIL_PLANS`, :mod:`kvarn.kernels._plan`).
     """
     inputs = (k, v, tail_k, tail_v, tail_slot_mapping)
@@ -739,9 +745,10 @@ def _write_tail(k, v, tail_k, tail_v, tail_slot_mapping, cfg: KVarNConfig) -> No
         raise ValueError(f"k and v must both be [T, Hkv, {cfg.head_dim}] of one dtype, got {tuple(k.shape)}")
     if tail_v.dtype != tail_k.dtype or tail_v.shape != tail_k.shape or tail_v.stride() != tail_k.stride():
         raise ValueError("tail_k and tail_v must match in shape, dtype and strides")
-    if tail_k.dim() != 4 or tail_k.shape[1] != cfg.group_size or tail_k.shape[2:] != k.shape[1:]:
+    if tail_k.dim() != 4 or not 0 < tail_k.shape[1] <= cfg.group_size or tail_k.shape[2:] != k.shape[1:]:
         raise ValueError(
-            f"tail_k must be [num_slots, {cfg.group_size}, {k.shape[1]}, {cfg.head_dim}], got {tuple(tail_k.shape)}"
+            f"tail_k must be [num_slots, rows <= {cfg.group_size}, {k.shape[1]}, {cfg.head_dim}], "
+            f"got {tuple(tail_k.shape)}"
         )
     if tail_slot_mapping.shape != (k.shape[0],):
         raise ValueError(f"tail_slot_mapping must be [T] with T = {k.shape[0]}, got {tuple(tail_slot_mapping.shape)}")
@@ -775,5 +782,99 @@ def _write_tail(k, v, tail_k, tail_v, tail_slot_mapping, cfg: KVarNConfig) -> No
         IN_BF16=k.dtype == torch.bfloat16,
         POOL_BF16=tail_k.dtype == torch.bfloat16,
         INV_SQRT_D=inv_sqrt(cfg.head_dim),
+        SLOT_ROWS=tail_k.shape[1],
+        num_warps=4,
+    )
+
+
+@triton.jit
+def _gather_tiles_kernel(
+    rows_k,
+    rows_v,
+    tables,
+    tail_k,
+    tail_v,
+    slots,
+    n_heads,
+    s_tab,
+    r_blk,
+    r_row,
+    r_head,
+    p_slot,
+    p_tok,
+    p_head,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    R: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """Grid ``(N, cdiv(G * Hkv, ROWS), 2)``: ``ROWS`` (token, head) rows of K (0) or V (1) of entry ``i``'s
+    tile, from row ``t % R`` of block ``tables[slot, t // R]`` to ``tail[slot, t]`` (a raw copy)."""
+    slot = tl.load(slots + tl.program_id(0)).to(tl.int64)
+    if slot >= 0:
+        which = tl.program_id(2)
+        r = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+        ok = r < G * n_heads
+        t = (r // n_heads).to(tl.int64)
+        h = (r % n_heads).to(tl.int64)
+        blk = tl.load(tables + slot * s_tab + t // R, mask=ok, other=0).to(tl.int64)
+        src = tl.where(which == 0, rows_k, rows_v) + blk * r_blk + (t % R) * r_row + h * r_head
+        dst = tl.where(which == 0, tail_k, tail_v) + slot * p_slot + t * p_tok + h * p_head
+        ch = tl.arange(0, D)
+        x = tl.load(src[:, None] + ch[None, :], mask=ok[:, None])
+        tl.store(dst[:, None] + ch[None, :], x, mask=ok[:, None])
+
+
+GATHER_ROWS = 32
+"""(token, head) rows per program of :func:`gather_tail_tiles`."""
+
+
+def gather_tail_tiles(
+    rows_k: torch.Tensor,
+    rows_v: torch.Tensor,
+    tables: torch.Tensor,
+    tail_k: torch.Tensor,
+    tail_v: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Copy whole tiles kept as block rows into pool slots. See :func:`kvarn.reference.gather_tail_tiles`.
+
+    One launch of ``len(slots)`` programs per ``GATHER_ROWS`` rows; padding entries (negative slots)
+    exit at once, so a captured graph can launch a fixed-size list.
+    """
+    check_dtype("tail_k", tail_k)
+    g, heads, d = tail_k.shape[1:]
+    for name, x in (("rows_k", rows_k), ("rows_v", rows_v), ("tail_v", tail_v)):
+        if x.dtype != tail_k.dtype or x.dim() != 4 or tuple(x.shape[2:]) != (heads, d) or x.stride(-1) != 1:
+            raise ValueError(f"{name} must be [*, *, {heads}, {d}] {tail_k.dtype} with unit last stride")
+    if rows_v.shape != rows_k.shape or rows_v.stride() != rows_k.stride() or tail_v.stride() != tail_k.stride():
+        raise ValueError("rows_k and rows_v, tail_k and tail_v must match in shape and strides")
+    rows = rows_k.shape[1]
+    if tables.dim() != 2 or tables.shape[1] * rows < g:
+        raise ValueError(f"tables must be [num_slots, N] with N * {rows} >= {g}, got {tuple(tables.shape)}")
+    if slots.dim() != 1 or slots.numel() == 0:
+        return
+    tables, slots = index_list(tables), index_list(slots)
+    _plan.launch(
+        _gather_tiles_kernel,
+        (slots.shape[0], cdiv(g * heads, GATHER_ROWS), 2),
+        rows_k,
+        rows_v,
+        tables,
+        tail_k,
+        tail_v,
+        slots,
+        heads,
+        tables.stride(0),
+        rows_k.stride(0),
+        rows_k.stride(1),
+        rows_k.stride(2),
+        tail_k.stride(0),
+        tail_k.stride(1),
+        tail_k.stride(2),
+        G=g,
+        D=d,
+        R=rows,
+        ROWS=GATHER_ROWS,
         num_warps=4,
     )

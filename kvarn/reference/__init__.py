@@ -8,7 +8,14 @@ model-frame pages for a varlen attention call.
 """
 
 from kvarn.reference.attention import attend, paged_attention
-from kvarn.reference.cache import commit_tiles, gather_tiles, store_tiles, write_tail
+from kvarn.reference.cache import (
+    commit_tiles,
+    gather_tail_tiles,
+    gather_tiles,
+    store_tiles,
+    tail_tiles,
+    write_tail,
+)
 from kvarn.reference.dequant import dequantize_rows
 from kvarn.reference.hadamard import hadamard_matrix, rotate
 from kvarn.reference.normalize import imbalance, sinkhorn
@@ -50,6 +57,7 @@ __all__ = [
     "encode_half",
     "encode_records",
     "from_pool",
+    "gather_tail_tiles",
     "gather_tiles",
     "hadamard_matrix",
     "imbalance",
@@ -72,6 +80,7 @@ __all__ = [
     "smoothing_vector",
     "split_tiles",
     "store_tiles",
+    "tail_tiles",
     "unpack_codes",
     "unpack_record",
     "write_record_pages",

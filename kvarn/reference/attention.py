@@ -29,7 +29,7 @@ import math
 import torch
 
 from kvarn.config import KVarNConfig
-from kvarn.reference.cache import gather_tiles
+from kvarn.reference.cache import gather_tiles, tail_tiles
 from kvarn.reference.hadamard import rotate
 from kvarn.reference.quantize import from_pool, prepare
 
@@ -141,7 +141,9 @@ def paged_attention(
         tail_k, tail_v: ``[num_slots, G, Hkv, D]`` the full-precision tile pool (rotated, pool form).
         tail_slots: ``[B]`` int, the slot of the tile that sequence ``b``'s first query falls in
             (position ``seq_lens[b] - n``): it holds that tile's tokens before the step (and,
-            without ``key``, the step's too). Read only where the tile has such tokens.
+            without ``key``, the step's too). Read only where the tile has such tokens. Or
+            ``[B, N]``: that tile is kept as rows of blocks (:func:`~kvarn.reference.cache.tail_tiles`;
+            ``tail_k, tail_v: [num_blocks, R, Hkv, D]``, e.g. a cache's own blocks), without a sink.
         query_start_loc: ``[B + 1]`` int offsets of each sequence's queries; ``None`` = one each.
         sink_slots: ``[B]`` int or ``None``; a slot ``>= 0`` replaces the first tile's record by
             its full-precision copy in that slot.
@@ -158,6 +160,11 @@ def paged_attention(
     if (key is None) != (value is None):
         raise ValueError("key and value come together")
     batch = seq_lens.shape[0]
+    if tail_slots.dim() == 2:  # own tiles kept as block rows: read them as a pool of one slot per sequence
+        if sink_slots is not None:
+            raise ValueError("a sink lives in a pool slot: pass tail_slots as [B] slots of that pool")
+        tail_k, tail_v = (tail_tiles(rows, tail_slots[:batch], g) for rows in (tail_k, tail_v))
+        tail_slots = torch.arange(batch, device=tail_slots.device)
     if query_start_loc is None:
         query_start_loc = torch.arange(batch + 1, device=query.device)
     scale = 1.0 / math.sqrt(d) if scale is None else scale

@@ -44,15 +44,53 @@ def write_tail(
 ) -> None:
     """Rotate new tokens ``k, v: [T, Hkv, D]`` into the tail pool, in place.
 
-    ``tail_slot_mapping: [T]`` holds ``slot * G + offset`` for each token; a negative entry (vLLM's
-    padding) skips the token.
+    ``tail_slot_mapping: [T]`` holds ``slot * R + offset`` for each token, ``R = tail_k.shape[1]``
+    rows a slot: ``G`` for a pool, a tail block's rows for tails in a cache's blocks
+    (:func:`tail_tiles`); a negative entry (vLLM's padding) skips the token.
     """
-    g = cfg.group_size
+    g = tail_k.shape[1]
     keep = tail_slot_mapping >= 0
     idx = tail_slot_mapping[keep].long()
     slot, off = idx // g, idx % g
     tail_k[slot, off] = prepare(k[keep], tail_k.dtype, cfg.rotate)
     tail_v[slot, off] = prepare(v[keep], tail_v.dtype, cfg.rotate)
+
+
+def tail_tiles(rows: torch.Tensor, tables: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Tiles kept as rows of blocks, read as pool tiles: ``rows: [num_blocks, R, Hkv, D]``, ``tables: [B, N]``
+    -> ``[B, G, Hkv, D]``.
+
+    Row ``j`` of tile ``b`` is row ``j % R`` of block ``tables[b, j // R]`` (``N * R >= G``). Tails
+    in a cache's own blocks (``kvarn.paged.PagedKV.tail_block_view``) are addressed this way; a pool
+    is the case ``R = G``, ``N = 1``, ``tables[b, 0]`` the slot.
+    """
+    r = rows.shape[1]
+    if tables.dim() != 2 or tables.shape[1] * r < group_size:
+        raise ValueError(f"tables must be [B, N] with N * {r} >= {group_size} rows a tile, got {tuple(tables.shape)}")
+    j = torch.arange(group_size, device=tables.device)
+    return rows[tables[:, j // r].long(), j % r]
+
+
+def gather_tail_tiles(
+    rows_k: torch.Tensor,
+    rows_v: torch.Tensor,
+    tables: torch.Tensor,
+    tail_k: torch.Tensor,
+    tail_v: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Copy whole tiles kept as block rows into pool slots, in place: ``tail_*[s] = tail_tiles(rows_*, tables)[s]``
+    for each ``s`` of ``slots: [N]`` (a negative entry skips; ``tables`` indexed by slot).
+
+    The commit of a tile kept in a cache's blocks (a decode step that fills it) reads it from the
+    pool this copy fills (:meth:`kvarn.paged.PagedKV.commit_block_tails`).
+    """
+    keep = slots[slots >= 0].long()
+    if keep.numel() == 0:
+        return
+    g = tail_k.shape[1]
+    tail_k[keep] = tail_tiles(rows_k, tables[keep], g)
+    tail_v[keep] = tail_tiles(rows_v, tables[keep], g)
 
 
 def commit_tiles(
