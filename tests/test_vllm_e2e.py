@@ -278,6 +278,9 @@ def _tail_block_rows(llm_cls, model_dir, engine_args, ids, texts_one) -> dict:
         row["concurrent"], _ = _generate(llm, [TokensPrompt(prompt_token_ids=p) for p in ids])
         row["preemptions"] = _preemptions(llm)
         _shutdown(llm)
+        from kvarn.integration.vllm.backend import tail_block_steps
+
+        row["steps"] = dict(tail_block_steps)
     finally:
         del os.environ[TAIL_BLOCKS_ENV]
     return row
@@ -462,7 +465,9 @@ def test_tails_in_vllm_blocks_serve_as_the_pool(results):
     vLLM's own blocks, which vLLM's scheduler counts (its KV spec and manager are kvarn's, the worker's block
     table is ``N`` wider), and the engine generates the pool run's tokens: chunked prefill with chunks inside
     tiles and a prefix hit exactly; 16 concurrent requests under the tiny budget all finish with the same tokens
-    (batch composition differs between the runs, so a rare fp difference in the linear layers is allowed)."""
+    (batch composition differs between the runs, so a rare fp difference in the linear layers is allowed).
+    Decode steps go through the blocks directly (some committing a tile there), prompt steps through the step
+    pool."""
     from kvarn.config import KVarNConfig
     from kvarn.paged import tail_geometry
 
@@ -476,6 +481,8 @@ def test_tails_in_vllm_blocks_serve_as_the_pool(results):
     assert all(len(t) == MAX_TOKENS for t in row["concurrent"])
     assert agreement(row["concurrent"], tiny["concurrent_tokens"])["agreement"] >= 0.98
     assert "keeps its tail in 5 more blocks" in results["log"]
+    # decode steps read and wrote the tails in the blocks (some committing a tile there), prompt steps gathered
+    assert min(row["steps"].get(k, 0) for k in ("decode", "commits", "gathered")) > 0, row["steps"]
 
 
 def test_a_prefix_cache_hit_reuses_whole_tiles(results):

@@ -180,8 +180,9 @@ def test_a_prefix_hit_shares_whole_tiles_only_and_admission_counts_the_tail_bloc
     assert m.allocate_slots(c, 40) is not None and len(_held(m, "c")) == 1 + n
 
 
-def _run(device="cpu", block_size=G, max_num_seqs=8):
+def _run(device="cpu", block_size=G, max_num_seqs=8, v2=False):
     return SimpleNamespace(
+        use_v2_model_runner=v2,
         device_config=SimpleNamespace(device_type=device),
         cache_config=SimpleNamespace(block_size=block_size),
         scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
@@ -190,28 +191,90 @@ def _run(device="cpu", block_size=G, max_num_seqs=8):
 
 
 def test_tails_in_blocks_are_opt_in_and_refused_where_not_built(monkeypatch):
-    """``$KVARN_TAIL_BLOCKS``: off unless ``1``; refused, with what to change, on CUDA, with a sink, with cache
-    blocks of several tiles, and for values other than 0 and 1. With it the pool is the shared step pool."""
+    """``$KVARN_TAIL_BLOCKS``: unset, on for the GPU engine's V2 runner whose block tables kvarn widens (no sink,
+    blocks of one tile), else the pool; ``0`` the pool; ``1`` on, refused with what to change on CUDA without
+    such a runner, with a sink, with cache blocks of several tiles; other values refused. With it the pool is
+    the shared step pool."""
     from kvarn.integration.vllm.backend import pool_slots, tail_blocks_enabled
     from kvarn.integration.vllm.checks import TAIL_BLOCKS_ENV
 
     monkeypatch.delenv(TAIL_BLOCKS_ENV, raising=False)
-    assert not tail_blocks_enabled(_run(), PRESET)
+    monkeypatch.setitem(tb._table_hook, "installed", True)
+    assert not tail_blocks_enabled(_run(), PRESET)  # the default: the pool on the CPU engine
+    assert tail_blocks_enabled(_run("cuda", v2=True), PRESET)  # ... tails in blocks on the GPU's V2 runner
+    for run, preset in [(_run("cuda"), PRESET), (_run("cuda", v2=True), PRESET + "_sink"),
+                        (_run("cuda", v2=True, block_size=2 * G), PRESET)]:  # fmt: skip
+        assert not tail_blocks_enabled(run, preset)  # not built there: the pool, no error
     monkeypatch.setenv(TAIL_BLOCKS_ENV, "0")
-    assert not tail_blocks_enabled(_run("cuda"), PRESET)
+    assert not tail_blocks_enabled(_run("cuda", v2=True), PRESET)
     monkeypatch.setenv(TAIL_BLOCKS_ENV, "1")
     assert tail_blocks_enabled(_run(), PRESET)
     assert pool_slots(_run(max_num_seqs=8), preset=PRESET) == 8
+    monkeypatch.setitem(tb._table_hook, "installed", False)
+    assert not tb.block_table_hook_installed()
     for run, preset, why in [
-        (_run("cuda"), PRESET, "CPU engine only"),
+        (_run("cuda"), PRESET, "V2 model runner"),
+        (_run("cuda", v2=True), PRESET, "V2 model runner"),
         (_run(), PRESET + "_sink", "does not keep a sink yet"),
         (_run(block_size=2 * G), PRESET, "cache blocks of one tile"),
     ]:
         with pytest.raises(ValueError, match=why):
             tail_blocks_enabled(run, preset)
+    monkeypatch.setitem(tb._table_hook, "installed", True)
+    assert tail_blocks_enabled(_run("cuda", v2=True), PRESET)
+    with pytest.raises(ValueError, match="V2 model runner"):
+        tail_blocks_enabled(_run("cuda"), PRESET)
     monkeypatch.setenv(TAIL_BLOCKS_ENV, "yes")
     with pytest.raises(ValueError, match="must be 0 or 1"):
         tail_blocks_enabled(_run(), PRESET)
+
+
+def test_block_table_hook_widens_only_groups_with_tail_blocks(monkeypatch):
+    """vLLM 0.26's V2 runner sizes block tables from ``max_model_len``: the hook widens a tail group's table to
+    ``cdiv(max_model_len, G) + N`` columns while the runner sets up its KV cache, leaves other groups and tables
+    built outside that setup as they are, keeps a table already wide enough (a runner that asks the spec), and
+    refuses a stand-in whose constructor has no ``max_num_blocks_per_group``."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    built = []
+
+    class Tables:
+        def __init__(self, block_sizes, max_num_reqs, max_num_blocks_per_group, device, cp_size=1):
+            built.append(list(max_num_blocks_per_group))
+
+    class Runner:
+        max_model_len = 1000
+
+        def initialize_kv_cache(self, kv_cache_config, is_profiling=False):
+            groups = kv_cache_config.kv_cache_groups
+            widths = [-(-self.max_model_len // g.kv_cache_spec.block_size) + g.pad for g in groups]
+            Tables([G] * len(widths), 4, widths, "cpu")
+
+    monkeypatch.setitem(tb._table_hook, "installed", False)
+    assert tb.install_block_table_hook(Runner, Tables) and tb.block_table_hook_installed()
+    assert tb.install_block_table_hook(Runner, Tables)  # once only
+    page = FullAttentionSpec(block_size=G, num_kv_heads=2, head_size=64, dtype=torch.uint8)
+    n = 5
+    tail = tb.tail_spec(page, n)
+
+    def groups(*specs):
+        return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=sp, pad=pad) for sp, pad in specs])
+
+    Runner().initialize_kv_cache(groups((tail, 0), (page, 0)))
+    Runner().initialize_kv_cache(groups((tail, n + 3)))  # already wide enough: kept
+    Runner().initialize_kv_cache(groups((page, 0)))
+    Tables([G], 4, [3], "cpu")
+    assert built == [[8 + n, 8], [8 + n + 3], [8], [3]]
+
+    class Plain:
+        def __init__(self, block_sizes, widths):
+            pass
+
+    class Runner2(Runner):
+        def initialize_kv_cache(self, kv_cache_config):
+            pass
+
+    assert not tb.install_block_table_hook(Runner2, Plain)
 
 
 def test_a_failing_registration_leaves_vllm_starting(monkeypatch, caplog):

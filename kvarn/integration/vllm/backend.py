@@ -12,7 +12,16 @@ at D < G needs the rounding) bytes per head and token slot (layout ``LBHNC``); o
 uint8 view. The impl reads it as ``cache: [num_blocks, Hkv, record_bytes]`` (the first
 ``record_bytes`` of each head's page).
 
-Tail slots. On vLLM's GPU model runner (V2) every live request has a stable index below
+Tails in blocks (the default on vLLM's GPU model runner, V2; ``KVARN_TAIL_BLOCKS=1`` on the CPU
+runner; not with ``_sink``). Each running request keeps its incomplete tile in ``N`` more of vLLM's
+own blocks (:mod:`kvarn.integration.vllm.tail_blocks`), after its partial tile's block. A decode
+batch writes each token straight into its block row, commits a filled tile through the row's slot of
+one step pool shared by all layers, and attends reading the own tiles from the blocks
+(:func:`kvarn.paged.block_tails`); other steps gather the partial tiles into that step pool and
+scatter them back (:func:`kvarn.paged.tail_rows`). The KV budget loses no pool per layer.
+
+Tail slots (the pool: ``_sink`` presets, ``KVARN_TAIL_BLOCKS=0``, the CPU runner by default). On
+vLLM's GPU model runner (V2) every live request has a stable index below
 ``max_num_seqs``; the plugin hands the builder each step's indices (:func:`set_step_rows`) and the
 request's incomplete tile lives in the pool slot of that index (:func:`kvarn.paged.plan_request_slots`):
 no block id is read on the host, a slot can never be lost, and the pool is exactly ``max_num_seqs``
@@ -24,10 +33,11 @@ request then holds at most one slot at any time, and ``max_num_seqs`` slots can 
 
 CUDA graphs (GPU runner): the builder declares ``UNIFORM_SINGLE_TOKEN_DECODE``. For a decode
 batch it writes the plan into persistent device tensors of fixed size: the tail mapping, each
-row's slot, and the commit lists padded to the batch with slot ``-1`` (skipped by the commit: its
-programs exit at once). The captured forward writes the tail, then commits under a CUDA-graph
-conditional node that runs only when the builder set its flag (a decode step commits a tile in
-one step of ``G``), then attends; nothing in it reads a value on the host.
+row's slot (with tails in blocks: each row's tail blocks and its token's block row), and the commit
+lists padded to the batch with slot ``-1`` (skipped by the commit: its programs exit at once).
+The captured forward writes the tail, then commits under a CUDA-graph conditional node that runs
+only when the builder set its flag (a decode step commits a tile in one step of ``G``), then
+attends; nothing in it reads a value on the host.
 
 Sink (``--kv-cache-dtype kvarn_..._sink``). The first tile of every sequence is also kept in full
 precision in a sink slot keyed by the block id of that first tile (:class:`kvarn.paged.SinkSlots`),
@@ -45,6 +55,7 @@ buffers its CUDA graphs read; rows of dummy and capture batches get slot ``-1``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -86,6 +97,7 @@ from kvarn.integration.vllm.checks import (
 )
 from kvarn.paged import (
     PREFILL_MIN_QUERIES,
+    BlockTails,
     PagedKV,
     PrefillSplit,
     SinkSlots,
@@ -93,6 +105,7 @@ from kvarn.paged import (
     TilePlan,
     TilePlanner,
     VarlenAttention,
+    block_tails,
     plan_request_slots,
     split_prefill,
     tail_geometry,
@@ -100,6 +113,10 @@ from kvarn.paged import (
 )
 
 logger = logging.getLogger("vllm.kvarn")
+
+tail_block_steps: collections.Counter = collections.Counter()
+"""Steps built with tails in blocks, by route (``decode`` through the blocks, ``commits`` of them that commit
+a tile, ``gathered`` through the step pool): what a run took, for tests and logs."""
 
 BACKEND_NAME = "KVARN"
 _logged_capacity: set[tuple] = set()
@@ -347,36 +364,52 @@ def per_request_slots(vllm_config) -> bool:
 
 
 def tail_blocks_enabled(vllm_config, preset: str) -> bool:
-    """Whether this run keeps tails in vLLM's own blocks (``$KVARN_TAIL_BLOCKS=1``; experimental).
+    """Whether this run keeps tails in vLLM's own blocks (``docs/tail_blocks.md``).
 
     Each running request then holds ``N`` more blocks (:func:`kvarn.paged.tail_geometry`, counted by
-    vLLM's scheduler through :mod:`kvarn.integration.vllm.tail_blocks`), each layer gathers the
-    step's partial tiles from them into one step pool that all layers share and scatters them back
-    (:meth:`kvarn.paged.PagedKV.gather_tails`), instead of a pool of ``max_num_seqs`` or more slots
-    per layer. Implemented for vLLM's CPU engine, without the sink and with cache blocks of one tile;
-    refused elsewhere (``docs/tail_blocks.md``: the GPU runner's CUDA graphs read request-index slots).
+    vLLM's scheduler through :mod:`kvarn.integration.vllm.tail_blocks`) instead of a slot of a pool
+    of ``max_num_seqs`` or more tiles per layer. Decode steps read and write the tails in the blocks
+    directly (:func:`kvarn.paged.block_tails`; CUDA graphs on the GPU); other steps gather the partial
+    tiles into one step pool that all layers share and scatter them back
+    (:meth:`kvarn.paged.PagedKV.gather_tails`). Built for vLLM's CPU engine and for the GPU engine's V2
+    model runner (block tables widened by :func:`kvarn.integration.vllm.tail_blocks.install_block_table_hook`),
+    without the sink and with cache blocks of one tile.
+
+    ``$KVARN_TAIL_BLOCKS``: unset, the default, takes them on the GPU engine wherever they are built
+    (else the pool); ``1`` asks for them anywhere and refuses, saying why, a run they are not built for;
+    ``0`` keeps the pool.
     """
     env = os.environ.get(TAIL_BLOCKS_ENV, "")
-    if env in ("", "0"):
+    if env not in ("", "0", "1"):
+        raise ValueError(f"{TAIL_BLOCKS_ENV} must be 0 or 1 (or unset), got {env!r}")
+    if env == "0":
         return False
-    if env != "1":
-        raise ValueError(f"{TAIL_BLOCKS_ENV} must be 0 or 1, got {env!r}")
     problems = []
-    if (
-        per_request_slots(vllm_config)
-        or getattr(getattr(vllm_config, "device_config", None), "device_type", "") == "cuda"
-    ):
-        problems.append("it runs on vLLM's CPU engine only so far")
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
+    if device in (None, "cuda") and not _gpu_tables_widened(vllm_config):
+        problems.append(
+            "on a GPU it needs vLLM's V2 model runner with block tables kvarn can widen by the tail blocks "
+            "(kvarn.integration.vllm.tail_blocks.install_block_table_hook found no such runner)"
+        )
     if has_sink(preset):
         problems.append(f"it does not keep a sink yet (use {preset.removesuffix(SINK_SUFFIX)})")
     block = getattr(getattr(vllm_config, "cache_config", None), "block_size", None)
     if block is not None and block != preset_config(preset).group_size:
         problems.append(f"it needs cache blocks of one tile ({preset_config(preset).group_size} tokens), not {block}")
+    if env == "":
+        return device == "cuda" and not problems
     if problems:
         raise ValueError(
             f"{TAIL_BLOCKS_ENV}=1 with --kv-cache-dtype {preset}: " + "; ".join(problems) + f"; unset {TAIL_BLOCKS_ENV}"
         )
     return True
+
+
+def _gpu_tables_widened(vllm_config) -> bool:
+    """Whether a GPU run's block tables take the tail blocks: vLLM's V2 model runner with the block-table hook."""
+    from kvarn.integration.vllm.tail_blocks import block_table_hook_installed
+
+    return bool(getattr(vllm_config, "use_v2_model_runner", False)) and block_table_hook_installed()
 
 
 def _pool_itemsize(vllm_config) -> int:
@@ -518,13 +551,18 @@ class KVarNMetadata(AttentionMetadata):
     prefill: PrefillSplit | None = None
     tails: tuple[TailRows, TailRows] | None = None
     """Tails in blocks: where the partial tiles are before the step and after it (:func:`kvarn.paged.tail_rows`)."""
+    block_tails: BlockTails | None = None
+    """Tails in blocks, a decode step: the own tiles' blocks and the tokens' rows (:func:`kvarn.paged.block_tails`)."""
 
 
 class _DecodeBuffers:
     """Persistent device tensors a captured decode step reads; :meth:`KVarNMetadataBuilder.build` refills them."""
 
-    def __init__(self, max_tokens: int, max_reqs: int, device, sink: bool = False):
+    def __init__(self, max_tokens: int, max_reqs: int, device, sink: bool = False, tail_blocks: int = 0):
         self.mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        # tails in blocks: each row's own-tile blocks and its token's block row (kvarn.paged.block_tails)
+        self.tables = torch.zeros(max_reqs, tail_blocks, dtype=torch.int32, device=device) if tail_blocks else None
+        self.block_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device) if tail_blocks else None
         self.sink_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device) if sink else None
         self.sink_slots = torch.full((max_reqs,), -1, dtype=torch.int32, device=device) if sink else None
         # int32: the attention kernel's type, so no cast launch per layer
@@ -543,7 +581,9 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        if per_request_slots(vllm_config):
+        device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
+        in_blocks = device == "cuda" and tail_blocks_enabled(vllm_config, cls.backend.preset)
+        if per_request_slots(vllm_config) or in_blocks:
             return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
         return AttentionCGSupport.NEVER
 
@@ -555,11 +595,12 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             raise ValueError(
                 f"{preset} needs kernel blocks of {self.cfg.group_size} tokens, vLLM gave {kv_cache_spec.block_size}"
             )
-        self.per_request = per_request_slots(vllm_config) and torch.device(device).type == "cuda"
+        cuda = torch.device(device).type == "cuda"
         check_sink(vllm_config, self.backend.preset)
-        self.tail_rows = 0  # tails in blocks: rows of a block (else tails in this group's pool)
+        self.tail_rows = self.tail_blocks = 0  # tails in blocks: rows of a block, blocks a tail (else a pool)
         if tail_blocks_enabled(vllm_config, self.backend.preset):
             self.tail_rows, tail_blocks = tail_geometry(self.cfg, _pool_itemsize(vllm_config))
+            self.tail_blocks = tail_blocks
             if getattr(kv_cache_spec, "tail_blocks", None) != tail_blocks:
                 raise RuntimeError(
                     f"{TAIL_BLOCKS_ENV}=1: vLLM's KV cache spec for these layers gives each request "
@@ -567,7 +608,8 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
                     f"(the spec was built without this run's config); unset {TAIL_BLOCKS_ENV}"
                 )
             self.num_slots = int(vllm_config.scheduler_config.max_num_seqs)
-        else:
+        self.per_request = not self.tail_rows and per_request_slots(vllm_config) and cuda
+        if not self.tail_rows:
             released = not self.per_request and install_release_hook()
             self.num_slots = tail_slot_count(vllm_config, per_request=self.per_request, departures_reported=released)
         self.num_sink_slots = sink_slot_count(vllm_config) if self.backend.sink else 0
@@ -593,10 +635,11 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         # prompt chunks through pages and flash attention (PagedKV.attend_split) on CUDA; on the CPU the paged
         # reference attention is as fast (tests switch it on to cover the wiring)
         self.prefill_split = torch.device(device).type == "cuda"
-        if self.per_request:
+        if cuda and (self.per_request or self.tail_rows):  # CUDA-graph decode steps
             sched = vllm_config.scheduler_config
             size = max(int(sched.max_num_batched_tokens), int(sched.max_num_seqs))
-            self.buffers = _DecodeBuffers(size, size, device, sink=self.sinks is not None)
+            sink = self.sinks is not None
+            self.buffers = _DecodeBuffers(size, size, device, sink=sink, tail_blocks=self.tail_blocks)
         self._log_capacity(vllm_config, kv_cache_spec, len(layer_names))
 
     def _log_capacity(self, vllm_config, spec, num_layers: int) -> None:
@@ -732,6 +775,10 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             meta.plan = plan_request_slots(
                 qsl_np, lens_np, block_table, cam.num_actual_tokens, slots, self.cfg.group_size
             )
+            if cam.max_query_len == 1 and cam.num_actual_tokens == batch and meta.plan.late_tail_slot_mapping is None:
+                self._decode_in_blocks(meta, cam, batch, lens_np)
+                return meta
+            tail_block_steps["gathered"] += 1
             starts = lens_np - (qsl_np[1:] - qsl_np[:-1])
             g, slots_t = self.cfg.group_size, torch.from_numpy(slots)
             before = tail_rows(block_table, torch.from_numpy(starts), slots_t, g, self.tail_rows)
@@ -749,6 +796,30 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         if cam.max_query_len == 1 and cam.num_actual_tokens == batch and plan.late_tail_slot_mapping is None:
             self._decode_shape(meta, plan, batch)
         return meta
+
+    def _decode_in_blocks(self, meta: KVarNMetadata, cam: CommonAttentionMetadata, batch: int, lens) -> None:
+        """A decode step with tails in the blocks: each row's token goes straight to its block row and attention
+        reads the own tiles there (:func:`kvarn.paged.block_tails`, on the device: no host sync); a tile the
+        step fills is copied into the row's step-pool slot and committed from it. On CUDA through the
+        persistent buffers a captured graph reads."""
+        g, width = self.cfg.group_size, meta.block_table.shape[1]
+        last = (int(np.max(lens)) - 1) // g + self.tail_blocks if batch else 0
+        if last >= width:
+            raise ValueError(
+                f"a sequence of {int(np.max(lens))} tokens keeps its tail in blocks up to column {last}, but the "
+                f"block table has {width} columns (vLLM must give it the tail blocks)"
+            )
+        tails = block_tails(meta.block_table, cam.seq_lens[:batch], g, self.tail_rows, self.tail_blocks)
+        tail_block_steps["decode"] += 1
+        tail_block_steps["commits"] += bool(meta.plan.commit_slots.numel())
+        if self.buffers is None:
+            meta.block_tails, meta.decode = tails, True
+            return
+        self._decode_shape(meta, meta.plan, batch)
+        buf = self.buffers
+        buf.tables[:batch].copy_(tails.tables)
+        buf.block_mapping[:batch].copy_(tails.mapping)
+        meta.block_tails = BlockTails(buf.tables[:batch], buf.block_mapping[:batch], self.tail_rows)
 
     def _decode_shape(self, meta: KVarNMetadata, plan: TilePlan, batch: int) -> None:
         """Copy a decode step's plan into the persistent buffers a captured graph reads."""
@@ -976,6 +1047,8 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
             k = key[:n].view(n, self.num_kv_heads, self.head_size)
             v = value[:n].view(n, self.num_kv_heads, self.head_size)
         stored = kv_cache.numel() and k is not None
+        if meta.block_tails is not None:
+            return self._decode_in_blocks(paged, meta, plan, query, k, v, output, capturing)
         if meta.tails is not None and kv_cache.numel():
             paged.gather_tails(meta.tails[0])
         if stored:
@@ -1004,6 +1077,27 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
             paged.write_late_tail(plan, k, v)
             if meta.tails is not None:
                 paged.scatter_tails(meta.tails[1])
+        return output
+
+    def _decode_in_blocks(self, paged: PagedKV, meta: KVarNMetadata, plan, query, k, v, output, capturing: bool):
+        """:meth:`forward` of a decode step with tails in the blocks (:meth:`KVarNMetadataBuilder._decode_in_blocks`):
+        the token into its block row, the filled tiles committed (a conditional node in a graph), attention
+        reading the own tiles from the blocks; nothing goes through the step pool but a committed tile."""
+        n, tails = meta.num_actual_tokens, meta.block_tails
+        if not paged.cache.numel():
+            return output.fill_(0)
+        if k is not None:
+            paged.write_block_tails(tails, k, v)
+            if capturing:
+                with _captured_if(meta.commit_flag):
+                    paged.commit_block_tails(plan, tails)
+            elif plan.commit_slots.numel():
+                paged.commit_block_tails(plan, tails)
+        q = query[:n].view(n, self.num_heads, self.head_size)
+        dst = output[:n].view(q.shape) if output.dtype == q.dtype else None
+        out = paged.attend(plan, q, meta.block_table, meta.seq_lens, None, self.scale, dst, tails=tails)
+        if dst is None:
+            output[:n] = out.view(output[:n].shape)
         return output
 
 

@@ -353,7 +353,7 @@ def install() -> str:
     from vllm.platforms import current_platform
 
     from kvarn.integration.vllm.backend import install_block_pool_hook
-    from kvarn.integration.vllm.tail_blocks import install_registry_hook
+    from kvarn.integration.vllm.tail_blocks import install_block_table_hook, install_registry_hook
 
     install_backend_name()
     install_spec_hook()
@@ -361,6 +361,7 @@ def install() -> str:
     install_registry_hook(current_platform)
     if current_platform.is_cuda_alike():
         install_runner_hook()
+        install_block_table_hook()
     hooked = configured = False
     try:
         hooked = install_selection_hook(current_platform)

