@@ -1148,20 +1148,31 @@ class TailRows:
 
 
 def tail_rows(
-    block_table: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor, group_size: int, rows_per_block: int
+    block_table: torch.Tensor,
+    lens: torch.Tensor,
+    slots: torch.Tensor,
+    group_size: int,
+    rows_per_block: int,
+    since: torch.Tensor | None = None,
 ) -> TailRows:
     """The :class:`TailRows` of sequences of ``lens: [B]`` tokens whose step-pool slots are ``slots: [B]``.
 
     A sequence's partial tile (``lens % G`` tokens) keeps token ``j`` in ``block_table[b, lens // G + 1 +
-    j // rows_per_block]``, row ``j % rows_per_block`` (``docs/tail_blocks.md``). Computed once a step and
-    used by every layer's :meth:`PagedKV.gather_tails` / :meth:`PagedKV.scatter_tails`; a block table too
-    narrow for a tail is refused here, before any layer writes.
+    j // rows_per_block]``, row ``j % rows_per_block`` (``docs/tail_blocks.md``). ``since: [B]``: only
+    the tokens at positions ``>= since`` (a step's new tokens: all that a scatter after the step must
+    write back, the older rows of the same tile being in their blocks already). Computed once a step
+    and used by every layer's :meth:`PagedKV.gather_tails` / :meth:`PagedKV.scatter_tails`; the index
+    math runs on the host (the lengths a builder plans with are host arrays: no device sync), and a
+    block table too narrow for a tail is refused here, before any layer writes.
     """
     g, rows = group_size, rows_per_block
-    lens = lens.long().to(block_table.device)
+    lens = lens.long().cpu()
     n = lens % g  # tokens of each sequence's partial tile
-    seq = torch.repeat_interleave(torch.arange(lens.shape[0], device=lens.device), n)
-    offset = torch.arange(seq.shape[0], device=lens.device) - (torch.cumsum(n, 0) - n)[seq]
+    seq = torch.repeat_interleave(torch.arange(lens.shape[0]), n)
+    offset = torch.arange(seq.shape[0]) - (torch.cumsum(n, 0) - n)[seq]
+    if since is not None:
+        keep = lens[seq] // g * g + offset >= since.long().cpu()[seq]
+        seq, offset = seq[keep], offset[keep]
     col = lens[seq] // g + 1 + offset // rows  # tail blocks follow the partial tile's block
     if col.numel() and int(col.max()) >= block_table.shape[1]:
         bad = int(seq[col.argmax()])
@@ -1169,8 +1180,10 @@ def tail_rows(
             f"sequence {bad} of {int(lens[bad])} tokens keeps its tail in blocks up to column {int(col.max())}, "
             f"but its block table has {block_table.shape[1]} columns (vLLM must give it the tail blocks)"
         )
-    slot = slots.long().to(lens.device)[seq]
-    return TailRows(slot, offset, block_table[seq, col].long(), offset % rows, rows)
+    dev = block_table.device
+    slot = slots.long().cpu()[seq]
+    block = block_table[seq.to(dev), col.to(dev)].long()
+    return TailRows(slot.to(dev), offset.to(dev), block, (offset % rows).to(dev), rows)
 
 
 @dataclass(frozen=True)

@@ -468,7 +468,8 @@ def test_tails_in_blocks_attend_and_store_as_the_pool_bit_for_bit(sink, decode_i
             outs.append(kv.attend(plan, step_q, bt, lens, qsl, key=step_k, value=step_v))
             kv.write_late_tail(plan, step_k, step_v)
             if kv is paged:
-                kv.scatter_tails(tail_rows(bt, lens, torch.tensor(slots), g, rows))
+                since = lens - torch.tensor(sizes)  # the step's new tokens only, as the vLLM builder scatters
+                kv.scatter_tails(tail_rows(bt, lens, torch.tensor(slots), g, rows, since=since))
                 kv.tail_k[sinks:], kv.tail_v[sinks:] = float("nan"), float("nan")  # the blocks carry the tails
         assert torch.equal(outs[0], outs[1]), (batch, sizes, done)
         for r, n in zip(batch, sizes, strict=True):
@@ -520,3 +521,27 @@ def test_scatter_tails_writes_only_the_tail_rows_of_the_blocks_after_each_partia
         assert torch.equal(kv.tail_v[slots[b], :m], want_v[slots[b], :m]), b
     with pytest.raises(ValueError, match="tail in blocks up to column"):
         tail_rows(table[:, :4], lens, slots, g, rows)
+
+
+def test_tail_rows_since_keeps_only_the_new_tokens():
+    """``tail_rows(..., since=)``: the entries of positions ``>= since`` only, each where the full list has it."""
+    from kvarn.paged import tail_rows
+
+    g, rows = 64, 13
+    lens = torch.tensor([70, 64 + 30, 5, 128])
+    since = torch.tensor([69, 64 + 31, 0, 100])  # one new token, none (since past the end), all, none (no tail)
+    table = torch.arange(4 * 8).view(4, 8) + 100
+    slots = torch.tensor([3, 2, 1, 0])
+    full = tail_rows(table, lens, slots, g, rows)
+    new = tail_rows(table, lens, slots, g, rows, since=since)
+    got = set(zip(new.slot.tolist(), new.offset.tolist(), new.block.tolist(), new.row.tolist(), strict=True))
+    want = {
+        e
+        for e, b in zip(
+            zip(full.slot.tolist(), full.offset.tolist(), full.block.tolist(), full.row.tolist(), strict=True),
+            [3 - s for s in full.slot.tolist()],
+            strict=True,
+        )
+        if lens[b] // g * g + e[1] >= since[b]
+    }
+    assert got == want and len(got) == 1 + 0 + 5

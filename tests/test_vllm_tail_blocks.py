@@ -180,9 +180,10 @@ def test_a_prefix_hit_shares_whole_tiles_only_and_admission_counts_the_tail_bloc
     assert m.allocate_slots(c, 40) is not None and len(_held(m, "c")) == 1 + n
 
 
-def _run(device="cpu", block_size=G, max_num_seqs=8, v2=False):
+def _run(device="cpu", block_size=G, max_num_seqs=8, v2=False, dcp=1):
     return SimpleNamespace(
         use_v2_model_runner=v2,
+        parallel_config=SimpleNamespace(decode_context_parallel_size=dcp),
         device_config=SimpleNamespace(device_type=device),
         cache_config=SimpleNamespace(block_size=block_size),
         scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
@@ -202,8 +203,13 @@ def test_tails_in_blocks_are_opt_in_and_refused_where_not_built(monkeypatch):
     monkeypatch.setitem(tb._table_hook, "installed", True)
     assert not tail_blocks_enabled(_run(), PRESET)  # the default: the pool on the CPU engine
     assert tail_blocks_enabled(_run("cuda", v2=True), PRESET)  # ... tails in blocks on the GPU's V2 runner
-    for run, preset in [(_run("cuda"), PRESET), (_run("cuda", v2=True), PRESET + "_sink"),
-                        (_run("cuda", v2=True, block_size=2 * G), PRESET)]:  # fmt: skip
+    elsewhere = [
+        (_run("cuda"), PRESET),
+        (_run("cuda", v2=True), PRESET + "_sink"),
+        (_run("cuda", v2=True, block_size=2 * G), PRESET),
+        (_run("cuda", v2=True, dcp=2), PRESET),
+    ]
+    for run, preset in elsewhere:
         assert not tail_blocks_enabled(run, preset)  # not built there: the pool, no error
     monkeypatch.setenv(TAIL_BLOCKS_ENV, "0")
     assert not tail_blocks_enabled(_run("cuda", v2=True), PRESET)
@@ -217,6 +223,7 @@ def test_tails_in_blocks_are_opt_in_and_refused_where_not_built(monkeypatch):
         (_run("cuda", v2=True), PRESET, "V2 model runner"),
         (_run(), PRESET + "_sink", "does not keep a sink yet"),
         (_run(block_size=2 * G), PRESET, "cache blocks of one tile"),
+        (_run(dcp=2), PRESET, "decode context parallelism"),
     ]:
         with pytest.raises(ValueError, match=why):
             tail_blocks_enabled(run, preset)

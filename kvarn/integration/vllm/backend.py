@@ -393,6 +393,9 @@ def tail_blocks_enabled(vllm_config, preset: str) -> bool:
         )
     if has_sink(preset):
         problems.append(f"it does not keep a sink yet (use {preset.removesuffix(SINK_SUFFIX)})")
+    dcp = getattr(getattr(vllm_config, "parallel_config", None), "decode_context_parallel_size", 1) or 1
+    if dcp > 1:
+        problems.append(f"its block addressing assumes whole blocks per rank, not decode context parallelism ({dcp})")
     block = getattr(getattr(vllm_config, "cache_config", None), "block_size", None)
     if block is not None and block != preset_config(preset).group_size:
         problems.append(f"it needs cache blocks of one tile ({preset_config(preset).group_size} tokens), not {block}")
@@ -781,8 +784,11 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             tail_block_steps["gathered"] += 1
             starts = lens_np - (qsl_np[1:] - qsl_np[:-1])
             g, slots_t = self.cfg.group_size, torch.from_numpy(slots)
-            before = tail_rows(block_table, torch.from_numpy(starts), slots_t, g, self.tail_rows)
-            meta.tails = (before, tail_rows(block_table, torch.from_numpy(lens_np), slots_t, g, self.tail_rows))
+            starts_t = torch.from_numpy(starts)
+            before = tail_rows(block_table, starts_t, slots_t, g, self.tail_rows)
+            # written back after the step: its new tokens only (the older rows are in their blocks)
+            after = tail_rows(block_table, torch.from_numpy(lens_np), slots_t, g, self.tail_rows, since=starts_t)
+            meta.tails = (before, after)
             return meta
         if not self.per_request:
             meta.plan = self.planner.plan(qsl_cpu, lens_cpu, block_table.cpu(), cam.num_actual_tokens, self.device)
