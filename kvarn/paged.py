@@ -908,8 +908,12 @@ class PagedKV:
 
     def commit_block_tails(self, plan: TilePlan, tails: BlockTails) -> None:
         """Commit the tiles a decode step filled when they are kept in the cache's blocks: each committing
-        row's tile is copied from its blocks into its step-pool slot (``plan.commit_slots``, slots by row,
-        as :func:`plan_request_slots` with ``arange`` slots gives them), then committed from there."""
+        row's tile is copied from its blocks into its step-pool slot, then committed from there.
+
+        ``plan.commit_slots`` index ``tails.tables`` as well as the pool: the plan must be
+        :func:`plan_request_slots`' with slot ``b`` for row ``b`` (``arange`` slots, no sink slots), as the
+        vLLM builder makes it; other slot lists would copy another row's tile.
+        """
         view_k, view_v = self.tail_block_view(tails.rows_per_block)
         ops.gather_tail_tiles(view_k, view_v, tails.tables, self.tail_k, self.tail_v, plan.commit_slots, impl=self.impl)
         self.commit(plan)
@@ -1124,8 +1128,8 @@ def tail_geometry(cfg: KVarNConfig, pool_itemsize: int = 2) -> tuple[int, int]:
     attention has read it). At k4v2_g128, head_dim 128, 16-bit pools: 27 rows a block, 5 blocks.
 
     The layout of tails in vLLM's blocks (``docs/tail_blocks.md``, used by
-    :mod:`kvarn.integration.vllm.tail_blocks`); :class:`PagedKV` keeps tails by slot until that plan's
-    step 1 lands.
+    :mod:`kvarn.integration.vllm.tail_blocks`): :meth:`PagedKV.tail_block_view` reads a cache's records
+    as such rows, :func:`tail_rows` and :func:`block_tails` find a step's.
     """
     rows = cfg.record_bytes // (2 * cfg.head_dim * pool_itemsize)
     if rows < 1:
@@ -1162,8 +1166,9 @@ def tail_rows(
     the tokens at positions ``>= since`` (a step's new tokens: all that a scatter after the step must
     write back, the older rows of the same tile being in their blocks already). Computed once a step
     and used by every layer's :meth:`PagedKV.gather_tails` / :meth:`PagedKV.scatter_tails`; the index
-    math runs on the host (the lengths a builder plans with are host arrays: no device sync), and a
-    block table too narrow for a tail is refused here, before any layer writes.
+    math runs on the host (the lengths a builder plans with are host arrays) and reaches the device in
+    one copy from pinned memory that does not wait for the device, and a block table too narrow for a
+    tail is refused here, before any layer writes.
     """
     g, rows = group_size, rows_per_block
     lens = lens.long().cpu()
@@ -1181,9 +1186,11 @@ def tail_rows(
             f"but its block table has {block_table.shape[1]} columns (vLLM must give it the tail blocks)"
         )
     dev = block_table.device
-    slot = slots.long().cpu()[seq]
-    block = block_table[seq.to(dev), col.to(dev)].long()
-    return TailRows(slot.to(dev), offset.to(dev), block, (offset % rows).to(dev), rows)
+    staged = torch.stack([seq, col, slots.long().cpu()[seq], offset, offset % rows])
+    if dev.type == "cuda":
+        staged = staged.pin_memory().to(dev, non_blocking=True)
+    seq, col, slot, offset, row = staged.to(dev)
+    return TailRows(slot, offset, block_table[seq, col].long(), row, rows)
 
 
 @dataclass(frozen=True)

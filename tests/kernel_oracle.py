@@ -210,7 +210,7 @@ def with_block_tails(state: dict, cfg: KVarNConfig, seed: int) -> dict:
     blocks appended to the cache, as tails in vLLM's blocks keep them (``kvarn.paged.PagedKV.tail_block_view``,
     ``kvarn.paged.tail_geometry``'s rows): ``tail_k, tail_v`` the block views, ``tail_slots`` ``[B, N]`` int32
     tables of distinct random blocks. Every other byte of the new blocks is random (NaN/inf patterns
-    included), so a read of a row past a tile's tokens shows."""
+    included), the rows past each own tile's tokens too, so a read of one shows."""
     from kvarn.paged import PagedKV, tail_geometry
 
     gen = torch.Generator().manual_seed(seed)
@@ -222,10 +222,11 @@ def with_block_tails(state: dict, cfg: KVarNConfig, seed: int) -> dict:
     ids = torch.randperm(batch * n + 3, generator=gen)[: batch * n] + state["cache"].shape[0]
     tables = ids.view(batch, n).to(torch.int32).to(cache.device)
     view_k, view_v = PagedKV(cfg, cache, tail_k, state["tail_v"]).tail_block_view(rows)
-    j = torch.arange(g, device=cache.device)
     own = state["tail_slots"].long()
-    view_k[tables[:, j // rows].long(), j % rows] = tail_k[own]
-    view_v[tables[:, j // rows].long(), j % rows] = state["tail_v"][own]
+    for b, n in enumerate(state["seq_lens"].tolist()):  # the own tile's tokens only: its other rows stay random
+        j = torch.arange((n - 1) % g + 1 if n else 0, device=cache.device)
+        view_k[tables[b, j // rows].long(), j % rows] = tail_k[own[b], j]
+        view_v[tables[b, j // rows].long(), j % rows] = state["tail_v"][own[b], j]
     return {**state, "cache": cache, "tail_k": view_k, "tail_v": view_v, "tail_slots": tables}
 
 

@@ -40,8 +40,8 @@ DECODE = {
     "no_merge": ("kvarn_k4v2_g128", 128, True, True, True, {"FLAGS": (True, False, True, False, 128**-0.5)}),
     "one_split": ("kvarn_k4v2_g128", 128, False, False, True, {"FLAGS": (False, True, True, True, 128**-0.5)}),
     # own tiles kept as rows of the cache's blocks (tails in vLLM's blocks: 27 rows a block, 5 blocks)
-    "block_rows": ("kvarn_k4v2_g128", 128, True, True, True, {"TAIL_ROWS": 27, "TAIL_COLS": 5}),
-    "block_rows_g64": ("kvarn_k4v2_g64", 128, True, True, True, {"TAIL_ROWS": 13, "TAIL_COLS": 5, "STACK": True}),
+    "block_rows": ("kvarn_k4v2_g128", 128, True, True, True, {"TAIL_ROWS": 27}),
+    "block_rows_g64": ("kvarn_k4v2_g64", 128, True, True, True, {"TAIL_ROWS": 13, "STACK": True}),
 }
 STORE = {
     # id: preset config, SMOOTH_PHASE (None: no smooth_src)

@@ -183,6 +183,19 @@ def test_paged_attention_decode_own_tiles_in_block_rows(preset, d, dtype, hq, hk
     check_attention(out, args)
 
 
+@pytest.mark.parametrize("knobs", [{}, {"fuse_query": False}, {"tokens_m": True}], ids=["fused", "prologue", "tok_m"])
+def test_paged_attention_sequence_smooth_own_tiles_in_block_rows(knobs):
+    """Key smoothing with one vector per sequence (the ``_ks`` dtypes vLLM serves biased models in) with the own
+    tiles in block rows: the records scored with smoothed queries, the own tile from the blocks with plain ones."""
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64, smooth_keys=True, smooth_scope="sequence")
+    lengths = ragged_lengths(cfg.group_size, 8, seed=21)
+    pooled = build_cache(cfg, lengths, 2, torch.float16, seed=8)
+    query = torch.randn(len(lengths), 4, 64).to(torch.float16)
+    args = attention_args(with_block_tails(pooled, cfg, seed=9), query, cfg)
+    out = attention.paged_attention(*args, num_splits=2, empty=poisoned_empty, **knobs)
+    check_attention(out, args)
+
+
 def test_paged_attention_block_rows_refuses():
     cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
     state = with_block_tails(build_cache(cfg, [70, 5], 1, torch.float16, seed=1), cfg, seed=2)

@@ -528,10 +528,11 @@ def test_tail_rows_since_keeps_only_the_new_tokens():
     from kvarn.paged import tail_rows
 
     g, rows = 64, 13
-    lens = torch.tensor([70, 64 + 30, 5, 128])
-    since = torch.tensor([69, 64 + 31, 0, 100])  # one new token, none (since past the end), all, none (no tail)
-    table = torch.arange(4 * 8).view(4, 8) + 100
-    slots = torch.tensor([3, 2, 1, 0])
+    lens = torch.tensor([70, 64 + 30, 5, 128, 70])
+    # one new token; none (since past the end); all; none (no tail); a chunk from 60 that crossed into tile 1: all 6
+    since = torch.tensor([69, 64 + 31, 0, 100, 60])
+    table = torch.arange(5 * 8).view(5, 8) + 100
+    slots = torch.tensor([4, 3, 2, 1, 0])
     full = tail_rows(table, lens, slots, g, rows)
     new = tail_rows(table, lens, slots, g, rows, since=since)
     got = set(zip(new.slot.tolist(), new.offset.tolist(), new.block.tolist(), new.row.tolist(), strict=True))
@@ -539,9 +540,9 @@ def test_tail_rows_since_keeps_only_the_new_tokens():
         e
         for e, b in zip(
             zip(full.slot.tolist(), full.offset.tolist(), full.block.tolist(), full.row.tolist(), strict=True),
-            [3 - s for s in full.slot.tolist()],
+            [4 - s for s in full.slot.tolist()],
             strict=True,
         )
         if lens[b] // g * g + e[1] >= since[b]
     }
-    assert got == want and len(got) == 1 + 0 + 5
+    assert got == want and len(got) == 1 + 0 + 5 + 0 + 6

@@ -668,6 +668,8 @@ def _paged_attention(
         q, q_s = _launch_prologue(query, cfg, scale, empty, (cache, block_table, seq_lens) if smooth_q else None)
     final = (empty(nq, hq, d, dtype=query.dtype, device=dev) if out is None else out) if merge else part
     grid = (n_blocks, hkv, splits)
+    if block_rows:  # the kernel reads cdiv(G, R) blocks a row, rows contiguous
+        tail_slots = tail_slots[:, : cdiv(cfg.group_size, block_rows)]
     slots = _as_int32(tail_slots)  # a no-op for int32 lists: no cast launch per call
     pool = (tail_k, tail_v, slots, slots if sink_slots is None else _as_int32(sink_slots), *(step or (tail_k, tail_v)))
     ws = (part, ws_m, ws_l, final, part if counters is None else counters)
@@ -681,7 +683,7 @@ def _paged_attention(
     launch["min_units"] = min_split_tiles or min_split_tiles_default(cfg, launch["TOKENS_M"], n_blocks * hkv)
     launch["STACK"] = stack
     if block_rows:
-        launch.update(TAIL_ROWS=block_rows, TAIL_COLS=slots.stride(0))
+        launch["TAIL_ROWS"] = block_rows
     _launch_attention(
         grid, (q, q_s), query, cache, block_table, seq_lens, query_start_loc, pool, ws, cfg, flags, launch
     )

@@ -617,10 +617,10 @@ def _fp_tiles(
     """The full-precision units of a split, the sink (tile 0) and the own tile, into ``state = (m, l, acc)``.
 
     ``TAIL_ROWS > 0`` (decode, no sink): the own tile is kept as rows of blocks, ``TAIL_ROWS`` a
-    block, and the tail slot pointer points at the sequence's row of blocks (:func:`_fp_block_tile`).
+    block, and ``tail_slots`` holds ``cdiv(G, TAIL_ROWS)`` blocks a sequence (:func:`_fp_block_tile`).
 
-    ``src = (q_base, row_ok, pool, step)``, ``units = (sink_here, sink_slot, own_here, tail slot
-    pointer, own, pos_q, lo_q)`` with ``own`` from :func:`_split_units` and ``lo_q`` each row's
+    ``src = (q_base, row_ok, pool, step)``, ``units = (sink_here, sink_slot, own_here, (tail_slots,
+    seq), own, pos_q, lo_q)`` with ``own`` from :func:`_split_units` and ``lo_q`` each row's
     own-tile start; ``step = (key, value, row)``: the step's pool-form K/V ``[rows, Hkv, D]`` and
     the row of position ``j0`` (read with ``HAS_KV``). A multi-query row sees the sink below
     ``lo_q`` and the own-tile unit from ``lo_q`` to its position. Scored with the unsmoothed
@@ -628,7 +628,8 @@ def _fp_tiles(
     is then not read).
     """
     q_base, row_ok, pool, step = src
-    sink_here, sink_slot, own_here, tail_slot_ptr, own, pos_q, lo_q = units
+    sink_here, sink_slot, own_here, tails, own, pos_q, lo_q = units
+    tail_slots, seq = tails
     n_slot, fp0, j0, n_step = own
     if sink_here | own_here:
         if LATE_Q:
@@ -643,9 +644,11 @@ def _fp_tiles(
                 state = _fp_tile(q_full, state, pool, sink_slot, LAYOUT.G, 0, pos_q, POOL_BF16)
         if TAIL_ROWS > 0:
             if own_here:
-                state = _fp_block_tile(q_full, state, pool, tail_slot_ptr, n_slot, fp0, pos_q, TAIL_ROWS, POOL_BF16)
+                n_cols: tl.constexpr = (LAYOUT.G + TAIL_ROWS - 1) // TAIL_ROWS  # blocks of a tail
+                table = tail_slots + seq * n_cols
+                state = _fp_block_tile(q_full, state, pool, table, n_slot, fp0, pos_q, TAIL_ROWS, POOL_BF16)
         elif own_here:
-            slot = tl.load(tail_slot_ptr)
+            slot = tl.load(tail_slots + seq)
             if MULTI_Q:
                 state = _fp_tile(q_full, state, pool, slot, n_slot, fp0, pos_q, POOL_BF16, lo_q)
                 if HAS_KV:
@@ -716,27 +719,23 @@ def _attn_kernel(
     HAS_KV: tl.constexpr = False,
     STACK: tl.constexpr = False,
     TAIL_ROWS: tl.constexpr = 0,
-    TAIL_COLS: tl.constexpr = 1,
 ):
     """Grid ``(query blocks, Hkv, num_splits)``; see :func:`kvarn.kernels.attention_merge._finish` for what it writes.
 
-    ``q: [Nq, Hq, D]`` (strides ``s_iq, s_iqh``): with ``FUSED_Q`` the fp16/bf16 queries, rotated
-    and scaled by ``FACTOR`` here, else the prologue's rotated fp32 queries. ``part: [splits, Nq,
-    Hq, D]`` fp32 partials (``s_ws = Nq * Hq``, ``hq = Hq``), ``final: [Nq, Hq, D]`` the output (strides
-    ``s_o, s_oh``), ``counters: [query blocks * Hkv]`` int32 zeros (with ``MERGE``).
-    ``GQ`` query heads per KV head, padded to ``GQP`` (a power of two); row ``r`` of a block is
-    query ``r // GQP``, head ``r % GQP``. ``FLAGS = (SPLIT, MERGE, ROTATE, OUT_BF16, INV_SQRT_D)``.
-    ``TOKENS_M`` (decode only): tokens on the dots' M (:func:`_quantized_tiles_t`); ``FOLD``: :func:`_quantized_tiles`.
-    ``SMOOTH_Q`` (``SEQ_SMOOTH`` decode with the prologue): ``q_smooth`` holds the prologue's queries
-    for the records (smoothed with the sequence's vector), laid out as ``q``; else the program
-    smooths its own (:func:`_sequence_query`). ``LATE_Q`` (``SMOOTH_Q``, or ``SEQ_SMOOTH`` with
-    ``FUSED_Q``): the unsmoothed queries are loaded only after the tile loop, for the sink and tail.
-    ``HAS_KV`` (multi-query only): ``key, value: [Nq, Hkv, D]`` hold the step's own K/V in the pool
-    form (contiguous, rows as ``q``'s), read for the own-tile positions from the step's first on;
-    else those are read from the tail slot too (:func:`_split_units`). ``STACK``: :func:`_quantized_tiles_st`.
-    ``TAIL_ROWS > 0`` (decode without a sink): each sequence's own tile is kept as rows of blocks of
-    ``tail_k, tail_v`` (strides ``p_slot, p_tok, p_head`` of a block view), ``TAIL_ROWS`` a block, and
-    ``tail_slots`` is ``[B, TAIL_COLS]``: the blocks of each sequence's own tile.
+    ``q: [Nq, Hq, D]`` (strides ``s_iq, s_iqh``): with ``FUSED_Q`` the fp16/bf16 queries, rotated and scaled by
+    ``FACTOR`` here, else the prologue's rotated fp32 queries. ``part: [splits, Nq, Hq, D]`` fp32 partials
+    (``s_ws = Nq * Hq``, ``hq = Hq``), ``final: [Nq, Hq, D]`` the output (strides ``s_o, s_oh``), ``counters:
+    [query blocks * Hkv]`` int32 zeros (with ``MERGE``). ``GQ`` query heads per KV head, padded to ``GQP`` (a
+    power of two); row ``r`` of a block is query ``r // GQP``, head ``r % GQP``. ``FLAGS = (SPLIT, MERGE, ROTATE,
+    OUT_BF16, INV_SQRT_D)``. ``TOKENS_M`` (decode only): tokens on the dots' M (:func:`_quantized_tiles_t`);
+    ``FOLD``: :func:`_quantized_tiles`. ``SMOOTH_Q`` (``SEQ_SMOOTH`` decode with the prologue): ``q_smooth``
+    holds the prologue's queries for the records (smoothed with the sequence's vector), laid out as ``q``; else
+    the program smooths its own (:func:`_sequence_query`). ``LATE_Q`` (``SMOOTH_Q``, or ``SEQ_SMOOTH`` with
+    ``FUSED_Q``): the unsmoothed queries are loaded only after the tile loop, for the sink and tail. ``HAS_KV``
+    (multi-query only): ``key, value: [Nq, Hkv, D]`` hold the step's own K/V in the pool form (contiguous, rows
+    as ``q``'s), read for the own-tile positions from the step's first on; else those are read from the tail
+    slot too (:func:`_split_units`). ``STACK``: :func:`_quantized_tiles_st`. ``TAIL_ROWS > 0``: own tiles in block
+    rows of ``tail_k, tail_v`` (strides ``p_*``), ``tail_slots: [B, cdiv(G, TAIL_ROWS)]`` (:func:`_fp_block_tile`).
     """
     G: tl.constexpr = LAYOUT.G
     ROTATE: tl.constexpr = FLAGS[2]
@@ -773,7 +772,7 @@ def _attn_kernel(
             IN_BF16, FACTOR, FOLD, STACK, GQP)  # fmt: skip
         pool = (tail_k, tail_v, p_slot, p_tok, p_head, kvh)
         own_here = (own[0] + own[3] > 0) & (u0 <= n_full) & (n_full < u1)
-        units = (has_sink & (u0 == 0), sink_slot, own_here, tail_slots + seq * TAIL_COLS, own, pos_q, lo_q)
+        units = (has_sink & (u0 == 0), sink_slot, own_here, (tail_slots, seq), own, pos_q, lo_q)
         src = (q_base, ld_ok, pool, (key, value, q_start + own[2] - (seq_len - n_q)))
         m_i, l_i, acc = _fp_tiles(state, query, src, units, LAYOUT, ROTATE, IN_BF16, FACTOR, FUSED_Q, POOL_BF16,
             LATE_Q, MULTI_Q, HAS_KV, TAIL_ROWS)  # fmt: skip

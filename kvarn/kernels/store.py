@@ -852,7 +852,9 @@ def gather_tail_tiles(
     rows = rows_k.shape[1]
     if tables.dim() != 2 or tables.shape[1] * rows < g:
         raise ValueError(f"tables must be [num_slots, N] with N * {rows} >= {g}, got {tuple(tables.shape)}")
-    if slots.dim() != 1 or slots.numel() == 0:
+    if slots.dim() != 1:
+        raise ValueError(f"slots must be [N], got {tuple(slots.shape)}")
+    if slots.numel() == 0:
         return
     tables, slots = index_list(tables), index_list(slots)
     _plan.launch(

@@ -80,7 +80,8 @@ def gather_tail_tiles(
     slots: torch.Tensor,
 ) -> None:
     """Copy whole tiles kept as block rows into pool slots, in place: ``tail_*[s] = tail_tiles(rows_*, tables)[s]``
-    for each ``s`` of ``slots: [N]`` (a negative entry skips; ``tables`` indexed by slot).
+    for each ``s`` of ``slots: [N]`` (a negative entry skips). ``tables`` is indexed by slot: row ``s`` names
+    the blocks of the tile that goes to slot ``s`` (every listed slot below ``len(tables)``).
 
     The commit of a tile kept in a cache's blocks (a decode step that fills it) reads it from the
     pool this copy fills (:meth:`kvarn.paged.PagedKV.commit_block_tails`).

@@ -606,9 +606,9 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             self.tail_blocks = tail_blocks
             if getattr(kv_cache_spec, "tail_blocks", None) != tail_blocks:
                 raise RuntimeError(
-                    f"{TAIL_BLOCKS_ENV}=1: vLLM's KV cache spec for these layers gives each request "
+                    f"KVarN tails in vLLM's blocks: vLLM's KV cache spec for these layers gives each request "
                     f"{getattr(kv_cache_spec, 'tail_blocks', 0)} tail blocks, the backend needs {tail_blocks} "
-                    f"(the spec was built without this run's config); unset {TAIL_BLOCKS_ENV}"
+                    f"(the spec was built without this run's config); set {TAIL_BLOCKS_ENV}=0 to keep a tail pool"
                 )
             self.num_slots = int(vllm_config.scheduler_config.max_num_seqs)
         self.per_request = not self.tail_rows and per_request_slots(vllm_config) and cuda
