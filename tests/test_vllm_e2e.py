@@ -27,9 +27,13 @@ import time
 import urllib.request
 
 import pytest
+import torch
 from tiny_model import build_tiny_model
+from tolerances import ATTN_REL
 
 TINY_PRESET = "kvarn_k4v2_g128"
+PROBE_LAYER = "model.layers.1.self_attn.attn"
+"""The layer whose last decode step the tails-in-blocks scenario holds to the reference (``KVARN_PROBE_LAYER``)."""
 SINK_PRESET = "kvarn_k4v2_g128_sink"
 KS_PRESET = "kvarn_k4v2_g128_ks"
 SINK_MAX_SEQS = 4
@@ -266,9 +270,12 @@ def _tail_block_rows(llm_cls, model_dir, engine_args, ids, texts_one) -> dict:
     """``$KVARN_TAIL_BLOCKS=1``: the chunked, prefix-hit and concurrent scenarios with tails in vLLM's blocks."""
     from vllm import TokensPrompt
 
+    from kvarn.integration.vllm.backend import decode_probe
     from kvarn.integration.vllm.checks import TAIL_BLOCKS_ENV
 
     os.environ[TAIL_BLOCKS_ENV] = "1"
+    decode_probe.layer = PROBE_LAYER
+    decode_probe.reset()
     try:
         llm = llm_cls(model=model_dir, kv_cache_dtype=TINY_PRESET, **engine_args)
         row = _tail_block_facts(llm)
@@ -276,6 +283,7 @@ def _tail_block_rows(llm_cls, model_dir, engine_args, ids, texts_one) -> dict:
         row["again"], outs = _generate(llm, texts_one)
         row["num_cached_tokens"] = outs[0].num_cached_tokens
         row["concurrent"], _ = _generate(llm, [TokensPrompt(prompt_token_ids=p) for p in ids])
+        row["probe"] = decode_probe.check()  # the last step: a decode through the blocks
         row["preemptions"] = _preemptions(llm)
         _shutdown(llm)
         from kvarn.integration.vllm.backend import tail_block_steps
@@ -283,6 +291,8 @@ def _tail_block_rows(llm_cls, model_dir, engine_args, ids, texts_one) -> dict:
         row["steps"] = dict(tail_block_steps)
     finally:
         del os.environ[TAIL_BLOCKS_ENV]
+        decode_probe.layer = None
+        decode_probe.reset()
     return row
 
 
@@ -483,6 +493,11 @@ def test_tails_in_vllm_blocks_serve_as_the_pool(results):
     assert "keeps its tail in 5 more blocks" in results["log"]
     # decode steps read and wrote the tails in the blocks (some committing a tile there), prompt steps gathered
     assert min(row["steps"].get(k, 0) for k in ("decode", "commits", "gathered")) > 0, row["steps"]
+    # the last decode step's attention as the probe recorded it, against the reference over the cache it left
+    probe = row["probe"]
+    assert probe["probed"] and probe["last_step_was_decode"] and probe["seq_lens_match_build"], probe
+    assert not probe["replayed"] and probe["live_rows"] >= 1, probe
+    assert probe["rel_err"] <= ATTN_REL[getattr(torch, probe["dtype"])], probe
 
 
 def test_a_prefix_cache_hit_reuses_whole_tiles(results):

@@ -180,12 +180,12 @@ def test_a_prefix_hit_shares_whole_tiles_only_and_admission_counts_the_tail_bloc
     assert m.allocate_slots(c, 40) is not None and len(_held(m, "c")) == 1 + n
 
 
-def _run(device="cpu", block_size=G, max_num_seqs=8, v2=False, dcp=1):
+def _run(device="cpu", block_size=G, max_num_seqs=8, v2=False, dcp=1, skip=()):
     return SimpleNamespace(
         use_v2_model_runner=v2,
         parallel_config=SimpleNamespace(decode_context_parallel_size=dcp),
         device_config=SimpleNamespace(device_type=device),
-        cache_config=SimpleNamespace(block_size=block_size),
+        cache_config=SimpleNamespace(block_size=block_size, kv_cache_dtype_skip_layers=list(skip)),
         scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
         model_config=SimpleNamespace(dtype=torch.bfloat16),
     )
@@ -194,8 +194,8 @@ def _run(device="cpu", block_size=G, max_num_seqs=8, v2=False, dcp=1):
 def test_tails_in_blocks_are_opt_in_and_refused_where_not_built(monkeypatch):
     """``$KVARN_TAIL_BLOCKS``: unset, on for the GPU engine's V2 runner whose block tables kvarn widens (no sink,
     blocks of one tile), else the pool; ``0`` the pool; ``1`` on, refused with what to change on CUDA without
-    such a runner, with a sink, with cache blocks of several tiles; other values refused. With it the pool is
-    the shared step pool."""
+    such a runner, with a sink, with cache blocks of several tiles, with skipped layers (vLLM groups them with
+    KVarN's); other values refused. With it the pool is the shared step pool."""
     from kvarn.integration.vllm.backend import pool_slots, tail_blocks_enabled
     from kvarn.integration.vllm.checks import TAIL_BLOCKS_ENV
 
@@ -208,6 +208,7 @@ def test_tails_in_blocks_are_opt_in_and_refused_where_not_built(monkeypatch):
         (_run("cuda", v2=True), PRESET + "_sink"),
         (_run("cuda", v2=True, block_size=2 * G), PRESET),
         (_run("cuda", v2=True, dcp=2), PRESET),
+        (_run("cuda", v2=True, skip=["0"]), PRESET),
     ]
     for run, preset in elsewhere:
         assert not tail_blocks_enabled(run, preset)  # not built there: the pool, no error
@@ -224,6 +225,7 @@ def test_tails_in_blocks_are_opt_in_and_refused_where_not_built(monkeypatch):
         (_run(), PRESET + "_sink", "does not keep a sink yet"),
         (_run(block_size=2 * G), PRESET, "cache blocks of one tile"),
         (_run(dcp=2), PRESET, "decode context parallelism"),
+        (_run(skip=["0"]), PRESET, "skip-layers"),
     ]:
         with pytest.raises(ValueError, match=why):
             tail_blocks_enabled(run, preset)

