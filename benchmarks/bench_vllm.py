@@ -13,12 +13,17 @@ concurrent requests. The graph run must give the eager run's tokens exactly (sam
 graph path adds the persistent plan buffers and the conditional commit), and every run must finish.
 ``CHECK_PREEMPT=1`` adds two engines (graphs, eager) whose cache holds ``PREEMPT_BLOCKS`` blocks, so
 the 24 concurrent requests are preempted and recomputed: again the same tokens, and at least one
-preemption. Exit status 1 if not.
+preemption. ``CHECK_SKIP=1`` adds engines with layer 0 kept in bf16 (``kv_cache_dtype_skip_layers``),
+at KVarN's default block and at blocks of two tiles: every request finishes, agreement with bf16
+recorded. Each KVarN engine's last decode step of the probed layer (``KVARN_PROBE_LAYER``, replayed
+from a CUDA graph in the graph engine) is held to :func:`kvarn.reference.paged_attention` over the
+cache it left (``probe_stats``). Exit status 1 if any of this fails.
 
 ``bench`` knobs (environment): ``KV_GIB`` gives the engine an explicit KV budget of that many GiB
 (``kv_cache_memory_bytes``; the tail pool then comes on top) instead of vLLM's default memory,
 so that filling the cache fits one device call; ``CAP=0`` skips the capacity-bound part,
-``CAP_ONLY=1`` runs only it, ``TPOT=0`` skips the time-per-output-token part; ``TPOT_GRID``
+``CAP_ONLY=1`` runs only it, ``CAP_DECODE=0`` skips its decode phase (below), ``TPOT=0`` skips the
+time-per-output-token part; ``TPOT_GRID``
 (default ``4096:1,8,32``; e.g. ``4096:1,8,32;32768:1,8``) picks its contexts and batches (a batch
 whose tokens exceed the cache is recorded as not fitting, not timed); ``CAP_PROMPT`` (default 4096)
 and ``CAP_OUT`` (default 256) are the capacity run's prompt and output lengths. One engine serves every part.
@@ -28,7 +33,12 @@ and ``CAP_OUT`` (default 256) are the capacity run's prompt and output lengths. 
 (prefix-cached prompts, ``(t(129 tokens) - t(65 tokens)) / 64``, the median of ``TPOT_PAIRS`` pairs,
 default 5, with their range: single pairs spread by up to ±0.2 ms on the H200), and capacity-bound
 output tokens/s: ``CAP_PROMPT``-token prompts + ``CAP_OUT`` generated (``ignore_eos``), as many
-requests as the cache holds, all submitted at once.
+requests as the cache holds (tail blocks counted), all submitted at once, end to end (each request's
+prefill included: with 16K prompts and 256 outputs that is 64 prompt tokens per output token, so
+prefill-bound for any cache), with vLLM's preemption count; then its decode phase: the same requests
+again on their prefix-cached prompts, time per output token at that batch as above
+(``CAP_DECODE_PAIRS`` pairs, default 2), ``cap_decode_tok_s`` = requests / TPOT, with the prefix-cache
+hit rate of those runs (near 1: only each prompt's last block is recomputed).
 """
 
 from __future__ import annotations
@@ -109,6 +119,12 @@ CHECK_ENGINE = dict(gpu_memory_utilization=0.15, max_model_len=4096, max_num_seq
 """Engine settings of ``check``: chunks of 200 tokens end inside tiles."""
 
 
+def _probe_reset() -> None:
+    from kvarn.integration.vllm.backend import decode_probe
+
+    decode_probe.reset()
+
+
 def _free_gpu() -> None:
     """Let the next engine of the process have the GPU memory of the last one (its ``LLM`` deleted)."""
     import gc
@@ -141,8 +157,32 @@ def _sink_stats() -> dict | None:
     return {k: sum(p.stats[k] for p in pools) for k in keys} | {"live": sum(len(p.live) for p in pools)}
 
 
+PROBE_LAYER = "model.layers.1.self_attn.attn"
+"""The layer whose last decode step ``check`` holds to the reference (``KVARN_PROBE_LAYER``)."""
+
+
+def _probe_check() -> dict:
+    """The probed layer's last decode step through the blocks (replayed from a CUDA graph where the engine
+    captured it) against the reference over the cache as that step left it
+    (:meth:`~kvarn.integration.vllm.backend.DecodeProbe.check`), within the kernels' tolerance
+    (``tests/tolerances.py``: max |kernel - reference| / max |reference|)."""
+    import torch
+
+    from benchmarks._common import TOL
+    from kvarn.integration.vllm.backend import decode_probe
+
+    res = decode_probe.check()
+    if not res["probed"]:
+        return res | {"ok": False, "error": "no decode step through the blocks reached the probed layer"}
+    res["tol"] = TOL.ATTN_REL[getattr(torch, res["dtype"])]
+    res["ok"] = res["last_step_was_decode"] and res["seq_lens_match_build"] and res["rel_err"] <= res["tol"]
+    return res
+
+
 def check(out_path: str) -> int:
     from vllm import SamplingParams
+
+    os.environ.setdefault("KVARN_PROBE_LAYER", PROBE_LAYER)
 
     prompts, many, greedy = _check_inputs()
     kvarn_dtype = os.environ.get("CHECK_DTYPE", "kvarn_k4v2_g128")
@@ -167,6 +207,8 @@ def check(out_path: str) -> int:
         )
         res["many"] = _tokens(llm.generate([{"prompt_token_ids": x} for x in many], greedy, use_tqdm=False))
         res["total_s"] = round(time.time() - t0, 1)
+        if kv != "auto":
+            res["probe_stats"] = _probe_check()
         if kv.endswith("_sink"):
             res["sink_stats"] = _sink_stats()
         if kv != "auto":  # steps built with tails in blocks by route, this engine's and those before it
@@ -177,6 +219,7 @@ def check(out_path: str) -> int:
         with open(out_path + ".partial", "w") as f:  # what a cut-off call still returns
             json.dump(results, f)
         del llm
+        _probe_reset()
         _free_gpu()
 
     def agree(a, b):
@@ -197,9 +240,59 @@ def check(out_path: str) -> int:
     with open(out_path, "w") as f:
         json.dump(out | {"tokens": results}, f)
     ok = all(summary[f"graphs_vs_eager_{k}"] == 1.0 for k in ("cold", "prefix_hit", "many"))
+    ok = ok and all(results[k]["probe_stats"]["ok"] for k in ("kvarn_graphs", "kvarn_eager"))
     if os.environ.get("CHECK_PREEMPT") == "1":
         ok = _check_preemption(kvarn_dtype, many, greedy, out_path) and ok
+    if os.environ.get("CHECK_SKIP") == "1":
+        ok = _check_skip_layers(kvarn_dtype, prompts, many, greedy, b, agree, out_path) and ok
     return 0 if ok else 1
+
+
+SKIP_BLOCK_SIZES = (None, 256)
+"""Cache block sizes of ``CHECK_SKIP``: vLLM's default for KVarN (one tile) and two tiles a block."""
+
+
+def _check_skip_layers(kvarn_dtype: str, prompts: list, many: list, greedy, bf16: dict, agree, out_path: str) -> bool:
+    """``CHECK_SKIP=1``: layer 0 kept in bf16 (``kv_cache_dtype_skip_layers=["0"]``, vLLM's own backend there),
+    the other KVarN, under decode CUDA graphs, at each of :data:`SKIP_BLOCK_SIZES`: every request finishes
+    with bf16's greedy tokens (the tiny model's agreement, as the plain KVarN engine's). An engine that
+    does not start is recorded with its error and fails the check."""
+    res, ok = {}, True
+    for bs in SKIP_BLOCK_SIZES:
+        name = f"block_{bs or 'default'}"
+        try:
+            llm = _llm(
+                os.environ.get("CHECK_MODEL", "tiny"),
+                kvarn_dtype,
+                kv_cache_dtype_skip_layers=["0"],
+                **({} if bs is None else {"block_size": bs}),
+                **CHECK_ENGINE,
+            )
+        except Exception as e:  # a refused configuration is a result here
+            res[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            ok = False
+            continue
+        cc = llm.llm_engine.vllm_config
+        row = {"cudagraph_mode": str(cc.compilation_config.cudagraph_mode), "block_size": cc.cache_config.block_size}
+        row["backends"] = llm.collective_rpc(
+            lambda w: (
+                sorted({(g.backend.__name__, g.kernel_block_size) for gs in w.model_runner.attn_groups for g in gs})
+                if hasattr(w.model_runner, "attn_groups")
+                else None
+            )
+        )[0]
+        cold = _tokens(llm.generate([{"prompt_token_ids": x} for x in prompts], greedy, use_tqdm=False))
+        conc = _tokens(llm.generate([{"prompt_token_ids": x} for x in many], greedy, use_tqdm=False))
+        row |= {"vs_bf16_cold": agree(cold, bf16["cold"]), "vs_bf16_many": agree(conc, bf16["many"])}
+        row["finished"] = sum(len(c) == greedy.max_tokens for r in cold + conc for c in r)
+        res[name] = row
+        ok = ok and row["finished"] == len(prompts) + len(many)
+        del llm
+        _free_gpu()
+    print(json.dumps({"skip_layers": res}), flush=True)
+    with open(out_path + ".skip", "w") as f:
+        json.dump(res, f)
+    return ok
 
 
 PREEMPT_BLOCKS = 40
@@ -260,7 +353,13 @@ def bench(shape: str, kv: str, out_path: str) -> int:
     )
     t0 = time.time()
     cap_out = int(os.environ.get("CAP_OUT", "256"))
-    llm = _llm(shape, kv, max_model_len=max(16384 + 320, cap_prompt + cap_out + 64, *(c + 320 for c in grid)), **memory)
+    llm = _llm(
+        shape,
+        kv,
+        max_model_len=max(16384 + 320, cap_prompt + cap_out + 64, *(c + 320 for c in grid)),
+        disable_log_stats=False,  # the capacity run reads vLLM's preemption count (get_metrics)
+        **memory,
+    )
     cfg = llm.llm_engine.vllm_config
     res["start_s"] = round(time.time() - t0, 1)
     res["kv_budget"] = "gpu_memory_utilization 0.9" if kv_gib is None else f"{kv_gib} GiB"
@@ -277,30 +376,32 @@ def bench(shape: str, kv: str, out_path: str) -> int:
     if os.environ.get("CAP_ONLY") != "1":
         timed([prompt(512)], 1)
         res["prefill_16k_tok_s"] = round(16384 / timed([prompt(16384)], 1))
+        pool = {}
+        tail_tokens = _tail_blocks(llm) * cfg.cache_config.block_size  # kvarn's tails in blocks, per request
         for ctx, batches in {} if os.environ.get("TPOT") == "0" else grid.items():
             for batch in batches:
                 key = f"tpot_ms_b{batch}_ctx{ctx}"
-                if batch * (ctx + 160) > res["kv_tokens"]:
+                if batch * (ctx + 160 + tail_tokens) > res["kv_tokens"]:
                     res[key] = "does not fit"
                     continue
                 # prompts prefix-cached after the first call; (t(129) - t(65)) / 64 leaves out the
                 # prefill step and the first decode steps, which both runs share
-                ps = [prompt(ctx) for _ in range(batch)]
+                # the contexts' prompts are shared by their batches (batch 8's are batch 32's first 8), so
+                # a larger batch finds the smaller one's prompts in the prefix cache and prefills the rest
+                shared = pool.setdefault(ctx, [])
+                shared += [prompt(ctx) for _ in range(batch - len(shared))]
+                ps = shared[:batch]
                 timed(ps, 1)
-                pairs = [(timed(ps, 65), timed(ps, 129)) for _ in range(n_pairs)]
-                per_token = sorted((b - a) / 64 * 1e3 for a, b in pairs)
-                res[key] = round(per_token[len(per_token) // 2], 3)
-                res[key + "_range"] = [round(per_token[0], 3), round(per_token[-1], 3)]
-                res[key + "_raw_s"] = [[round(a, 4), round(b, 4)] for a, b in pairs]
+                res[key], res[key + "_range"] = _tpot(llm, ps, n_pairs)
                 save()
         save()
     if os.environ.get("CAP", "1") != "0":
-        _capacity(llm, res, prompt, cap_prompt, cap_out)
+        _capacity(llm, res, prompt, cap_prompt, cap_out, save)
         save()
     return 0
 
 
-def _capacity(llm, res: dict, prompt, plen: int, out: int) -> None:
+def _capacity(llm, res: dict, prompt, plen: int, out: int, save) -> None:
     """Capacity-bound output tokens/s: as many ``plen`` + ``out`` requests as the engine's cache holds, at once.
 
     A request takes ``cdiv(plen + out, block_size)`` blocks, plus kvarn's tail blocks where its tails live
@@ -320,6 +421,40 @@ def _capacity(llm, res: dict, prompt, plen: int, out: int) -> None:
     res |= {"cap_prompt": plen, "cap_out": out, "cap_requests": nreq, "cap_s": round(el, 2)}
     res["cap_out_tok_s"] = round(nreq * out / el)
     res["cap_preemptions"] = _preemptions(llm) - before
+    save()
+    if os.environ.get("CAP_DECODE", "1") == "0":
+        return
+    # the decode phase at that batch: the same prompts again, now prefix-cached (their last block is
+    # recomputed, in both runs of a pair), (t(129) - t(65)) / 64 per step
+    pairs = int(os.environ.get("CAP_DECODE_PAIRS", "2"))
+    hits = _prefix_hits(llm)
+    per_step, before = _tpot(llm, ps, pairs), _preemptions(llm)
+    res["cap_decode_tpot_ms"], res["cap_decode_tpot_range"] = per_step
+    res["cap_decode_tok_s"] = round(nreq / per_step[0] * 1e3)
+    res["cap_decode_preemptions"] = _preemptions(llm) - before
+    got = _prefix_hits(llm)
+    res["cap_decode_prefix_hit_rate"] = round((got[0] - hits[0]) / max(1, got[1] - hits[1]), 4)
+
+
+def _tpot(llm, prompts: list, pairs: int) -> tuple[float, list[float]]:
+    """Time per output token of ``prompts`` decoded together: the median and range over ``pairs`` of
+    ``(t(129 tokens) - t(65 tokens)) / 64`` in ms; each run prefills what the prefix cache lacks, the
+    same in both runs of a pair, so the difference is 64 decode steps."""
+    from vllm import SamplingParams
+
+    def timed(n):
+        t = time.time()
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        return time.time() - t
+
+    per_token = sorted((b - a) / 64 * 1e3 for a, b in ((timed(65), timed(129)) for _ in range(pairs)))
+    return round(per_token[len(per_token) // 2], 3), [round(per_token[0], 3), round(per_token[-1], 3)]
+
+
+def _prefix_hits(llm) -> tuple[int, int]:
+    """vLLM's prefix-cache hits and queries so far, in tokens (``vllm:prefix_cache_hits`` / ``_queries``)."""
+    got = {m.name: int(getattr(m, "value", 0)) for m in llm.get_metrics()}
+    return got.get("vllm:prefix_cache_hits", 0), got.get("vllm:prefix_cache_queries", 0)
 
 
 def _preemptions(llm) -> int:
