@@ -333,8 +333,10 @@ def bench(shape: str, kv: str, out_path: str) -> int:
     rng = random.Random(0)
     res = {"model": shape, "kv_cache_dtype": kv}
 
+    vocab = min(100000, SHAPES[shape]["vocab_size"])
+
     def prompt(n):
-        return {"prompt_token_ids": [rng.randrange(100, 100000) for _ in range(n)]}
+        return {"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(n)]}
 
     def save():
         print(json.dumps(res), flush=True)
