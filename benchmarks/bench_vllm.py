@@ -274,11 +274,13 @@ def _check_skip_layers(kvarn_dtype: str, prompts: list, many: list, greedy, bf16
             continue
         cc = llm.llm_engine.vllm_config
         row = {"cudagraph_mode": str(cc.compilation_config.cudagraph_mode), "block_size": cc.cache_config.block_size}
-        row["backends"] = llm.collective_rpc(
-            lambda w: (
-                sorted({(g.backend.__name__, g.kernel_block_size) for gs in w.model_runner.attn_groups for g in gs})
-                if hasattr(w.model_runner, "attn_groups")
-                else None
+        row["backends"] = llm.collective_rpc(  # vLLM 0.26's attention groups carry no kernel_block_size
+            lambda w: sorted(
+                {
+                    (g.backend.__name__, getattr(g, "kernel_block_size", None))
+                    for gs in getattr(w.model_runner, "attn_groups", ())
+                    for g in gs
+                }
             )
         )[0]
         cold = _tokens(llm.generate([{"prompt_token_ids": x} for x in prompts], greedy, use_tqdm=False))
