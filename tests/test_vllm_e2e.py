@@ -352,9 +352,13 @@ def run_scenarios(out_path: str, tiny_dir: str, smol_dir: str | None, biased_dir
     }
     tiny["tail_blocks"] = _tail_block_rows(LLM, tiny_dir, budget_args, ids, one)
 
-    llm = LLM(model=tiny_dir, kv_cache_dtype=TINY_PRESET, block_size=256, kv_cache_dtype_skip_layers=["0"], **tiny_args)
+    big = {"block_size": 256, "kv_cache_dtype_skip_layers": ["0"], "max_num_batched_tokens": 96}
+    llm = LLM(model=tiny_dir, kv_cache_dtype=TINY_PRESET, **big, **tiny_args)
     toks, _ = _generate(llm, [TokensPrompt(prompt_token_ids=p) for p in ids[:4]])
+    # then 16 at once in chunks of 96 tokens: the 4 departed tails must have been freed (kernel blocks)
+    many, _ = _generate(llm, [TokensPrompt(prompt_token_ids=p) for p in ids])
     tiny["big_blocks_and_skipped_layer"] = {"finished": sum(len(t) == MAX_TOKENS for t in toks), **_engine_facts(llm)}
+    tiny["big_blocks_and_skipped_layer"]["many_finished"] = sum(len(t) == MAX_TOKENS for t in many)
     tiny["big_blocks_and_skipped_layer"]["kernel_blocks"] = llm.collective_rpc(
         lambda w: sorted((g.backend.__name__, g.kernel_block_size) for gs in w.model_runner.attn_groups for g in gs)
     )[0]
@@ -535,11 +539,17 @@ def _check_presets(rows, num_prompts, max_tokens, head_dim, num_layers, num_kv_h
 def test_a_cache_block_of_several_tiles_and_a_skipped_layer(results):
     row = results["tiny"]["big_blocks_and_skipped_layer"]
     assert row["finished"] == 4
+    # 4 requests, then 16 at once in chunks of 96 tokens on a pool of 16 tail slots: before departures freed
+    # the kernel blocks their cache blocks split into, the 4 departed tails stayed and a running one was
+    # evicted (TailLostError, 2026-12-03)
+    assert row["many_finished"] == 16
+    assert row["stats"]["released_tails"] >= 4 and row["stats"].get("evicted_tails", 0) == 0
     assert row["block_size"] == 256
     groups = dict(map(tuple, row["kernel_blocks"]))
     assert groups["KVarNBackend_k4v2_g128"] == 128, "vLLM splits a 256-token block into two tiles"
     assert "CPUAttentionBackend" in groups, "the skipped layer keeps vLLM's own backend"
-    assert row["stats"]["stored_tiles"] > 0
+    # chunks of 96 tokens fill tiles in the tails, which commit them (no chunk holds a whole tile to store)
+    assert row["stats"]["committed_tiles"] > 0
 
 
 def test_every_preset_runs_on_the_tiny_model(results):

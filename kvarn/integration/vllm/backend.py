@@ -320,12 +320,43 @@ _planners: weakref.WeakSet[TilePlanner] = weakref.WeakSet()
 _HOOK_MARK = "_kvarn_releases_tails"
 
 
-def release_request_tails(block_ids) -> int:
-    """Free the tail slots of a request that left: ``block_ids`` is its blocks per KV-cache group.
+def kernel_blocks(group, blocks) -> list[int]:
+    """The kernel blocks (what a backend's block table holds) of cache ``blocks`` in vLLM attention group ``group``.
 
-    Block ids are unique across groups (one block pool), so every planner gets all of them.
-    Returns how many slots were freed.
+    Where vLLM splits a cache block of several tiles into kernel blocks of one tile (the group's
+    ``kernel_block_size`` below its spec's ``block_size``), kernel block ``j`` of block ``b`` is
+    ``b * stride + j``, the stride being the group's ``kernel_block_stride`` where vLLM set one (packed
+    caches) and the kernel blocks per block otherwise (vLLM's ``map_to_kernel_block_table``); else the
+    blocks are the kernel blocks.
     """
+    kernel = getattr(group, "kernel_block_size", None)
+    block = getattr(getattr(group, "kv_cache_spec", None), "block_size", None)
+    if not kernel or not block or block == kernel:
+        return [int(b) for b in blocks]
+    per = block // kernel
+    stride = getattr(group, "kernel_block_stride", 0) or per
+    return [int(b) * stride + j for b in blocks for j in range(per)]
+
+
+def release_request_tails(block_ids, attn_groups=None) -> int:
+    """Free the tail slots of a request that left: ``block_ids`` is its cache blocks per KV-cache group.
+
+    With the runner's ``attn_groups`` (lists of vLLM attention groups per KV-cache group), each KVarN
+    builder's planner gets its own group's blocks as the kernel blocks its block tables held
+    (:func:`kernel_blocks`: a cache block of two tiles is two kernel blocks). Without them every planner
+    gets every block id as it is (unique across groups: one block pool), which is right where cache
+    blocks are kernel blocks. Returns how many slots were freed.
+    """
+    found = []
+    for groups in attn_groups or ():
+        for group in groups:
+            gid = getattr(group, "kv_cache_group_id", None)
+            for builder in getattr(group, "metadata_builders", None) or ():
+                planner = getattr(builder, "planner", None)
+                if isinstance(planner, TilePlanner) and gid is not None and gid < len(block_ids):
+                    found.append((planner, kernel_blocks(group, block_ids[gid])))
+    if found:
+        return sum(planner.release_blocks(blocks) for planner, blocks in found)
     blocks = [int(b) for group in block_ids for b in group]
     return sum(planner.release_blocks(blocks) for planner in list(_planners))
 
@@ -336,8 +367,9 @@ def install_release_hook(runner_cls=None) -> bool:
     Wraps ``runner_cls._update_states(scheduler_output)`` (default: vLLM's V1 ``GPUModelRunner``,
     which the CPU runner extends, if it is imported): before vLLM drops a request that
     ``scheduler_output.finished_req_ids`` or ``preempted_req_ids`` names, its blocks go to
-    :func:`release_request_tails`. vLLM hands a freed block to another request at the earliest in
-    the same scheduler output, so the slot is free before that step is planned.
+    :func:`release_request_tails` with the runner's attention groups (for the kernel blocks). vLLM
+    hands a freed block to another request at the earliest in the same scheduler output, so the slot
+    is free before that step is planned.
     """
     if runner_cls is None:
         runner_cls = getattr(sys.modules.get("vllm.v1.worker.gpu_model_runner"), "GPUModelRunner", None)
@@ -354,7 +386,7 @@ def install_release_hook(runner_cls=None) -> bool:
         for req_id in leaving:
             state = requests.get(req_id)
             if state is not None and _planners:
-                release_request_tails(state.block_ids)
+                release_request_tails(state.block_ids, getattr(self, "attn_groups", None))
         return original(self, scheduler_output, *args, **kwargs)
 
     setattr(_update_states, _HOOK_MARK, True)
