@@ -2,6 +2,7 @@
 
 usage: python benchmarks/bench_vllm.py check OUT.json
        python benchmarks/bench_vllm.py preempt OUT.json   (check's preemption scenario alone: OUT.json.preempt)
+       python benchmarks/bench_vllm.py skip OUT.json      (check's skipped-layer scenario alone: OUT.json.skip)
        python benchmarks/bench_vllm.py bench MODEL CACHE_DTYPE OUT.json     (MODEL: llama3-8b | qwen3-8b)
 
 ``check``: a tiny Llama (2 layers, head_dim 128, GQA 8/2) with ``kvarn_k4v2_g128`` (or the cache dtype
@@ -119,6 +120,13 @@ CHECK_ENGINE = dict(gpu_memory_utilization=0.15, max_model_len=4096, max_num_seq
 """Engine settings of ``check``: chunks of 200 tokens end inside tiles."""
 
 
+def agree(a, b) -> float:
+    """The fraction of equal tokens at equal places of two runs' outputs (requests x samples x tokens)."""
+    pairs = [(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)]
+    same = sum(sum(1 for u, v in zip(x, y, strict=False) if u == v) for x, y in pairs)
+    return same / max(1, sum(len(x) for x, _ in pairs))
+
+
 def _probe_reset() -> None:
     from kvarn.integration.vllm.backend import decode_probe
 
@@ -161,16 +169,19 @@ PROBE_LAYER = "model.layers.1.self_attn.attn"
 """The layer whose last decode step ``check`` holds to the reference (``KVARN_PROBE_LAYER``)."""
 
 
-def _probe_check() -> dict:
+def _probe_check(llm) -> dict:
     """The probed layer's last decode step through the blocks (replayed from a CUDA graph where the engine
     captured it) against the reference over the cache as that step left it
     (:meth:`~kvarn.integration.vllm.backend.DecodeProbe.check`), within the kernels' tolerance
-    (``tests/tolerances.py``: max |kernel - reference| / max |reference|)."""
+    (``tests/tolerances.py``: max |kernel - reference| / max |reference|). An engine whose tails are in a
+    pool (``_sink`` dtypes, ``KVARN_TAIL_BLOCKS=0``) has no such step: nothing to check."""
     import torch
 
     from benchmarks._common import TOL
     from kvarn.integration.vllm.backend import decode_probe
 
+    if not _tail_blocks(llm):
+        return {"probed": False, "ok": True, "note": "tails in a pool: no decode step through the blocks"}
     res = decode_probe.check()
     if not res["probed"]:
         return res | {"ok": False, "error": "no decode step through the blocks reached the probed layer"}
@@ -208,7 +219,7 @@ def check(out_path: str) -> int:
         res["many"] = _tokens(llm.generate([{"prompt_token_ids": x} for x in many], greedy, use_tqdm=False))
         res["total_s"] = round(time.time() - t0, 1)
         if kv != "auto":
-            res["probe_stats"] = _probe_check()
+            res["probe_stats"] = _probe_check(llm)
         if kv.endswith("_sink"):
             res["sink_stats"] = _sink_stats()
         if kv != "auto":  # steps built with tails in blocks by route, this engine's and those before it
@@ -221,11 +232,6 @@ def check(out_path: str) -> int:
         del llm
         _probe_reset()
         _free_gpu()
-
-    def agree(a, b):
-        pairs = [(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)]
-        same = sum(sum(1 for u, v in zip(x, y, strict=False) if u == v) for x, y in pairs)
-        return same / max(1, sum(len(x) for x, _ in pairs))
 
     g, e, b = results["kvarn_graphs"], results["kvarn_eager"], results["bf16_graphs"]
     summary = {f"graphs_vs_eager_{k}": agree(g[k], e[k]) for k in ("cold", "prefix_hit", "n2", "many")} | {
@@ -244,7 +250,7 @@ def check(out_path: str) -> int:
     if os.environ.get("CHECK_PREEMPT") == "1":
         ok = _check_preemption(kvarn_dtype, many, greedy, out_path) and ok
     if os.environ.get("CHECK_SKIP") == "1":
-        ok = _check_skip_layers(kvarn_dtype, prompts, many, greedy, b, agree, out_path) and ok
+        ok = _check_skip_layers(kvarn_dtype, prompts, many, greedy, b, out_path) and ok
     return 0 if ok else 1
 
 
@@ -252,7 +258,7 @@ SKIP_BLOCK_SIZES = (None, 256)
 """Cache block sizes of ``CHECK_SKIP``: vLLM's default for KVarN (one tile) and two tiles a block."""
 
 
-def _check_skip_layers(kvarn_dtype: str, prompts: list, many: list, greedy, bf16: dict, agree, out_path: str) -> bool:
+def _check_skip_layers(kvarn_dtype: str, prompts: list, many: list, greedy, bf16: dict, out_path: str) -> bool:
     """``CHECK_SKIP=1``: layer 0 kept in bf16 (``kv_cache_dtype_skip_layers=["0"]``, vLLM's own backend there),
     the other KVarN, under decode CUDA graphs, at each of :data:`SKIP_BLOCK_SIZES`: every request finishes
     with bf16's greedy tokens (the tiny model's agreement, as the plain KVarN engine's). An engine that
@@ -295,6 +301,19 @@ def _check_skip_layers(kvarn_dtype: str, prompts: list, many: list, greedy, bf16
     with open(out_path + ".skip", "w") as f:
         json.dump(res, f)
     return ok
+
+
+def skip_only(out_path: str) -> bool:
+    """``check``'s ``CHECK_SKIP`` scenario alone: the bf16 engine's tokens first, then :func:`_check_skip_layers`."""
+    prompts, many, greedy = _check_inputs()
+    llm = _llm(os.environ.get("CHECK_MODEL", "tiny"), "auto", **CHECK_ENGINE)
+    bf16 = {
+        k: _tokens(llm.generate([{"prompt_token_ids": x} for x in p], greedy, use_tqdm=False))
+        for k, p in (("cold", prompts), ("many", many))
+    }
+    del llm
+    _free_gpu()
+    return _check_skip_layers(os.environ.get("CHECK_DTYPE", "kvarn_k4v2_g128"), prompts, many, greedy, bf16, out_path)
 
 
 PREEMPT_BLOCKS = 40
@@ -388,10 +407,8 @@ def bench(shape: str, kv: str, out_path: str) -> int:
                 if batch * (ctx + 160 + tail_tokens) > res["kv_tokens"]:
                     res[key] = "does not fit"
                     continue
-                # prompts prefix-cached after the first call; (t(129) - t(65)) / 64 leaves out the
-                # prefill step and the first decode steps, which both runs share
-                # the contexts' prompts are shared by their batches (batch 8's are batch 32's first 8), so
-                # a larger batch finds the smaller one's prompts in the prefix cache and prefills the rest
+                # prompts prefix-cached after the first call (:func:`_tpot`); a context's prompts are shared
+                # by its batches (batch 8's are batch 32's first 8): a larger batch prefills only the rest
                 shared = pool.setdefault(ctx, [])
                 shared += [prompt(ctx) for _ in range(batch - len(shared))]
                 ps = shared[:batch]
@@ -441,9 +458,10 @@ def _capacity(llm, res: dict, prompt, plen: int, out: int, save) -> None:
 
 
 def _tpot(llm, prompts: list, pairs: int) -> tuple[float, list[float]]:
-    """Time per output token of ``prompts`` decoded together: the median and range over ``pairs`` of
-    ``(t(129 tokens) - t(65 tokens)) / 64`` in ms; each run prefills what the prefix cache lacks, the
-    same in both runs of a pair, so the difference is 64 decode steps."""
+    """Time per output token of ``prompts`` decoded together: the median (the upper one of an even count)
+    and the range over ``pairs`` of ``(t(129 tokens) - t(65 tokens)) / 64`` in ms. Each run prefills what
+    the prefix cache lacks, the same in both runs of a pair, and the first decode steps, so the
+    difference is 64 decode steps of the whole batch."""
     from vllm import SamplingParams
 
     def timed(n):
@@ -483,4 +501,6 @@ if __name__ == "__main__":
         _, many, greedy = _check_inputs()
         ok = _check_preemption(os.environ.get("CHECK_DTYPE", "kvarn_k4v2_g128"), many, greedy, sys.argv[2])
         sys.exit(0 if ok else 1)
+    if sys.argv[1] == "skip":  # the skipped-layer scenario of check alone, against a bf16 engine's tokens
+        sys.exit(0 if skip_only(sys.argv[2]) else 1)
     sys.exit(bench(sys.argv[2], sys.argv[3], sys.argv[4]))
