@@ -193,7 +193,10 @@ def _probe_check(llm) -> dict:
 def check(out_path: str) -> int:
     from vllm import SamplingParams
 
-    os.environ.setdefault("KVARN_PROBE_LAYER", PROBE_LAYER)
+    from kvarn.integration.vllm.backend import PROBE_ENV, decode_probe
+
+    decode_probe.layer = os.environ.get(PROBE_ENV) or PROBE_LAYER  # the probe reads the variable at import
+    decode_probe.reset()
 
     prompts, many, greedy = _check_inputs()
     kvarn_dtype = os.environ.get("CHECK_DTYPE", "kvarn_k4v2_g128")
