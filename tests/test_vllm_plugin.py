@@ -176,6 +176,28 @@ def test_the_run_check_sets_the_block_size_unless_the_user_chose_it():
     assert run.cache_config.block_size == 256, "a multiple of G is split into tiles by vLLM"
 
 
+def _first_backend_phase(cache, first_backend_block: int) -> None:
+    """vLLM 0.26's ``update_block_size_for_backend`` phase 1: an unset block size becomes the first attention
+    layer's backend's preferred one (with skipped layers, vLLM's own: 16 tokens)."""
+    if not cache.user_specified_block_size:
+        cache.block_size = first_backend_block
+
+
+def test_skipped_layers_keep_the_tile_length_as_the_block_size():
+    run = _run(block_size=16)
+    run.cache_config.kv_cache_dtype_skip_layers = ["0"]  # layer 0 in vLLM's own backend, built first
+    checks.check_run(run, "kvarn_k4v2_g128")
+    _first_backend_phase(run.cache_config, 16)
+    assert run.cache_config.block_size == 128, "vLLM 0.26 re-picked the block size from the skipped layer's backend"
+    run = _run(block_size=16)  # without skipped layers the first backend is KVarN's, which prefers G: left unmarked
+    checks.check_run(run, "kvarn_k4v2_g128")
+    assert run.cache_config.block_size == 128 and not run.cache_config.user_specified_block_size
+    run = _run(block_size=256, user_block=True)  # the user's multiple of G stands as before
+    run.cache_config.kv_cache_dtype_skip_layers = ["0"]
+    checks.check_run(run, "kvarn_k4v2_g128")
+    assert run.cache_config.block_size == 256
+
+
 def test_where_vllm_has_a_dtype_registry_the_handlers_go_through_it(monkeypatch):
     registered = {}
 

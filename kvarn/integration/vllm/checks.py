@@ -282,4 +282,10 @@ def run_problems(vllm_config, preset: str) -> list[str]:
             )
     if not problems and not cache.user_specified_block_size:
         cache.block_size = group
+        if getattr(cache, "kv_cache_dtype_skip_layers", None):
+            # After the model is built, vLLM re-picks a block size it thinks unset; 0.26 asks only the first
+            # attention layer's backend, which with skipped layers may be vLLM's own (16 tokens), then sizes
+            # the shared page for the skipped layers from it (32 on a tiny Llama): "No common block size"
+            # at start-up. Marked as chosen, the tile length stands (0.32 asks every backend and agrees).
+            cache.user_specified_block_size = True
     return problems
