@@ -39,7 +39,9 @@ prefill included: with 16K prompts and 256 outputs that is 64 prompt tokens per 
 prefill-bound for any cache), with vLLM's preemption count; then its decode phase: the same requests
 again on their prefix-cached prompts, time per output token at that batch as above
 (``CAP_DECODE_PAIRS`` pairs, default 2), ``cap_decode_tok_s`` = requests / TPOT, with the prefix-cache
-hit rate of those runs (near 1: only each prompt's last block is recomputed).
+hit rate of those runs (near 1: only each prompt's last block is recomputed). ``start_jit`` and
+``cap_jit``: Triton's compiles (count, seconds, kernels; :class:`JitLog`) during engine start and
+during the end-to-end capacity run, where a machine whose Triton cache lacks kvarn's kernels pays them.
 """
 
 from __future__ import annotations
@@ -351,6 +353,56 @@ def _check_preemption(kvarn_dtype: str, many: list, greedy, out_path: str) -> bo
     return same and min(v["preemptions"] for v in runs.values()) > 0
 
 
+class JitLog:
+    """Triton compiles in this process (the in-process engine's kernels), with their wall time.
+
+    Installed as Triton's ``jit_cache_hook`` (called before a compile; returns what the hook it replaced
+    returns, so the compile proceeds) and ``jit_post_compile_hook`` (after it), each chaining the hook it
+    found; vLLM's JIT monitor, installed after warm-up, chains to these in turn. ``since(mark)``: the
+    compiles after ``len(events)`` was ``mark``, as ``{"compiles", "seconds", "kernels"}``.
+    """
+
+    def __init__(self):
+        self.events: list[tuple[str, float]] = []
+        self._started: dict[str, float] = {}
+
+    @classmethod
+    def install(cls) -> JitLog | None:
+        try:
+            from triton import knobs
+        except ImportError:  # no Triton, or one without the runtime hooks: compiles are not recorded
+            return None
+        rt = getattr(knobs, "runtime", None)
+        if rt is None or not hasattr(rt, "jit_post_compile_hook") or not hasattr(rt, "jit_cache_hook"):
+            return None
+        log = cls()
+        before, after = rt.jit_cache_hook, rt.jit_post_compile_hook
+
+        def pre(**kw):
+            log._started[log._key(kw)] = time.time()
+            return before(**kw) if before is not None else None
+
+        def post(**kw):
+            key = log._key(kw)
+            t0 = log._started.pop(key, None)
+            log.events.append((key.split("|")[0], 0.0 if t0 is None else time.time() - t0))
+            return after(**kw) if after is not None else None
+
+        rt.jit_cache_hook, rt.jit_post_compile_hook = pre, post
+        return log
+
+    @staticmethod
+    def _key(kw: dict) -> str:
+        return f"{getattr(kw.get('fn'), 'name', '?')}|{kw.get('key')!r}"
+
+    def since(self, mark: int) -> dict:
+        new = self.events[mark:]
+        kernels: dict[str, int] = {}
+        for name, _ in new:
+            kernels[name] = kernels.get(name, 0) + 1
+        return {"compiles": len(new), "seconds": round(sum(t for _, t in new), 1), "kernels": kernels}
+
+
 def bench(shape: str, kv: str, out_path: str) -> int:
     from vllm import SamplingParams
 
@@ -377,6 +429,7 @@ def bench(shape: str, kv: str, out_path: str) -> int:
     memory = (
         {"gpu_memory_utilization": 0.9} if kv_gib is None else {"kv_cache_memory_bytes": int(float(kv_gib) * 2**30)}
     )
+    jit = JitLog.install()
     t0 = time.time()
     cap_out = int(os.environ.get("CAP_OUT", "256"))
     llm = _llm(
@@ -388,6 +441,8 @@ def bench(shape: str, kv: str, out_path: str) -> int:
     )
     cfg = llm.llm_engine.vllm_config
     res["start_s"] = round(time.time() - t0, 1)
+    if jit is not None:
+        res["start_jit"] = jit.since(0)
     res["kv_budget"] = "gpu_memory_utilization 0.9" if kv_gib is None else f"{kv_gib} GiB"
     res["max_num_seqs"] = cfg.scheduler_config.max_num_seqs
     res["max_num_batched_tokens"] = cfg.scheduler_config.max_num_batched_tokens
@@ -420,18 +475,19 @@ def bench(shape: str, kv: str, out_path: str) -> int:
                 save()
         save()
     if os.environ.get("CAP", "1") != "0":
-        _capacity(llm, res, prompt, cap_prompt, cap_out, save)
+        _capacity(llm, res, prompt, cap_prompt, cap_out, save, jit)
         save()
     return 0
 
 
-def _capacity(llm, res: dict, prompt, plen: int, out: int, save) -> None:
+def _capacity(llm, res: dict, prompt, plen: int, out: int, save, jit: JitLog | None = None) -> None:
     """Capacity-bound output tokens/s: as many ``plen`` + ``out`` requests as the engine's cache holds, at once.
 
     A request takes ``cdiv(plen + out, block_size)`` blocks, plus kvarn's tail blocks where its tails live
     in vLLM's blocks (the KV spec's ``tail_blocks``): sized from tokens alone, the run overcommits the
     cache and measures preemptions (2026-12-02: 252 requests where 241 fit). ``cap_preemptions``:
-    vLLM's count over the run (0 when the sizing is right).
+    vLLM's count over the run (0 when the sizing is right). ``cap_jit``: Triton's compiles during the
+    end-to-end run (count, seconds, kernels), which an engine whose kernels were compiled would not pay.
     """
     from vllm import SamplingParams
 
@@ -439,9 +495,12 @@ def _capacity(llm, res: dict, prompt, plen: int, out: int, save) -> None:
     nreq = max(1, cfg.num_gpu_blocks // (-(-(plen + out) // cfg.block_size) + _tail_blocks(llm)))
     ps = [prompt(plen) for _ in range(nreq)]
     before = _preemptions(llm)
+    mark = len(jit.events) if jit is not None else 0
     t = time.time()
     llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True), use_tqdm=False)
     el = time.time() - t
+    if jit is not None:
+        res["cap_jit"] = jit.since(mark)
     res |= {"cap_prompt": plen, "cap_out": out, "cap_requests": nreq, "cap_s": round(el, 2)}
     res["cap_out_tok_s"] = round(nreq * out / el)
     res["cap_preemptions"] = _preemptions(llm) - before
