@@ -29,19 +29,20 @@ time-per-output-token part; ``TPOT_GRID``
 whose tokens exceed the cache is recorded as not fitting, not timed); ``CAP_PROMPT`` (default 4096)
 and ``CAP_OUT`` (default 256) are the capacity run's prompt and output lengths. One engine serves every part.
 
-``bench``: Llama-3-8B or Qwen3-8B shapes, vLLM's defaults otherwise: KV token capacity
-(``num_gpu_blocks * block_size``), prefill tokens/s of one 16K prompt, time per output token
-(prefix-cached prompts, ``(t(129 tokens) - t(65 tokens)) / 64``, the median of ``TPOT_PAIRS`` pairs,
-default 5, with their range: single pairs spread by up to ±0.2 ms on the H200), and capacity-bound
-output tokens/s: ``CAP_PROMPT``-token prompts + ``CAP_OUT`` generated (``ignore_eos``), as many
-requests as the cache holds (tail blocks counted), all submitted at once, end to end (each request's
-prefill included: with 16K prompts and 256 outputs that is 64 prompt tokens per output token, so
-prefill-bound for any cache), with vLLM's preemption count; then its decode phase: the same requests
-again on their prefix-cached prompts, time per output token at that batch as above
-(``CAP_DECODE_PAIRS`` pairs, default 2), ``cap_decode_tok_s`` = requests / TPOT, with the prefix-cache
-hit rate of those runs (near 1: only each prompt's last block is recomputed). ``start_jit`` and
-``cap_jit``: Triton's compiles (count, seconds, kernels; :class:`JitLog`) during engine start and
-during the end-to-end capacity run, where a machine whose Triton cache lacks kvarn's kernels pays them.
+``bench``: Llama-3-8B or Qwen3-8B shapes, vLLM's defaults otherwise: KV token capacity (``num_gpu_blocks
+* block_size``), prefill tokens/s of one 16K prompt, time per output token (prefix-cached prompts,
+``(t(129 tokens) - t(65 tokens)) / 64``, the median of ``TPOT_PAIRS`` pairs, default 5, with their
+range: single pairs spread by up to ±0.2 ms on the H200), and capacity-bound output tokens/s:
+``CAP_PROMPT``-token prompts + ``CAP_OUT`` generated (``ignore_eos``), as many requests as the cache
+holds (tail blocks counted), all submitted at once, end to end (each request's prefill included: with
+16K prompts and 256 outputs that is 64 prompt tokens per output token, so prefill-bound for any cache),
+with vLLM's preemption count; then its decode phase: the same requests again on their prefix-cached
+prompts, time per output token at that batch as above (``CAP_DECODE_PAIRS`` pairs, default 2),
+``cap_decode_tok_s`` = requests / TPOT, with the prefix-cache hit rate of those runs (near 1: only each
+prompt's last block is recomputed; vLLM 0.26's counter reads 0 for its own backends while their cache
+hits, as its stats lines' prompt throughput shows). ``start_jit`` and ``cap_jit``: Triton's compiles
+(count, seconds, kernels; :class:`JitLog`) during engine start and during the end-to-end capacity run,
+where a machine whose Triton cache lacks kvarn's kernels pays them.
 """
 
 from __future__ import annotations
