@@ -380,8 +380,10 @@ class JitLog:
         before, after = rt.jit_cache_hook, rt.jit_post_compile_hook
 
         def pre(**kw):
-            log._started[log._key(kw)] = time.time()
-            return before(**kw) if before is not None else None
+            skip = before(**kw) if before is not None else None
+            if not skip:
+                log._started[log._key(kw)] = time.time()
+            return skip
 
         def post(**kw):
             key = log._key(kw)

@@ -2,7 +2,8 @@
 
 Triton calls ``knobs.runtime.jit_cache_hook`` before a compile (a true return skips it) and
 ``jit_post_compile_hook`` after, with the kernel as ``fn`` and its specialization as ``key``; the
-calls below are the ones ``JITFunction._do_compile`` makes (triton 3.6 and 3.9 alike).
+calls below are the ones triton 3.9's ``JITFunction._do_compile`` makes (vLLM 0.26's JIT monitor uses the
+second on triton 3.6; where either hook is missing ``JitLog.install`` records nothing).
 """
 
 import types
@@ -53,4 +54,4 @@ def test_jit_log_keeps_a_skipping_cache_hook_in_charge(hooks):
     hooks.jit_post_compile_hook = None
     log = JitLog.install()
     assert _compile(hooks, "_attn_kernel", "(i32,)")
-    assert log.since(0)["compiles"] == 0
+    assert log.since(0)["compiles"] == 0 and not log._started, "a skipped compile was timed"
