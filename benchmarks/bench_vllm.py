@@ -99,6 +99,8 @@ def _model_dir(shape: str) -> str:
     cls = Qwen3Config if shape.startswith("qwen3") else LlamaConfig
     cfg = cls(**SHAPES[shape])
     cfg.torch_dtype = "bfloat16"
+    # without it vLLM resolves a Qwen3 config to the bare ``Qwen3Model``, a pooling (embedding) runner
+    cfg.architectures = ["Qwen3ForCausalLM" if shape.startswith("qwen3") else "LlamaForCausalLM"]
     cfg.save_pretrained(d)
     return d
 
