@@ -39,3 +39,30 @@ def test_layout_reaches_kernels_only_through_record_layout(path):
             assert not params & set(LAYOUT_FIELDS), f"{path.name}: {node.name} takes {params & set(LAYOUT_FIELDS)}"
         if isinstance(node, ast.keyword) and node.arg in LAYOUT_FIELDS and path.name != "_common.py":
             raise AssertionError(f"{path.name}:{node.lineno} passes {node.arg}=; pass LAYOUT=record_layout(cfg)")
+
+
+def _jit_decorator(node: ast.FunctionDef) -> ast.expr | None:
+    for dec in node.decorator_list:
+        target = dec.func if isinstance(dec, ast.Call) else dec
+        if isinstance(target, ast.Attribute) and target.attr == "jit":
+            return dec
+    return None
+
+
+@pytest.mark.parametrize("path", _sources(), ids=lambda p: p.name)
+def test_step_counts_are_not_specialized(path):
+    """A kernel that takes a per-step count (``STEP_COUNTS``: batch, split and row counts) is jitted with
+    ``do_not_specialize=STEP_COUNTS``, so vLLM's changing steps reuse one compiled variant."""
+    from kvarn.kernels._common import STEP_COUNTS
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.FunctionDef) or (dec := _jit_decorator(node)) is None:
+            continue
+        counts = {a.arg for a in node.args.args} & set(STEP_COUNTS)
+        if not counts or not node.name.endswith("_kernel"):  # helpers inline into their kernel
+            continue
+        given = {k.arg: k.value for k in dec.keywords} if isinstance(dec, ast.Call) else {}
+        value = given.get("do_not_specialize")
+        assert isinstance(value, ast.Name) and value.id == "STEP_COUNTS", (
+            f"{path.name}: {node.name} takes {sorted(counts)} but is not jitted with do_not_specialize=STEP_COUNTS"
+        )

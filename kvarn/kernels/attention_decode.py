@@ -31,7 +31,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvarn.kernels._common import NEG_BIG, fp8e4m3_to_f32, frexp_exponent, hadamard_pm, load_f32, pow2
+from kvarn.kernels._common import NEG_BIG, STEP_COUNTS, fp8e4m3_to_f32, frexp_exponent, hadamard_pm, load_f32, pow2
 from kvarn.kernels.attention_merge import _finish, _unrotate
 from kvarn.kernels.attention_tiles import (
     _causal,
@@ -663,7 +663,7 @@ def _fp_tiles(
     return state
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_COUNTS)
 def _attn_kernel(
     q,
     q_smooth,

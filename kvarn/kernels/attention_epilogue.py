@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvarn.kernels._common import NEG_BIG, rotate_rows, rotate_rows_split, split_tf32, store_model
+from kvarn.kernels._common import NEG_BIG, STEP_COUNTS, rotate_rows, rotate_rows_split, split_tf32, store_model
 
 
 @triton.jit
@@ -29,7 +29,7 @@ def _merge_splits(part, ws_m, ws_l, rows, hmask, m2, num_splits, n_rows, D: tl.c
     return o / tl.where(den > 0.0, den, 1.0)[:, None]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_COUNTS)
 def _epilogue_kernel(
     part,
     ws_m,

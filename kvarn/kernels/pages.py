@@ -40,6 +40,7 @@ import triton.language as tl
 from kvarn.config import KVarNConfig
 from kvarn.kernels._common import (
     KERNEL_DTYPES,
+    STEP_COUNTS,
     cdiv,
     check_cache,
     check_dtype,
@@ -223,7 +224,7 @@ def _record_pages_kernel(
             _store_cols(out, tok < L.G, x, 0, PAGE_BF16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_COUNTS)
 def _row_pages_kernel(
     k,
     v,

@@ -62,6 +62,7 @@ from kvarn.kernels._common import (
     SMOOTH_MIN,
     STD_MAX,
     STD_MIN,
+    STEP_COUNTS,
     bf16_bits,
     bf16_round,
     cdiv,
@@ -665,7 +666,7 @@ def prepare_rows(
     return round_to_dtype(x * (1.0 / pool_factor(D, POOL_BF16)), POOL_BF16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_COUNTS)
 def _prepare_kernel(
     k,
     v,
