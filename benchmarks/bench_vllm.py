@@ -117,6 +117,13 @@ def _llm(shape: str, kv: str, **kw):
     return LLM(**base, kv_cache_dtype=kv, **kw)
 
 
+def _warmup_stats() -> dict:
+    """What kvarn's rehearsal of serving steps did in this process so far (:mod:`kvarn.integration.vllm.warmup`)."""
+    from kvarn.integration.vllm.warmup import warmup_stats
+
+    return {k: round(v, 1) if isinstance(v, float) else v for k, v in warmup_stats.items()}
+
+
 def _tokens(outs):
     return [[list(c.token_ids) for c in o.outputs] for o in outs]
 
@@ -228,6 +235,7 @@ def check(out_path: str) -> int:
         res["total_s"] = round(time.time() - t0, 1)
         if kv != "auto":
             res["probe_stats"] = _probe_check(llm)
+            res["warmup_stats"] = _warmup_stats()
         if kv.endswith("_sink"):
             res["sink_stats"] = _sink_stats()
         if kv != "auto":  # steps built with tails in blocks by route, this engine's and those before it
@@ -448,6 +456,7 @@ def bench(shape: str, kv: str, out_path: str) -> int:
     res["start_s"] = round(time.time() - t0, 1)
     if jit is not None:
         res["start_jit"] = jit.since(0)
+    res["warmup_stats"] = _warmup_stats()
     res["kv_budget"] = "gpu_memory_utilization 0.9" if kv_gib is None else f"{kv_gib} GiB"
     res["max_num_seqs"] = cfg.scheduler_config.max_num_seqs
     res["max_num_batched_tokens"] = cfg.scheduler_config.max_num_batched_tokens

@@ -272,8 +272,10 @@ def _tail_block_rows(llm_cls, model_dir, engine_args, ids, texts_one) -> dict:
 
     from kvarn.integration.vllm.backend import decode_probe
     from kvarn.integration.vllm.checks import TAIL_BLOCKS_ENV
+    from kvarn.integration.vllm.warmup import WARMUP_ENV, warmup_stats
 
     os.environ[TAIL_BLOCKS_ENV] = "1"
+    os.environ[WARMUP_ENV] = "1"  # the serving steps rehearsed before the first step, as on a GPU
     decode_probe.layer = PROBE_LAYER
     decode_probe.reset()
     try:
@@ -289,8 +291,10 @@ def _tail_block_rows(llm_cls, model_dir, engine_args, ids, texts_one) -> dict:
         from kvarn.integration.vllm.backend import tail_block_steps
 
         row["steps"] = dict(tail_block_steps)
+        row["warmup"] = dict(warmup_stats)
     finally:
         del os.environ[TAIL_BLOCKS_ENV]
+        del os.environ[WARMUP_ENV]
         decode_probe.layer = None
         decode_probe.reset()
     return row
@@ -481,7 +485,8 @@ def test_tails_in_vllm_blocks_serve_as_the_pool(results):
     tiles and a prefix hit exactly; 16 concurrent requests under the tiny budget all finish with the same tokens
     (batch composition differs between the runs, so a rare fp difference in the linear layers is allowed).
     Decode steps go through the blocks directly (some committing a tile there), prompt steps through the step
-    pool."""
+    pool. The serving steps were rehearsed on a scratch cache before the first step (``KVARN_WARMUP=1``, as on a
+    GPU by default); the exact token matches above show that the rehearsal left the engine's state alone."""
     from kvarn.config import KVarNConfig
     from kvarn.paged import tail_geometry
 
@@ -497,6 +502,7 @@ def test_tails_in_vllm_blocks_serve_as_the_pool(results):
     assert "keeps its tail in 5 more blocks" in results["log"]
     # decode steps read and wrote the tails in the blocks (some committing a tile there), prompt steps gathered
     assert min(row["steps"].get(k, 0) for k in ("decode", "commits", "gathered")) > 0, row["steps"]
+    assert row["warmup"]["runs"] >= 1 and row["warmup"]["steps"] >= 10 and row["warmup"]["error"] is None, row["warmup"]
     # the last decode step's attention as the probe recorded it, against the reference over the cache it left
     probe = row["probe"]
     assert probe["probed"] and probe["last_step_was_decode"] and probe["seq_lens_match_build"], probe

@@ -96,6 +96,7 @@ from kvarn.integration.vllm.checks import (
     sink_slot_count,
     tail_slot_count,
 )
+from kvarn.integration.vllm.warmup import rehearse, warmup_wanted
 from kvarn.paged import (
     PREFILL_MIN_QUERIES,
     BlockTails,
@@ -757,6 +758,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             size = max(int(sched.max_num_batched_tokens), int(sched.max_num_seqs))
             sink = self.sinks is not None
             self.buffers = _DecodeBuffers(size, size, device, sink=sink, tail_blocks=self.tail_blocks)
+        self._warm_pending = bool(self.tail_rows) and warmup_wanted(device)  # warmup.rehearse before a first step
         self._log_capacity(vllm_config, kv_cache_spec, len(layer_names))
 
     def _log_capacity(self, vllm_config, spec, num_layers: int) -> None:
@@ -868,6 +870,9 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         fast_build: bool = False,
     ) -> KVarNMetadata:
         cam = common_attn_metadata
+        if self._warm_pending:  # the serving kernels compiled before the first step over the bound cache
+            self._warm_pending = False
+            self._warm_pending = not rehearse(self, cam)
         batch = cam.num_reqs
         decode_probe.note_build(self.layer_names)
         lens_cpu = cam.seq_lens_cpu_upper_bound

@@ -1,0 +1,174 @@
+"""Compile the kernels that serving steps launch before the first request, by rehearsing such steps.
+
+Triton compiles a kernel variant the first time a launch needs it. vLLM's own warm-up (0.26's V2
+runner: graph captures of decode batches, a prefill of 2-token prompts and one decode step) launches
+only some of KVarN's variants: no prompt chunk of 64+ tokens (so none of the page kernels of
+:meth:`kvarn.paged.PagedKV.read_pages`, no tile stored whole), no mixed step of decodes and prompt
+chunks. Without this module those variants compile inside the first serving steps that need them,
+a second or two each while every running request waits (measured on the H200, session 18: six
+kernels compiled during a capacity run, whose first 30 s ran at 2.6-17.5K prompt tokens/s against
+~30K later).
+
+:func:`rehearse` runs, once per builder and before the first step it builds over a bound cache, a
+fixed list of steps (:func:`rehearsal_steps`) through the builder's own :meth:`build` and the
+layer's own ``forward``, on a scratch cache (zeros, the real cache's block shape and block-table
+width) and random K/V: a prompt step, a mixed step of a decode and a chunk that starts inside a
+tile, a step of short multi-token queries, then decode, mixed and short-query steps at batch sizes
+``1, 2, 4, ...`` up to ``max_num_seqs`` (the launch rules choose variants by program count). The
+real cache, the request state and the counters tests read are untouched; only the shared step pool
+(refilled by every step) is written. With the counts that change from step to step unspecialized
+(:data:`kvarn.kernels._common.STEP_COUNTS`), what is left to compile is a variant per launch rule
+outcome, which these steps reach.
+
+Runs with tails in vLLM's blocks only (the GPU engine's default; the builder keeps no request state
+then). ``KVARN_WARMUP``: unset, on for CUDA devices; ``1`` on anywhere (the CPU engine's tests run the
+same steps through the reference kernels); ``0`` off. A failure is logged as a warning and serving
+goes on (the kernels then compile on first use).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from types import SimpleNamespace
+
+import torch
+
+from kvarn.paged import PREFILL_MIN_QUERIES
+
+logger = logging.getLogger("vllm.kvarn")
+
+WARMUP_ENV = "KVARN_WARMUP"
+
+warmup_stats: dict[str, object] = {"runs": 0, "steps": 0, "seconds": 0.0, "error": None}
+"""What the rehearsals of this process did: for logs and tests."""
+
+
+def warmup_wanted(device: torch.device | str) -> bool:
+    """Whether builders on ``device`` rehearse serving steps (``$KVARN_WARMUP``, see the module docstring)."""
+    env = os.environ.get(WARMUP_ENV, "")
+    if env not in ("", "0", "1"):
+        raise ValueError(f"{WARMUP_ENV} must be 0 or 1 (or unset), got {env!r}")
+    return env == "1" or (env == "" and torch.device(device).type == "cuda")
+
+
+def _sizes(max_seqs: int) -> list[int]:
+    sizes, b = [], 1
+    while b < max_seqs:
+        sizes.append(b)
+        b *= 2
+    return [*sizes, max_seqs]
+
+
+def rehearsal_steps(g: int, max_len: int, max_seqs: int, max_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """The rehearsed steps as ``(query lengths, sequence lengths)`` per request, for tiles of ``g`` tokens,
+    sequences of at most ``max_len`` tokens (the scratch block table's reach), ``max_seqs`` requests and
+    ``max_tokens`` tokens a step. Empty where the steps do not fit (a tiny ``max_len``)."""
+    if max_len < 3 * g or max_seqs < 2:
+        return []
+    p = PREFILL_MIN_QUERIES
+    steps = [
+        ([2 * g + 7, g + 1], [2 * g + 7, g + 1]),  # prompts: tiles stored whole, partial tiles to the tails
+        ([1, g], [2 * g + 8, 2 * g + 1]),  # a decode row and a chunk from inside a tile, across its end
+        ([2, 3], [g + 2, 2 * g + 3]),  # short queries: no prompt pages, the multi-query kernel
+    ]
+    steps = [(q, lens) for q, lens in steps if sum(q) <= max_tokens]
+    for b in _sizes(max_seqs):
+        lens = [g + 1 + (7 * i) % g for i in range(b)]
+        lens[-1] = 2 * g  # its token completes a tile: the commit
+        steps.append(([1] * b, lens))  # decode
+        if b + p <= max_tokens:
+            steps.append(([1] * (b - 1) + [p], [*lens[:-1], g + p]))  # decodes beside a prompt chunk
+        if 2 * b <= max_tokens:
+            steps.append(([2] * b, [n + 1 for n in lens]))  # short queries
+    return steps
+
+
+def _layer_cache(builder):
+    """The first layer of the builder's group and its bound KV cache tensor, or ``(None, None)``."""
+    ctx = getattr(getattr(builder.vllm_config, "compilation_config", None), "static_forward_context", None)
+    layer = (ctx or {}).get(builder.layer_names[0]) if builder.layer_names else None
+    kv = getattr(layer, "kv_cache", None)
+    if isinstance(kv, (list, tuple)):  # one tensor per virtual engine on some vLLM versions
+        kv = kv[0] if kv else None
+    if not isinstance(kv, torch.Tensor) or not kv.numel() or getattr(layer, "impl", None) is None:
+        return None, None
+    return layer, kv
+
+
+def rehearse(builder, cam) -> bool:
+    """Rehearse the serving steps for ``builder``'s group before it builds ``cam`` (see the module docstring).
+
+    Returns ``False`` to be asked again at a later build (no cache bound yet, or a CUDA graph being
+    captured), ``True`` once done, skipped or failed.
+    """
+    if not builder.tail_rows:
+        return True
+    layer, kv = _layer_cache(builder)
+    if layer is None:
+        return False
+    if kv.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    from kvarn.integration.vllm import backend as bk
+
+    g, width = builder.cfg.group_size, int(cam.block_table_tensor.shape[1])
+    sched = builder.vllm_config.scheduler_config
+    max_seqs = min(int(sched.max_num_seqs), builder.num_slots)
+    max_tokens = int(getattr(sched, "max_num_batched_tokens", 0) or 2 * max_seqs + PREFILL_MIN_QUERIES)
+    steps = rehearsal_steps(g, (width - builder.tail_blocks) * g, max_seqs, max_tokens)
+    if not steps:
+        return True
+    counters, probe = dict(bk.tail_block_steps), bk.decode_probe.layer
+    bk.decode_probe.layer = None
+    t0 = time.perf_counter()
+    try:
+        _run(builder, layer.impl, kv, width, steps)
+        warmup_stats["steps"] = int(warmup_stats["steps"]) + len(steps)
+        warmup_stats["runs"] = int(warmup_stats["runs"]) + 1
+        logger.info(
+            "KVarN: rehearsed %d serving steps (batch up to %d) to compile their kernels in %.1f s",
+            len(steps),
+            max_seqs,
+            time.perf_counter() - t0,
+        )
+    except Exception as exc:  # never break the engine: the kernels then compile on first use
+        warmup_stats["error"] = f"{type(exc).__name__}: {exc}"
+        logger.warning("KVarN: rehearsing serving steps failed (%s); kernels compile on first use", exc)
+    finally:
+        warmup_stats["seconds"] = float(warmup_stats["seconds"]) + time.perf_counter() - t0
+        bk.decode_probe.layer = probe
+        bk.tail_block_steps.clear()
+        bk.tail_block_steps.update(counters)
+    return True
+
+
+def _run(builder, impl, kv: torch.Tensor, width: int, steps) -> None:
+    dev = kv.device
+    dtype = builder.vllm_config.model_config.dtype
+    cache = torch.zeros((width, *kv.shape[1:]), dtype=kv.dtype, device=dev)
+    rows = max(len(q) for q, _ in steps)
+    table = torch.arange(width, dtype=torch.int32, device=dev).repeat(rows, 1)  # every row: the scratch blocks
+    gen = torch.Generator(device=dev).manual_seed(0)
+    stub = SimpleNamespace(layer_name=None)  # the tail pool is shared by the layers; nothing is kept on this
+    for queries, lens in steps:
+        b, n = len(queries), sum(queries)
+        qsl = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()], dtype=torch.int32)
+        cam = SimpleNamespace(
+            num_reqs=b,
+            num_actual_tokens=n,
+            max_query_len=max(queries),
+            query_start_loc_cpu=qsl,
+            query_start_loc=qsl.to(dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            seq_lens_cpu_upper_bound=torch.tensor(lens, dtype=torch.int32),
+            block_table_tensor=table[:b],
+        )
+        meta = builder.build(0, cam)
+        hq, hkv, d = impl.num_heads, impl.num_kv_heads, impl.head_size
+        q = torch.randn(n, hq, d, generator=gen, device=dev).to(dtype)
+        k = torch.randn(n, hkv, d, generator=gen, device=dev).to(dtype)
+        v = torch.randn(n, hkv, d, generator=gen, device=dev).to(dtype)
+        impl.forward(stub, q, k, v, cache, meta, output=torch.empty_like(q))
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
