@@ -1081,15 +1081,35 @@ class PageLayout:
         key = str(device)
         if key not in self._device:
             host = dict(self.arrays, cu_q=np.array(self.cu_q), seqused_k=np.array(self.seqused_k))
-            flat = torch.from_numpy(np.concatenate([a.reshape(-1) for a in host.values()]).astype(np.int64))
-            if torch.device(device).type == "cuda":
-                flat = flat.pin_memory()
-            parts = flat.to(device, non_blocking=True).split([a.size for a in host.values()])
+            parts = to_device_aligned(list(host.values()), device)
             ix = {k: t.view(a.shape) for (k, a), t in zip(host.items(), parts, strict=True)}
             for k in ("block_table", "cu_q", "seqused_k"):
                 ix[k] = ix[k].to(torch.int32)
             self._device[key] = ix
         return self._device[key]
+
+
+def to_device_aligned(parts: list[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
+    """The integer host arrays ``parts`` as flat int64 tensors on ``device``, from one staging copy (pinned,
+    not waiting for the device, on CUDA), each starting on a 16-byte boundary.
+
+    Triton compiles a kernel once per 16-byte alignment class of each pointer argument: views packed
+    end to end would start at offsets that change with a step's sizes, and vLLM's steps would compile
+    new variants while serving (measured, session 19: two ``_row_pages_kernel`` compiles inside a
+    capacity run, after the serving steps had been rehearsed). Each part is padded to an even length.
+    """
+    device = torch.device(device)
+    sizes = [int(np.size(a)) for a in parts]
+    padded = [n + n % 2 for n in sizes]  # int64: two elements make 16 bytes
+    flat = np.zeros(sum(padded), dtype=np.int64)
+    start = 0
+    for a, n, w in zip(parts, sizes, padded, strict=True):
+        flat[start : start + n] = np.asarray(a).reshape(-1)
+        start += w
+    staged = torch.from_numpy(flat)
+    if device.type == "cuda":
+        staged = staged.pin_memory().to(device, non_blocking=True)
+    return [t[:n] for t, n in zip(torch.split(staged, padded), sizes, strict=True)]
 
 
 def split_prefill(
@@ -1296,7 +1316,7 @@ def plan_request_slots(
         late_mapping[:total] = np.where(late, slot_pos, -1)
     first = whole & (pos % g == 0)
     commit = np.nonzero(commits)[0]
-    nc, ns, nl = commit.shape[0], int(first.sum()), late_mapping.shape[0]
+    nl = late_mapping.shape[0]
     parts = [mapping, late_mapping, slots[commit], commit, start[commit] // g]
     parts += [tok[first], row[first], tile[first], slots]
     if sink_slots is not None:
@@ -1307,11 +1327,7 @@ def plan_request_slots(
         sink_mapping[:total] = np.where((pos < g) & (sinks[row] >= 0), sinks[row] * g + pos, -1)
         parts += [sink_mapping, sinks]
     device = block_table.device
-    staged = torch.from_numpy(np.concatenate(parts))
-    if device.type == "cuda":
-        staged = staged.pin_memory().to(device, non_blocking=True)
-    sizes = [num_tokens, nl, nc, nc, nc, ns, ns, ns, batch] + ([num_tokens, batch] if sink_slots is not None else [])
-    split = torch.split(staged, sizes)
+    split = to_device_aligned(parts, device)
     mapping_d, late_d, commit_slots, commit_rows, commit_tiles = split[:5]
     store_tok0, store_rows, store_tiles, tail_slots = split[5:9]
     return TilePlan(
