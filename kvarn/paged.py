@@ -1108,7 +1108,9 @@ def to_device_aligned(parts: list[np.ndarray], device: torch.device | str) -> li
         start += w
     staged = torch.from_numpy(flat)
     if device.type == "cuda":
-        staged = staged.pin_memory().to(device, non_blocking=True)
+        staged = staged.pin_memory()
+    if device.type != "cpu":
+        staged = staged.to(device, non_blocking=True)
     return [t[:n] for t, n in zip(torch.split(staged, padded), sizes, strict=True)]
 
 

@@ -66,3 +66,15 @@ def test_step_counts_are_not_specialized(path):
         assert isinstance(value, ast.Name) and value.id == "STEP_COUNTS", (
             f"{path.name}: {node.name} takes {sorted(counts)} but is not jitted with do_not_specialize=STEP_COUNTS"
         )
+
+
+def test_every_step_count_names_a_kernel_parameter():
+    """``STEP_COUNTS`` names parameters (Triton ignores names a kernel does not take: a typo would be silent)."""
+    from kvarn.kernels._common import STEP_COUNTS
+
+    taken = set()
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel") and _jit_decorator(node):
+                taken |= {a.arg for a in node.args.args}
+    assert set(STEP_COUNTS) <= taken, set(STEP_COUNTS) - taken

@@ -38,14 +38,16 @@ SMOOTH_MIN = tl.constexpr(2.0**-6)
 SMOOTH_EXP = 0.5
 """The kernels take the smoothing factor as a square root (``sqrt_rn``): a test pins the reference's exponent to it."""
 SEQ_SMOOTH_SKIP = tl.constexpr(1)
+"""Tokens of a sequence's first tile that its smoothing vector leaves out (``kvarn.reference.smooth``)."""
 
 STEP_COUNTS = ("num_seqs", "num_splits", "min_units", "n_rows")
 """Integer kernel arguments that change from one serving step to the next (batch, split and row counts),
 passed as ``do_not_specialize`` to the kernels that take them. Triton otherwise compiles a kernel once
 per class of each integer argument (``== 1``, a multiple of 16, other), so vLLM's steps, whose counts
-vary, would compile new variants while serving; these are used as bounds and in index arithmetic
-only, where the specialization saves nothing measurable. Names a kernel does not take are ignored."""
-"""Tokens of a sequence's first tile that its smoothing vector leaves out (``kvarn.reference.smooth``)."""
+vary, would compile new variants while serving. The kernels use them in scalar arithmetic, loop
+bounds and row masks, not in the addresses of vector loads along ``D``, so the specialization is not
+expected to matter for speed (not timed on its own: session 19's GPU runs checked correctness and
+compile counts). Names a kernel does not take are ignored."""
 
 NEG_BIG = tl.constexpr(-1.0e30)
 """Start value of a running maximum: finite, so ``exp2(NEG_BIG - NEG_BIG)`` is 1, not NaN."""

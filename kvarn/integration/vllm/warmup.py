@@ -5,20 +5,22 @@ runner: graph captures of decode batches, a prefill of 2-token prompts and one d
 only some of KVarN's variants: no prompt chunk of 64+ tokens (so none of the page kernels of
 :meth:`kvarn.paged.PagedKV.read_pages`, no tile stored whole), no mixed step of decodes and prompt
 chunks. Without this module those variants compile inside the first serving steps that need them,
-a second or two each while every running request waits (measured on the H200, session 18: six
-kernels compiled during a capacity run, whose first 30 s ran at 2.6-17.5K prompt tokens/s against
-~30K later).
+a second or two each while every running request waits (measured on the H200, session 18: vLLM's
+JIT monitor named six kernels first compiled during a capacity run, whose first 30 s ran at
+2.6-17.5K prompt tokens/s against ~30K later).
 
 :func:`rehearse` runs, once per builder and before the first step it builds over a bound cache, a
 fixed list of steps (:func:`rehearsal_steps`) through the builder's own :meth:`build` and the
-layer's own ``forward``, on a scratch cache (zeros, the real cache's block shape and block-table
-width) and random K/V: a prompt step, a mixed step of a decode and a chunk that starts inside a
-tile, a step of short multi-token queries, then decode, mixed and short-query steps at batch sizes
-``1, 2, 4, ...`` up to ``max_num_seqs`` (the launch rules choose variants by program count). The
-real cache, the request state and the counters tests read are untouched; only the shared step pool
-(refilled by every step) is written. With the counts that change from step to step unspecialized
-(:data:`kvarn.kernels._common.STEP_COUNTS`), what is left to compile is a variant per launch rule
-outcome, which these steps reach.
+layer's own ``forward``, on a scratch cache (a few zeroed blocks of the real cache's block shape,
+under a block table of vLLM's width) and random K/V: a prompt step, a mixed step of a decode and a
+chunk that starts inside a tile, a step of short multi-token queries, then decode, mixed and
+short-query steps at batch sizes ``1, 2, 4, ...`` up to ``max_num_seqs`` (the launch rules choose
+variants by program count). The real cache, the request state and the counters tests read are
+untouched; only the shared step pool (refilled by every step) is written, and the scratch memory
+goes back to the device after. With the counts that change from step to step unspecialized
+(:data:`kvarn.kernels._common.STEP_COUNTS`) and a step's index tensors 16-byte aligned
+(:func:`kvarn.paged.to_device_aligned`), what is left to compile is a variant per outcome of the
+launch rules, which these steps reach.
 
 Runs with tails in vLLM's blocks only (the GPU engine's default; the builder keeps no request state
 then). ``KVARN_WARMUP``: unset, on for CUDA devices; ``1`` on anywhere (the CPU engine's tests run the
@@ -40,6 +42,9 @@ from kvarn.paged import PREFILL_MIN_QUERIES
 logger = logging.getLogger("vllm.kvarn")
 
 WARMUP_ENV = "KVARN_WARMUP"
+
+REHEARSAL_TILES = 3
+"""The rehearsed sequences reach into their third tile at most (:func:`rehearsal_steps`)."""
 
 warmup_stats: dict[str, object] = {"runs": 0, "steps": 0, "seconds": 0.0, "error": None}
 """What the rehearsals of this process did: for logs and tests."""
@@ -63,9 +68,10 @@ def _sizes(max_seqs: int) -> list[int]:
 
 def rehearsal_steps(g: int, max_len: int, max_seqs: int, max_tokens: int) -> list[tuple[list[int], list[int]]]:
     """The rehearsed steps as ``(query lengths, sequence lengths)`` per request, for tiles of ``g`` tokens,
-    sequences of at most ``max_len`` tokens (the scratch block table's reach), ``max_seqs`` requests and
-    ``max_tokens`` tokens a step. Empty where the steps do not fit (a tiny ``max_len``)."""
-    if max_len < 3 * g or max_seqs < 2:
+    sequences of at most ``max_len`` tokens (the block table's reach), ``max_seqs`` requests and
+    ``max_tokens`` tokens a step. Every sequence ends within its first ``REHEARSAL_TILES`` tiles. Empty
+    where those do not fit in ``max_len``."""
+    if max_len < REHEARSAL_TILES * g:
         return []
     p = PREFILL_MIN_QUERIES
     steps = [
@@ -73,7 +79,7 @@ def rehearsal_steps(g: int, max_len: int, max_seqs: int, max_tokens: int) -> lis
         ([1, g], [2 * g + 8, 2 * g + 1]),  # a decode row and a chunk from inside a tile, across its end
         ([2, 3], [g + 2, 2 * g + 3]),  # short queries: no prompt pages, the multi-query kernel
     ]
-    steps = [(q, lens) for q, lens in steps if sum(q) <= max_tokens]
+    steps = [(q, lens) for q, lens in steps if sum(q) <= max_tokens and len(q) <= max_seqs]
     for b in _sizes(max_seqs):
         lens = [g + 1 + (7 * i) % g for i in range(b)]
         lens[-1] = 2 * g  # its token completes a tile: the commit
@@ -124,8 +130,11 @@ def rehearse(builder, cam) -> bool:
     t0 = time.perf_counter()
     try:
         _run(builder, layer.impl, kv, width, steps)
+        if kv.is_cuda:
+            torch.cuda.empty_cache()  # the scratch cache and the steps' workspaces back to the device
         warmup_stats["steps"] = int(warmup_stats["steps"]) + len(steps)
         warmup_stats["runs"] = int(warmup_stats["runs"]) + 1
+        warmup_stats["error"] = None
         logger.info(
             "KVarN: rehearsed %d serving steps (batch up to %d) to compile their kernels in %.1f s",
             len(steps),
@@ -134,7 +143,7 @@ def rehearse(builder, cam) -> bool:
         )
     except Exception as exc:  # never break the engine: the kernels then compile on first use
         warmup_stats["error"] = f"{type(exc).__name__}: {exc}"
-        logger.warning("KVarN: rehearsing serving steps failed (%s); kernels compile on first use", exc)
+        logger.warning("KVarN: rehearsing serving steps failed (%s); kernels compile on first use", exc, exc_info=True)
     finally:
         warmup_stats["seconds"] = float(warmup_stats["seconds"]) + time.perf_counter() - t0
         bk.decode_probe.layer = probe
@@ -146,9 +155,13 @@ def rehearse(builder, cam) -> bool:
 def _run(builder, impl, kv: torch.Tensor, width: int, steps) -> None:
     dev = kv.device
     dtype = builder.vllm_config.model_config.dtype
-    cache = torch.zeros((width, *kv.shape[1:]), dtype=kv.dtype, device=dev)
+    # the steps' sequences reach column REHEARSAL_TILES - 1 + tail_blocks at most; the table keeps vLLM's
+    # width (the launch rules read it), its later columns all name the last scratch block
+    blocks = min(width, REHEARSAL_TILES + builder.tail_blocks)
+    cache = torch.zeros((blocks, *kv.shape[1:]), dtype=kv.dtype, device=dev)
     rows = max(len(q) for q, _ in steps)
-    table = torch.arange(width, dtype=torch.int32, device=dev).repeat(rows, 1)  # every row: the scratch blocks
+    cols = torch.arange(width, dtype=torch.int32, device=dev).clamp(max=blocks - 1)
+    table = cols.repeat(rows, 1)  # every row: the same scratch blocks
     gen = torch.Generator(device=dev).manual_seed(0)
     stub = SimpleNamespace(layer_name=None)  # the tail pool is shared by the layers; nothing is kept on this
     for queries, lens in steps:
