@@ -107,7 +107,7 @@ def test_rehearse_runs_its_steps_on_a_scratch_cache_and_leaves_counters_and_the_
     backend.decode_probe.reset()
     runs = warmup_stats["runs"]
     try:
-        assert rehearse(builder, _cam(width))
+        assert rehearse(builder, _cam(width), backend.bookkeeping_paused)
         assert backend.tail_block_steps["decode"] == 11 and backend.decode_probe.builds == 0
         assert backend.decode_probe.layer == builder.layer_names[0]
     finally:
@@ -139,7 +139,7 @@ def test_rehearse_waits_for_a_bound_cache_skips_a_pool_and_survives_a_failure(ca
     failing = _Builder(torch.zeros(64, 2, 128, 60, dtype=torch.uint8), _Impl(fail=True))
     before = dict(backend.tail_block_steps)
     with caplog.at_level("WARNING", logger="vllm.kvarn"):
-        assert rehearse(failing, _cam(40))
+        assert rehearse(failing, _cam(40), backend.bookkeeping_paused)
     assert "rehearsing serving steps failed (boom)" in caplog.text
     assert warmup_stats["error"] == "RuntimeError: boom" and dict(backend.tail_block_steps) == before
     warmup_stats["error"] = None

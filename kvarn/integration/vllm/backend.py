@@ -204,6 +204,20 @@ class DecodeProbe:
 decode_probe = DecodeProbe(os.environ.get(PROBE_ENV) or None)
 
 
+@contextlib.contextmanager
+def bookkeeping_paused():
+    """Steps built and run inside leave ``tail_block_steps`` and the decode probe as they were (the
+    serving steps :func:`kvarn.integration.vllm.warmup.rehearse` runs before the first real one)."""
+    counters, probe = dict(tail_block_steps), decode_probe.layer
+    decode_probe.layer = None
+    try:
+        yield
+    finally:
+        decode_probe.layer = probe
+        tail_block_steps.clear()
+        tail_block_steps.update(counters)
+
+
 def page_slot_bytes(cfg) -> int:
     """Bytes per (KV head, token slot) of a vLLM page: the record over ``G`` slots, rounded up.
 
@@ -872,7 +886,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         cam = common_attn_metadata
         if self._warm_pending:  # the serving kernels compiled before the first step over the bound cache
             self._warm_pending = False
-            self._warm_pending = not rehearse(self, cam)
+            self._warm_pending = not rehearse(self, cam, bookkeeping_paused)
         batch = cam.num_reqs
         decode_probe.note_build(self.layer_names)
         lens_cpu = cam.seq_lens_cpu_upper_bound

@@ -30,9 +30,12 @@ goes on (the kernels then compile on first use).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from types import SimpleNamespace
 
 import torch
@@ -103,11 +106,12 @@ def _layer_cache(builder):
     return layer, kv
 
 
-def rehearse(builder, cam) -> bool:
+def rehearse(builder, cam, paused: Callable[[], AbstractContextManager] = contextlib.nullcontext) -> bool:
     """Rehearse the serving steps for ``builder``'s group before it builds ``cam`` (see the module docstring).
 
-    Returns ``False`` to be asked again at a later build (no cache bound yet, or a CUDA graph being
-    captured), ``True`` once done, skipped or failed.
+    ``paused``: a context the steps run in, under which the builder's bookkeeping (step counters, the
+    decode probe) ignores them. Returns ``False`` to be asked again at a later build (no cache bound
+    yet, or a CUDA graph being captured), ``True`` once done, skipped or failed.
     """
     if not builder.tail_rows:
         return True
@@ -116,8 +120,6 @@ def rehearse(builder, cam) -> bool:
         return False
     if kv.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
-    from kvarn.integration.vllm import backend as bk
-
     g, width = builder.cfg.group_size, int(cam.block_table_tensor.shape[1])
     sched = builder.vllm_config.scheduler_config
     max_seqs = min(int(sched.max_num_seqs), builder.num_slots)
@@ -125,11 +127,10 @@ def rehearse(builder, cam) -> bool:
     steps = rehearsal_steps(g, (width - builder.tail_blocks) * g, max_seqs, max_tokens)
     if not steps:
         return True
-    counters, probe = dict(bk.tail_block_steps), bk.decode_probe.layer
-    bk.decode_probe.layer = None
     t0 = time.perf_counter()
     try:
-        _run(builder, layer.impl, kv, width, steps)
+        with paused():
+            _run(builder, layer.impl, kv, width, steps)
         if kv.is_cuda:
             torch.cuda.empty_cache()  # the scratch cache and the steps' workspaces back to the device
         warmup_stats["steps"] = int(warmup_stats["steps"]) + len(steps)
@@ -146,9 +147,6 @@ def rehearse(builder, cam) -> bool:
         logger.warning("KVarN: rehearsing serving steps failed (%s); kernels compile on first use", exc, exc_info=True)
     finally:
         warmup_stats["seconds"] = float(warmup_stats["seconds"]) + time.perf_counter() - t0
-        bk.decode_probe.layer = probe
-        bk.tail_block_steps.clear()
-        bk.tail_block_steps.update(counters)
     return True
 
 
