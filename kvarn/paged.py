@@ -1207,11 +1207,8 @@ def tail_rows(
             f"sequence {bad} of {int(lens[bad])} tokens keeps its tail in blocks up to column {int(col.max())}, "
             f"but its block table has {block_table.shape[1]} columns (vLLM must give it the tail blocks)"
         )
-    dev = block_table.device
-    staged = torch.stack([seq, col, slots.long().cpu()[seq], offset, offset % rows])
-    if dev.type == "cuda":
-        staged = staged.pin_memory().to(dev, non_blocking=True)
-    seq, col, slot, offset, row = staged.to(dev)
+    parts = [seq, col, slots.long().cpu()[seq], offset, offset % rows]
+    seq, col, slot, offset, row = to_device_aligned([p.numpy() for p in parts], block_table.device)
     return TailRows(slot, offset, block_table[seq, col].long(), row, rows)
 
 

@@ -885,7 +885,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
     ) -> KVarNMetadata:
         cam = common_attn_metadata
         if self._warm_pending:  # the serving kernels compiled before the first step over the bound cache
-            self._warm_pending = False
+            self._warm_pending = False  # first: the rehearsal's own steps come back through this build
             self._warm_pending = not rehearse(self, cam, bookkeeping_paused)
         batch = cam.num_reqs
         decode_probe.note_build(self.layer_names)

@@ -7,7 +7,7 @@ only some of KVarN's variants: no prompt chunk of 64+ tokens (so none of the pag
 chunks. Without this module those variants compile inside the first serving steps that need them,
 a second or two each while every running request waits (measured on the H200, session 18: vLLM's
 JIT monitor named six kernels first compiled during a capacity run, whose first 30 s ran at
-2.6-17.5K prompt tokens/s against ~30K later).
+2.6-17.5K prompt tokens/s against 24-29K later).
 
 :func:`rehearse` runs, once per builder and before the first step it builds over a bound cache, a
 fixed list of steps (:func:`rehearsal_steps`) through the builder's own :meth:`build` and the
@@ -31,6 +31,7 @@ goes on (the kernels then compile on first use).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import time
@@ -162,9 +163,10 @@ def _run(builder, impl, kv: torch.Tensor, width: int, steps) -> None:
     table = cols.repeat(rows, 1)  # every row: the same scratch blocks
     gen = torch.Generator(device=dev).manual_seed(0)
     stub = SimpleNamespace(layer_name=None)  # the tail pool is shared by the layers; nothing is kept on this
+    hq, hkv, d = impl.num_heads, impl.num_kv_heads, impl.head_size
     for queries, lens in steps:
         b, n = len(queries), sum(queries)
-        qsl = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()], dtype=torch.int32)
+        qsl = torch.tensor([0, *itertools.accumulate(queries)], dtype=torch.int32)
         cam = SimpleNamespace(
             num_reqs=b,
             num_actual_tokens=n,
@@ -176,7 +178,6 @@ def _run(builder, impl, kv: torch.Tensor, width: int, steps) -> None:
             block_table_tensor=table[:b],
         )
         meta = builder.build(0, cam)
-        hq, hkv, d = impl.num_heads, impl.num_kv_heads, impl.head_size
         q = torch.randn(n, hq, d, generator=gen, device=dev).to(dtype)
         k = torch.randn(n, hkv, d, generator=gen, device=dev).to(dtype)
         v = torch.randn(n, hkv, d, generator=gen, device=dev).to(dtype)
