@@ -38,6 +38,7 @@ from kvarn.kernels.attention_tiles import (
     _fp_block_tile,
     _fp_rows,
     _fp_tile,
+    _key_side,
     _split_fields,
     _tile_scores,
     _tile_scores_st,
@@ -45,6 +46,8 @@ from kvarn.kernels.attention_tiles import (
     _tile_values,
     _tile_values_st,
     _tile_values_t,
+    _value_side,
+    _value_side_st,
 )
 
 
@@ -260,12 +263,26 @@ def _quantized_tiles(
     l_e = tl.zeros([BLOCK_M, G // 2], tl.float32)  # per token pair, summed at the end
     acc_e = tl.zeros([BLOCK_M, D // 2], tl.float32)  # even output channels
     acc_o = tl.zeros([BLOCK_M, D // 2], tl.float32)  # odd output channels
-    for u in range(u0, u1, 2 if PAIR else 1):
-        rec = cache + tl.load(bt_row + u).to(tl.int64) * s_cb + kvh.to(tl.int64) * s_ch
+    STEP: tl.constexpr = 2 if PAIR else 1
+    base = cache + kvh.to(tl.int64) * s_ch
+    walk = u0 < u1  # an empty split reads nothing
+    rec_n = base + tl.load(bt_row + u0, mask=walk, other=0).to(tl.int64) * s_cb
+    blk_nn = tl.load(bt_row + tl.minimum(u0 + STEP, u1 - 1), mask=walk, other=0)
+    kside_n = _key_side(rec_n, LAYOUT, walk)
+    side_n = _value_side(rec_n, LAYOUT, walk)
+    for u in range(u0, u1, STEP):
+        # the scales of tile u were read during the step before (its block id the step before that): only
+        # the codes, which Triton's pipeline prefetches, are waited for (PAIR's second tile reads its own)
+        rec = rec_n
+        kside = kside_n
+        side = side_n
+        rec_n = base + blk_nn.to(tl.int64) * s_cb
+        blk_nn = tl.load(bt_row + tl.minimum(u + 2 * STEP, u1 - 1))
+        kside_n = _key_side(rec_n, LAYOUT)
         if q_model is not None:
-            s_e, s_o = _tile_scores(rec, _smoothed_query(rec, q_model, LAYOUT), LAYOUT, USE_ASM, FOLD)
+            s_e, s_o = _tile_scores(rec, _smoothed_query(rec, q_model, LAYOUT), LAYOUT, USE_ASM, FOLD, kside)
         else:
-            s_e, s_o = _tile_scores(rec, query, LAYOUT, USE_ASM, FOLD)  # [BLOCK_M, G // 2] each
+            s_e, s_o = _tile_scores(rec, query, LAYOUT, USE_ASM, FOLD, kside)  # [BLOCK_M, G // 2] each
         if MULTI_Q:
             s_e, s_o = _causal(s_e, s_o, pos_q, u * G, G // 2)
         m_new = tl.maximum(m_i, tl.max(tl.maximum(s_e, s_o), axis=1))
@@ -284,7 +301,8 @@ def _quantized_tiles(
         p_e = tl.exp2(s_e - m_new[:, None])
         p_o = tl.exp2(s_o - m_new[:, None])
         l_e = l_e * alpha[:, None] + (p_e + p_o)
-        acc_e, acc_o = _tile_values(rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT, USE_ASM, FOLD)
+        acc_e, acc_o = _tile_values(rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT, USE_ASM, FOLD, side)
+        side_n = _value_side(rec_n, LAYOUT)
         if PAIR:
             p2_e = tl.exp2(s2_e - m_new[:, None])
             p2_o = tl.exp2(s2_o - m_new[:, None])
@@ -324,9 +342,23 @@ def _quantized_tiles_t(
     l_e = tl.zeros([G // 2, N], tl.float32)
     acc_e = tl.zeros([D // 2, N], tl.float32)  # even output channels
     acc_o = tl.zeros([D // 2, N], tl.float32)
-    for u in range(u0, u1, 2 if PAIR else 1):
-        rec = cache + tl.load(bt_row + u).to(tl.int64) * s_cb + kvh.to(tl.int64) * s_ch
-        s_e, s_o = _tile_scores_t(rec, query_t, LAYOUT, USE_ASM, FOLD)  # [G // 2, N] each
+    STEP: tl.constexpr = 2 if PAIR else 1
+    base = cache + kvh.to(tl.int64) * s_ch
+    walk = u0 < u1  # an empty split reads nothing
+    rec_n = base + tl.load(bt_row + u0, mask=walk, other=0).to(tl.int64) * s_cb
+    blk_nn = tl.load(bt_row + tl.minimum(u0 + STEP, u1 - 1), mask=walk, other=0)
+    kside_n = _key_side(rec_n, LAYOUT, walk)
+    side_n = _value_side(rec_n, LAYOUT, walk)
+    for u in range(u0, u1, STEP):
+        # the scales of tile u were read during step u - 1 (and its block id the step before), so
+        # no step waits on global memory but for the codes, which Triton's pipeline prefetches
+        rec = rec_n
+        kside = kside_n
+        side = side_n
+        rec_n = base + blk_nn.to(tl.int64) * s_cb
+        blk_nn = tl.load(bt_row + tl.minimum(u + 2 * STEP, u1 - 1))
+        kside_n = _key_side(rec_n, LAYOUT)
+        s_e, s_o = _tile_scores_t(rec, query_t, LAYOUT, USE_ASM, FOLD, kside)  # [G // 2, N] each
         m_new = tl.maximum(m_i, tl.max(tl.maximum(s_e, s_o), axis=0))
         if PAIR:
             rec2 = cache + tl.load(bt_row + tl.minimum(u + 1, u1 - 1)).to(tl.int64) * s_cb + kvh.to(tl.int64) * s_ch
@@ -338,7 +370,8 @@ def _quantized_tiles_t(
         p_e = tl.exp2(s_e - m_new[None, :])
         p_o = tl.exp2(s_o - m_new[None, :])
         l_e = l_e * alpha[None, :] + (p_e + p_o)
-        acc_e, acc_o = _tile_values_t(rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT, USE_ASM, FOLD)
+        acc_e, acc_o = _tile_values_t(rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT, USE_ASM, FOLD, side)
+        side_n = _value_side(rec_n, LAYOUT)
         if PAIR:
             p2_e = tl.exp2(s2_e - m_new[None, :])
             p2_o = tl.exp2(s2_o - m_new[None, :])
@@ -373,16 +406,37 @@ def _quantized_tiles_st(
     m_i = tl.full([N], NEG_BIG, tl.float32)
     l_e = tl.zeros([G, N], tl.float32)
     acc = (tl.zeros([D // 2, N], tl.float32), tl.zeros([D // 2, N], tl.float32))  # even, odd output channels
+    walk = u0 < u1  # an empty split reads nothing
+    off_an = tl.load(bt_row + u0, mask=walk, other=0).to(tl.int64) * s_cb
+    off_bn = tl.load(bt_row + tl.minimum(u0 + 1, u1 - 1), mask=walk, other=0).to(tl.int64) * s_cb
+    blk_an = tl.load(bt_row + tl.minimum(u0 + 2, u1 - 1), mask=walk, other=0)
+    blk_bn = tl.load(bt_row + tl.minimum(u0 + 3, u1 - 1), mask=walk, other=0)
+    kside_an = _key_side(base + off_an, LAYOUT, walk)
+    kside_bn = _key_side(base + off_bn, LAYOUT, walk)
+    vside_n = _value_side_st(base, off_an, off_bn, LAYOUT, walk)
     for u in range(u0, u1, 2):
-        off_a = tl.load(bt_row + u).to(tl.int64) * s_cb
-        off_b = tl.load(bt_row + tl.minimum(u + 1, u1 - 1)).to(tl.int64) * s_cb
-        s_e, s_o = _tile_scores_st(base, off_a, off_b, u + 1 < u1, query_t, second, LAYOUT, USE_ASM, FOLD)
+        # as in _quantized_tiles_t: each step's scales were read the step before, their block ids before that
+        off_a = off_an
+        off_b = off_bn
+        kside_a = kside_an
+        kside_b = kside_bn
+        vside = vside_n
+        off_an = blk_an.to(tl.int64) * s_cb
+        off_bn = blk_bn.to(tl.int64) * s_cb
+        blk_an = tl.load(bt_row + tl.minimum(u + 4, u1 - 1))
+        blk_bn = tl.load(bt_row + tl.minimum(u + 5, u1 - 1))
+        kside_an = _key_side(base + off_an, LAYOUT)
+        kside_bn = _key_side(base + off_bn, LAYOUT)
+        s_e, s_o = _tile_scores_st(
+            base, off_a, off_b, u + 1 < u1, query_t, second, LAYOUT, USE_ASM, FOLD, kside_a, kside_b
+        )
         m_new = tl.maximum(m_i, tl.max(tl.maximum(s_e, s_o), axis=0))
         alpha = tl.exp2(m_i - m_new)
         p_e = tl.exp2(s_e - m_new[None, :])
         p_o = tl.exp2(s_o - m_new[None, :])
         l_e = l_e * alpha[None, :] + (p_e + p_o)
-        acc = _tile_values_st(base, off_a, off_b, p_e, p_o, alpha, acc, second, LAYOUT, USE_ASM, FOLD)
+        acc = _tile_values_st(base, off_a, off_b, p_e, p_o, alpha, acc, second, LAYOUT, USE_ASM, FOLD, vside)
+        vside_n = _value_side_st(base, off_an, off_bn, LAYOUT)
         m_i = m_new
     acc_e, acc_o = acc
     acc = tl.reshape(tl.permute(tl.join(acc_e, acc_o), (1, 0, 2)), (N, D))

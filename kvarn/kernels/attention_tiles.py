@@ -209,20 +209,48 @@ def _load_bf16(ptr):
 
 
 @triton.jit
-def _k_operands(q_f, rec, f: tl.constexpr, LAYOUT: tl.constexpr, FOLD: tl.constexpr = False):
-    """Query block ``q_f: [BLOCK_M, DK]`` of K field ``f`` (channels ``f * DK ..``) against record ``rec``.
+def _bf16_pairs(ptr):
+    """The two bf16 of each 32-bit word at byte pointers ``ptr`` (4-aligned) as fp32: ``(low, high)``, exactly.
+
+    One 32-bit load per pair: 16-bit loads are too narrow for Triton to pipeline (``cp.async`` needs
+    4 bytes a thread), so they would wait in the loop for global memory each tile.
+    """
+    return _bf16_split(tl.load(ptr.to(tl.pointer_type(tl.int32))))
+
+
+@triton.jit
+def _bf16_split(w):
+    return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _f16_pairs(ptr):
+    """The two fp16 of each 32-bit word at byte pointers ``ptr`` (4-aligned) as fp32, as :func:`_bf16_pairs`."""
+    return _f16_split(tl.load(ptr.to(tl.pointer_type(tl.int32))))
+
+
+@triton.jit
+def _f16_split(w):
+    lo = w.to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return lo.to(tl.float32), hi.to(tl.float32)
+
+
+@triton.jit
+def _k_operands(q_f, side, f: tl.constexpr, LAYOUT: tl.constexpr, FOLD: tl.constexpr = False):
+    """Query block ``q_f: [BLOCK_M, DK]`` of K field ``f`` (channels ``f * DK ..``) against a tile's :func:`_key_side`.
 
     Returns the score dot's fp16 operand ``q * k_scale`` and the fp32 zero-point term
     ``q * (k_zero + 2^(K_BITS-1) k_scale)`` (the centering of :func:`_unpack`), ``[BLOCK_M, DK]`` each.
     ``FOLD``: the zero-point term also subtracts :func:`_unpack_raw`'s offset times the fp16
     operand (the very values the dot multiplies, so the offset cancels up to fp32 rounding).
     """
-    ks, kz = _k_scales(rec, f, LAYOUT)  # [DK]
+    ks, kz = _k_field(side, f, LAYOUT)  # [DK]
     return _k_apply(q_f, ks[None, :], kz[None, :], f, LAYOUT, FOLD)
 
 
 @triton.jit
-def _tile_scores(rec, query, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr = False):
+def _tile_scores(rec, query, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr = False, side=None):
     """Scores of one quantized tile: ``(even, odd)`` tokens, each ``[BLOCK_M, G // 2]`` fp32.
 
     ``query = (q0, q1, q2, q3, rf)``: ``q0 .. q3: [BLOCK_M, DK]`` are the query's channel blocks of
@@ -230,21 +258,24 @@ def _tile_scores(rec, query, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FOLD: 
     with two fields). The K code bytes are read as 16-bit words ``[DK, G // 2]`` (two neighbouring
     tokens), so a 32-bit register of the dot operand holds two channels' words and one mask
     unpacks two codes. ``FOLD``: unpack with :func:`_packed_dot_raw` (one shift per word, no
-    subtraction) and take the codes' offsets out of the zero-point term instead.
+    subtraction) and take the codes' offsets out of the zero-point term instead. ``side``: the
+    tile's :func:`_key_side` if the caller read it ahead (else it is read here).
     """
     q0, q1, q2, q3, rf = query
     PK: tl.constexpr = LAYOUT.K_PER_BYTE
     DK: tl.constexpr = LAYOUT.D // PK
     GH: tl.constexpr = LAYOUT.G // 2
-    qs0, qz = _k_operands(q0, rec, 0, LAYOUT, FOLD)  # [BLOCK_M, DK] fp16, fp32
-    qs1, qz1 = _k_operands(q1, rec, 1, LAYOUT, FOLD)
+    if side is None:
+        side = _key_side(rec, LAYOUT)
+    qs0, qz = _k_operands(q0, side, 0, LAYOUT, FOLD)  # [BLOCK_M, DK] fp16, fp32
+    qs1, qz1 = _k_operands(q1, side, 1, LAYOUT, FOLD)
     qz += qz1
     qs2 = qs0
     qs3 = qs0
     if PK == 4:
-        qs2, qz2 = _k_operands(q2, rec, 2, LAYOUT, FOLD)
+        qs2, qz2 = _k_operands(q2, side, 2, LAYOUT, FOLD)
         qz += qz2
-        qs3, qz3 = _k_operands(q3, rec, 3, LAYOUT, FOLD)
+        qs3, qz3 = _k_operands(q3, side, 3, LAYOUT, FOLD)
         qz += qz3
     qz = tl.sum(qz, axis=1)  # [BLOCK_M]
     jk = tl.arange(0, DK)
@@ -254,8 +285,7 @@ def _tile_scores(rec, query, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FOLD: 
         s_e, s_o = _packed_dot_raw(kw, qs0, qs1, qs2, qs3, PK, LAYOUT.K_BITS, USE_ASM, False)  # [BLOCK_M, GH] each
     else:
         s_e, s_o = _packed_dot(qs0, qs1, qs2, qs3, kw, PK, LAYOUT.K_BITS, USE_ASM)
-    kt_e = _load_bf16(rec + LAYOUT.K_TOK + 4 * ti)  # [GH] k_tok of even tokens
-    kt_o = _load_bf16(rec + LAYOUT.K_TOK + 4 * ti + 2)
+    kt_e, kt_o = _bf16_pairs(rec + LAYOUT.K_TOK + 4 * ti)  # [GH] k_tok of even, odd tokens
     s_e = (s_e + qz[:, None]) * (rf[:, None] * kt_e[None, :])
     s_o = (s_o + qz[:, None]) * (rf[:, None] * kt_o[None, :])
     return s_e, s_o
@@ -280,7 +310,16 @@ def _split_fields(x, BM: tl.constexpr, PV: tl.constexpr, CT: tl.constexpr):
 
 @triton.jit
 def _tile_values(
-    rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr = False
+    rec,
+    p_e,
+    p_o,
+    alpha,
+    acc_e,
+    acc_o,
+    LAYOUT: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    FOLD: tl.constexpr = False,
+    side=None,
 ):
     """Online-softmax value step of one quantized tile: ``acc * alpha + p @ V~``.
 
@@ -289,6 +328,7 @@ def _tile_values(
     and odd output channels; ``None``: no rescale). The V code bytes are read as 16-bit words ``[G // PV, D // 2]`` (two
     neighbouring channels). ``FOLD`` as in :func:`_tile_scores`: token ``t`` belongs to field
     ``t // (G // PV)``, whose offset times the fp16 ``p v_scale`` leaves the zero-point sum.
+    ``side``: the tile's :func:`_value_side` if the caller read it ahead (else it is read here).
     """
     BLOCK_M: tl.constexpr = p_e.shape[0]
     G: tl.constexpr = LAYOUT.G
@@ -297,10 +337,13 @@ def _tile_values(
     DH: tl.constexpr = LAYOUT.D // 2
     VC: tl.constexpr = 1 << (LAYOUT.V_BITS - 1)  # code centering, see _unpack
     th = tl.arange(0, G // 2)
-    vs_e = _load_f16(rec + LAYOUT.V_SCALE + 4 * th)  # [G // 2] v_scale of even tokens
-    vs_o = _load_f16(rec + LAYOUT.V_SCALE + 4 * th + 2)
-    vz_e = _load_f16(rec + LAYOUT.V_ZERO + 4 * th) + VC * vs_e
-    vz_o = _load_f16(rec + LAYOUT.V_ZERO + 4 * th + 2) + VC * vs_o
+    if side is None:
+        side = _value_side(rec, LAYOUT)
+    vz_w, vc_w = side
+    vs_e, vs_o = _f16_pairs(rec + LAYOUT.V_SCALE + 4 * th)  # [G // 2] v_scale of even, odd tokens
+    vz_e, vz_o = _f16_split(vz_w)
+    vz_e += VC * vs_e
+    vz_o += VC * vs_o
     pv_e = (p_e * vs_e[None, :]).to(tl.float16)
     pv_o = (p_o * vs_o[None, :]).to(tl.float16)
     zt = p_e * vz_e[None, :] + p_o * vz_o[None, :]  # [BLOCK_M, G // 2]
@@ -318,8 +361,7 @@ def _tile_values(
         o_e, o_o = _packed_dot_raw(vw, pv0, pv1, pv2, pv3, PV, LAYOUT.V_BITS, USE_ASM, False)  # [BLOCK_M, DH] each
     else:
         o_e, o_o = _packed_dot(pv0, pv1, pv2, pv3, vw, PV, LAYOUT.V_BITS, USE_ASM)
-    vc_e = _load_bf16(rec + LAYOUT.V_CHAN + 4 * dh)  # [DH] v_chan of even channels
-    vc_o = _load_bf16(rec + LAYOUT.V_CHAN + 4 * dh + 2)
+    vc_e, vc_o = _bf16_split(vc_w)  # [DH] v_chan of even, odd channels
     if alpha is not None:
         acc_e = acc_e * alpha[:, None]
         acc_o = acc_o * alpha[:, None]
@@ -329,13 +371,61 @@ def _tile_values(
 
 
 @triton.jit
-def _k_operands_t(q_f, rec, f: tl.constexpr, LAYOUT: tl.constexpr, FOLD: tl.constexpr):
+def _key_side(rec, LAYOUT: tl.constexpr, ok=None):
+    """A tile's K channel scales and zero points as raw fp16 bits, ``[DK]`` int16 per field, for :func:`_tile_scores_t`.
+
+    ``(ks0, kz0, ks1, kz1, ks2, kz2, ks3, kz3)``; with two fields the last four repeat the first.
+    ``ok``: a scalar mask (nothing is read where it is false).
+    """
+    DK: tl.constexpr = LAYOUT.D // LAYOUT.K_PER_BYTE
+    j = tl.arange(0, DK)
+    ks = (rec + LAYOUT.K_SCALE).to(tl.pointer_type(tl.int16)) + j
+    kz = (rec + LAYOUT.K_ZERO).to(tl.pointer_type(tl.int16)) + j
+    if ok is None:
+        ok = j < DK  # all true (folded away)
+    else:
+        ok = j < ok.to(tl.int32) * DK  # as a block (the interpreter takes neither a scalar mask nor `block & scalar`)
+    ks0 = tl.load(ks, mask=ok, other=0)
+    kz0 = tl.load(kz, mask=ok, other=0)
+    ks1 = tl.load(ks + DK, mask=ok, other=0)
+    kz1 = tl.load(kz + DK, mask=ok, other=0)
+    if LAYOUT.K_PER_BYTE == 4:
+        ks2 = tl.load(ks + 2 * DK, mask=ok, other=0)
+        kz2 = tl.load(kz + 2 * DK, mask=ok, other=0)
+        return (
+            ks0,
+            kz0,
+            ks1,
+            kz1,
+            ks2,
+            kz2,
+            tl.load(ks + 3 * DK, mask=ok, other=0),
+            tl.load(kz + 3 * DK, mask=ok, other=0),
+        )
+    else:
+        return ks0, kz0, ks1, kz1, ks0, kz0, ks1, kz1
+
+
+@triton.jit
+def _k_field(side, f: tl.constexpr, LAYOUT: tl.constexpr):
+    """Field ``f``'s scales and centered zero points ``k_zero + 2^(K_BITS-1) k_scale``, fp32, from a :func:`_key_side`.
+
+    (The values :func:`_k_scales` computes from the record.)
+    """
+    KC: tl.constexpr = 1 << (LAYOUT.K_BITS - 1)
+    ks = side[2 * f].to(tl.float16, bitcast=True).to(tl.float32)
+    return ks, side[2 * f + 1].to(tl.float16, bitcast=True).to(tl.float32) + KC * ks
+
+
+@triton.jit
+def _k_operands_t(q_f, side, f: tl.constexpr, LAYOUT: tl.constexpr, FOLD: tl.constexpr):
     """:func:`_k_operands` transposed: ``q_f: [DK, N]`` -> ``(q k_scale)`` fp16 and the zero-point term, ``[DK, N]``.
 
-    ``FOLD``: the zero-point term also subtracts :func:`_unpack_raw`'s offset times the fp16
-    operand (the very values the dot multiplies, so the offset cancels up to fp32 rounding).
+    ``side``: the tile's :func:`_key_side`. ``FOLD``: the zero-point term also subtracts
+    :func:`_unpack_raw`'s offset times the fp16 operand (the very values the dot multiplies, so the
+    offset cancels up to fp32 rounding).
     """
-    ks, kz = _k_scales(rec, f, LAYOUT)
+    ks, kz = _k_field(side, f, LAYOUT)
     return _k_apply(q_f, ks[:, None], kz[:, None], f, LAYOUT, FOLD)
 
 
@@ -362,7 +452,7 @@ def _k_apply(q_f, ks, kz, f: tl.constexpr, LAYOUT: tl.constexpr, FOLD: tl.conste
 
 
 @triton.jit
-def _tile_scores_t(rec, query_t, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr = False):
+def _tile_scores_t(rec, query_t, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr = False, side=None):
     """:func:`_tile_scores` with the tokens as the dot's M: ``(even, odd)`` tokens, ``[G // 2, N]`` fp32 each.
 
     ``query_t = (q0, q1, q2, q3, rf)``: ``q_f: [DK, N]`` are the K fields' channel blocks of the
@@ -376,15 +466,17 @@ def _tile_scores_t(rec, query_t, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FO
     PK: tl.constexpr = LAYOUT.K_PER_BYTE
     DK: tl.constexpr = LAYOUT.D // PK
     GH: tl.constexpr = LAYOUT.G // 2
-    qs0, qz = _k_operands_t(q0, rec, 0, LAYOUT, FOLD)  # [DK, N] fp16, fp32
-    qs1, qz1 = _k_operands_t(q1, rec, 1, LAYOUT, FOLD)
+    if side is None:
+        side = _key_side(rec, LAYOUT)
+    qs0, qz = _k_operands_t(q0, side, 0, LAYOUT, FOLD)  # [DK, N] fp16, fp32
+    qs1, qz1 = _k_operands_t(q1, side, 1, LAYOUT, FOLD)
     qz += qz1
     qs2 = qs0
     qs3 = qs0
     if PK == 4:
-        qs2, qz2 = _k_operands_t(q2, rec, 2, LAYOUT, FOLD)
+        qs2, qz2 = _k_operands_t(q2, side, 2, LAYOUT, FOLD)
         qz += qz2
-        qs3, qz3 = _k_operands_t(q3, rec, 3, LAYOUT, FOLD)
+        qs3, qz3 = _k_operands_t(q3, side, 3, LAYOUT, FOLD)
         qz += qz3
     qz = tl.sum(qz, axis=0)  # [N]
     jk = tl.arange(0, DK)
@@ -394,8 +486,7 @@ def _tile_scores_t(rec, query_t, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FO
         s_e, s_o = _packed_dot_raw(kw, qs0, qs1, qs2, qs3, PK, LAYOUT.K_BITS, USE_ASM)  # [GH, N] each
     else:
         s_e, s_o = _packed_dot(qs0, qs1, qs2, qs3, kw, PK, LAYOUT.K_BITS, USE_ASM, True)
-    kt_e = _load_bf16(rec + LAYOUT.K_TOK + 4 * ti)  # [GH]
-    kt_o = _load_bf16(rec + LAYOUT.K_TOK + 4 * ti + 2)
+    kt_e, kt_o = _bf16_pairs(rec + LAYOUT.K_TOK + 4 * ti)  # [GH]
     s_e = (s_e + qz[None, :]) * (kt_e[:, None] * rf[None, :])
     s_o = (s_o + qz[None, :]) * (kt_o[:, None] * rf[None, :])
     return s_e, s_o
@@ -416,8 +507,45 @@ def _split_fields_t(x, PV: tl.constexpr, CT: tl.constexpr):
 
 
 @triton.jit
+def _value_side(rec, LAYOUT: tl.constexpr, ok=None):
+    """A tile's V zero points and channel scales as 32-bit words (two tokens or channels each), for the value step.
+
+    ``([G // 2], [D // 2])`` int32, as :func:`_tile_values` and :func:`_tile_values_t` take them.
+
+    ``ok`` as in :func:`_key_side`.
+    """
+    th = tl.arange(0, LAYOUT.G // 2)
+    dh = tl.arange(0, LAYOUT.D // 2)
+    ok_t = th < LAYOUT.G // 2
+    ok_d = dh < LAYOUT.D // 2
+    if ok is not None:
+        ok_t = th < ok.to(tl.int32) * (LAYOUT.G // 2)  # as in _key_side
+        ok_d = dh < ok.to(tl.int32) * (LAYOUT.D // 2)
+    vz = tl.load((rec + LAYOUT.V_ZERO + 4 * th).to(tl.pointer_type(tl.int32)), mask=ok_t, other=0)
+    return vz, tl.load((rec + LAYOUT.V_CHAN + 4 * dh).to(tl.pointer_type(tl.int32)), mask=ok_d, other=0)
+
+
+@triton.jit
+def _value_side_st(base, off_a, off_b, LAYOUT: tl.constexpr, ok=None):
+    """:func:`_value_side` of the two stacked tiles at ``base + off_a``, ``base + off_b``: ``(vz, vc_a, vc_b)``,
+    the zero points' words ``[2, G // 2]`` (tile a's row first), the channel scales' ``[D // 2]`` each."""
+    vz_a, vc_a = _value_side(base + off_a, LAYOUT, ok)
+    vz_b, vc_b = _value_side(base + off_b, LAYOUT, ok)
+    return tl.permute(tl.join(vz_a, vz_b), (1, 0)), vc_a, vc_b
+
+
+@triton.jit
 def _tile_values_t(
-    rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr = False
+    rec,
+    p_e,
+    p_o,
+    alpha,
+    acc_e,
+    acc_o,
+    LAYOUT: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    FOLD: tl.constexpr = False,
+    side=None,
 ):
     """:func:`_tile_values` transposed: ``p_e, p_o: [G // 2, N]``, ``acc_e, acc_o: [D // 2, N]``, ``alpha: [N]``.
 
@@ -433,10 +561,13 @@ def _tile_values_t(
     DH: tl.constexpr = LAYOUT.D // 2
     VC: tl.constexpr = 1 << (LAYOUT.V_BITS - 1)
     th = tl.arange(0, G // 2)
-    vs_e = _load_f16(rec + LAYOUT.V_SCALE + 4 * th)  # [G // 2]
-    vs_o = _load_f16(rec + LAYOUT.V_SCALE + 4 * th + 2)
-    vz_e = _load_f16(rec + LAYOUT.V_ZERO + 4 * th) + VC * vs_e
-    vz_o = _load_f16(rec + LAYOUT.V_ZERO + 4 * th + 2) + VC * vs_o
+    vs_e, vs_o = _f16_pairs(rec + LAYOUT.V_SCALE + 4 * th)  # [G // 2]
+    if side is None:
+        side = _value_side(rec, LAYOUT)
+    vz_w, vc_w = side
+    vz_e, vz_o = _f16_split(vz_w)
+    vz_e += VC * vs_e
+    vz_o += VC * vs_o
     pv_e = (p_e * vs_e[:, None]).to(tl.float16)
     pv_o = (p_o * vs_o[:, None]).to(tl.float16)
     zt = p_e * vz_e[:, None] + p_o * vz_o[:, None]  # [G // 2, N]
@@ -453,8 +584,7 @@ def _tile_values_t(
         o_e, o_o = _packed_dot_raw(vw, pv0, pv1, pv2, pv3, PV, LAYOUT.V_BITS, USE_ASM)  # [DH, N] each
     else:
         o_e, o_o = _packed_dot(pv0, pv1, pv2, pv3, vw, PV, LAYOUT.V_BITS, USE_ASM, True)
-    vc_e = _load_bf16(rec + LAYOUT.V_CHAN + 4 * dh)  # [DH]
-    vc_o = _load_bf16(rec + LAYOUT.V_CHAN + 4 * dh + 2)
+    vc_e, vc_o = _bf16_split(vc_w)  # [DH]
     if alpha is not None:
         acc_e = acc_e * alpha[None, :]
         acc_o = acc_o * alpha[None, :]
@@ -477,7 +607,17 @@ def _pair(a, b):
 
 @triton.jit
 def _tile_scores_st(
-    base, off_a, off_b, has_b, query_t, second, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr
+    base,
+    off_a,
+    off_b,
+    has_b,
+    query_t,
+    second,
+    LAYOUT: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    FOLD: tl.constexpr,
+    side_a=None,
+    side_b=None,
 ):
     """:func:`_tile_scores_t` on two tiles stacked on the dot's M: ``(even, odd)`` tokens, ``[G, N]`` fp32 each.
 
@@ -495,15 +635,18 @@ def _tile_scores_st(
     PK: tl.constexpr = LAYOUT.K_PER_BYTE
     DK: tl.constexpr = LAYOUT.D // PK
     GH: tl.constexpr = LAYOUT.G // 2
-    qs0, qz = _k_operands_st(q0, base + off_a, base + off_b, second, 0, LAYOUT, FOLD)  # [DK, N]
-    qs1, qz1 = _k_operands_st(q1, base + off_a, base + off_b, second, 1, LAYOUT, FOLD)
+    if side_a is None:
+        side_a = _key_side(base + off_a, LAYOUT)
+        side_b = _key_side(base + off_b, LAYOUT)
+    qs0, qz = _k_operands_st(q0, side_a, side_b, second, 0, LAYOUT, FOLD)  # [DK, N]
+    qs1, qz1 = _k_operands_st(q1, side_a, side_b, second, 1, LAYOUT, FOLD)
     qz += qz1
     qs2 = qs0
     qs3 = qs0
     if PK == 4:
-        qs2, qz2 = _k_operands_st(q2, base + off_a, base + off_b, second, 2, LAYOUT, FOLD)
+        qs2, qz2 = _k_operands_st(q2, side_a, side_b, second, 2, LAYOUT, FOLD)
         qz += qz2
-        qs3, qz3 = _k_operands_st(q3, base + off_a, base + off_b, second, 3, LAYOUT, FOLD)
+        qs3, qz3 = _k_operands_st(q3, side_a, side_b, second, 3, LAYOUT, FOLD)
         qz += qz3
     qz = tl.sum(qz, axis=0)  # [N]
     recs = base + _pair(off_a, off_b)  # [2]
@@ -516,8 +659,9 @@ def _tile_scores_st(
         s_e, s_o = _packed_dot_raw(kw, qs0, qs1, qs2, qs3, PK, LAYOUT.K_BITS, USE_ASM)  # [G, N] each
     else:
         s_e, s_o = _packed_dot(qs0, qs1, qs2, qs3, kw, PK, LAYOUT.K_BITS, USE_ASM, True)
-    kt_e = tl.reshape(_load_bf16(recs[:, None] + LAYOUT.K_TOK + 4 * ti[None, :]), (2 * GH,))  # [G]
-    kt_o = tl.reshape(_load_bf16(recs[:, None] + LAYOUT.K_TOK + 4 * ti[None, :] + 2), (2 * GH,))
+    kt_e, kt_o = _bf16_pairs(recs[:, None] + LAYOUT.K_TOK + 4 * ti[None, :])  # [2, GH]
+    kt_e = tl.reshape(kt_e, (2 * GH,))  # [G]
+    kt_o = tl.reshape(kt_o, (2 * GH,))
     i = tl.arange(0, 2 * GH)
     mine = ((i >= GH)[:, None] == second[None, :]) & ((i < GH) | has_b)[:, None]
     s_e = tl.where(mine, (s_e + qz[None, :]) * (kt_e[:, None] * rf[None, :]), float("-inf"))
@@ -526,10 +670,11 @@ def _tile_scores_st(
 
 
 @triton.jit
-def _k_operands_st(q_f, rec_a, rec_b, second, f: tl.constexpr, LAYOUT: tl.constexpr, FOLD: tl.constexpr):
-    """:func:`_k_operands_t`, column ``c`` scaled by ``rec_b``'s field ``f`` where ``second[c]``, else ``rec_a``'s."""
-    ks_a, kz_a = _k_scales(rec_a, f, LAYOUT)
-    ks_b, kz_b = _k_scales(rec_b, f, LAYOUT)
+def _k_operands_st(q_f, side_a, side_b, second, f: tl.constexpr, LAYOUT: tl.constexpr, FOLD: tl.constexpr):
+    """:func:`_k_operands_t`, column ``c`` scaled by tile b's field ``f`` where ``second[c]``, else tile a's
+    (``side_a``, ``side_b``: the tiles' :func:`_key_side`)."""
+    ks_a, kz_a = _k_field(side_a, f, LAYOUT)
+    ks_b, kz_b = _k_field(side_b, f, LAYOUT)
     return _k_apply(q_f, _by_column(second, ks_a, ks_b), _by_column(second, kz_a, kz_b), f, LAYOUT, FOLD)
 
 
@@ -552,7 +697,18 @@ def _split_fields_st(x, PV: tl.constexpr, CT: tl.constexpr):
 
 @triton.jit
 def _tile_values_st(
-    base, off_a, off_b, p_e, p_o, alpha, acc, second, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr
+    base,
+    off_a,
+    off_b,
+    p_e,
+    p_o,
+    alpha,
+    acc,
+    second,
+    LAYOUT: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    FOLD: tl.constexpr,
+    side=None,
 ):
     """:func:`_tile_values_t` on the two stacked tiles of :func:`_tile_scores_st`; ``p_e, p_o: [G, N]``.
 
@@ -570,11 +726,15 @@ def _tile_values_st(
     VC: tl.constexpr = 1 << (LAYOUT.V_BITS - 1)  # code centering, see _unpack
     recs = base + _pair(off_a, off_b)  # [2]
     ti = tl.arange(0, GH)
-    tok = recs[:, None] + 4 * ti[None, :]  # [2, GH]: each token pair's entry of its record
-    vs_e = tl.reshape(_load_f16(tok + LAYOUT.V_SCALE), (G,))
-    vs_o = tl.reshape(_load_f16(tok + LAYOUT.V_SCALE + 2), (G,))
-    vz_e = tl.reshape(_load_f16(tok + LAYOUT.V_ZERO), (G,)) + VC * vs_e
-    vz_o = tl.reshape(_load_f16(tok + LAYOUT.V_ZERO + 2), (G,)) + VC * vs_o
+    if side is None:
+        side = _value_side_st(base, off_a, off_b, LAYOUT)
+    vz_w, vc_a, vc_b = side
+    vs_e, vs_o = _f16_pairs(recs[:, None] + LAYOUT.V_SCALE + 4 * ti[None, :])  # [2, GH]
+    vs_e = tl.reshape(vs_e, (G,))
+    vs_o = tl.reshape(vs_o, (G,))
+    vz_e, vz_o = _f16_split(vz_w)
+    vz_e = tl.reshape(vz_e, (G,)) + VC * vs_e
+    vz_o = tl.reshape(vz_o, (G,)) + VC * vs_o
     pv_e = (p_e * vs_e[:, None]).to(tl.float16)
     pv_o = (p_o * vs_o[:, None]).to(tl.float16)
     zt = p_e * vz_e[:, None] + p_o * vz_o[:, None]  # [G, N]
@@ -592,10 +752,10 @@ def _tile_values_st(
         o_e, o_o = _packed_dot_raw(vw, pv0, pv1, pv2, pv3, PV, LAYOUT.V_BITS, USE_ASM)  # [DH, N] each
     else:
         o_e, o_o = _packed_dot(pv0, pv1, pv2, pv3, vw, PV, LAYOUT.V_BITS, USE_ASM, True)
-    vc_a = base + off_a + LAYOUT.V_CHAN + 4 * dh  # [DH] v_chan of the even channels, tile a
-    vc_b = base + off_b + LAYOUT.V_CHAN + 4 * dh
-    vc_e = _by_column(second, _load_bf16(vc_a), _load_bf16(vc_b))  # [DH, N]
-    vc_o = _by_column(second, _load_bf16(vc_a + 2), _load_bf16(vc_b + 2))
+    vc_ae, vc_ao = _bf16_split(vc_a)  # [DH] v_chan of the even and odd channels, tile a
+    vc_be, vc_bo = _bf16_split(vc_b)
+    vc_e = _by_column(second, vc_ae, vc_be)  # [DH, N]
+    vc_o = _by_column(second, vc_ao, vc_bo)
     acc_e = acc_e * alpha[None, :] + (o_e + z[None, :]) * vc_e
     acc_o = acc_o * alpha[None, :] + (o_o + z[None, :]) * vc_o
     return acc_e, acc_o
