@@ -708,6 +708,7 @@ def _stack_tiles(stack_tiles: bool | None, default: bool, gqp: int, tokens_m: bo
 
 
 TWO_WARP_D64_MIN_TILES = 8
+TWO_WARP_D128_MIN_TILES = 16
 STACK_MIN_TILES = 16
 """See :func:`decode_shape_default`."""
 
@@ -725,15 +726,26 @@ def decode_shape_default(
       / 32K 177.5 -> 143.2 us, 4 / 128K 189.2 -> 150.1, 8 / 32K 110.1 -> 89.4, 64 / 4K 119.3 -> 114.4;
       k2v2 and k4v4 at 16 / 32K 200.5 -> 144.8 and 187.5 -> 149.3. Slower with short splits: 1 / 32K
       (4 tiles a split) 35.3 -> 49.0, 8 / 4K 30.1 -> 45.4.
-    - 64-token tiles at ``D = 128``: with ``STACK_MIN_TILES`` or more tiles a split, 4 warps, and
-      ``stack_tiles`` for 2-bit values and at most 4 query heads a KV head (padded) (k4v2_g64: 16 / 32K
-      383.9 -> 356.2 us, 4 / 128K 383.9 -> 358.4, 8 / 32K 212.6 -> 202.6, 64 / 4K 211.1 -> 201.8, 32 / 4K
-      119.8 -> 117.8; slower at 4-8 tiles a split: 8 / 4K 55.3 -> 60.8, 4 / 4K 31.6 -> 37.4; k4v4_g64 at
-      16 / 32K 378.5 -> 401.0); with shorter splits over :func:`tokens_m_min_programs`, 2 warps (128
+    - ``D = 128``, 128-token tiles, ``TWO_WARP_D128_MIN_TILES`` or more tiles a split: 2 warps (128
+      registers, 8 programs per SM). Once no step waited on a tile's scales (session 20), 4 -> 2 warps
+      (k4v2 unless named): 16 / 32K 192.6 -> 159.7 us, 64 / 32K 707.2 -> 575.3, 32 / 32K 365.2 -> 290.3,
+      8 / 32K 118.8 -> 94.0, 4 / 128K 201.5 -> 162.7, 16 / 128K 693.1 -> 554.8, 16 / 16K 113.9 -> 92.7,
+      64 / 4K 119.9 -> 93.5, k2v2 16 / 32K 183.6 -> 148.7 and 8 / 32K 113.8 -> 87.4, k4v4 16 / 32K
+      205.8 -> 204.2. Below 16 tiles mixed: faster at 32 / 4K (8 tiles, 73.4 -> 60.8) and 2 / 32K (4
+      tiles, 62.6 -> 47.8), slower at 4 / 32K (8 tiles, 72.5 -> 79.8), level at 8 / 4K and 1 / 32K.
+      (Before that change 2 warps had lost 37% at 4 / 32K and won 4-16% elsewhere, session 14.)
+    - 64-token tiles at ``D = 128``: with ``STACK_MIN_TILES`` or more tiles a split, 2 warps for 2-bit
+      values (4 for 4-bit). Session 14 had stacked tiles at 4 warps there (``stack_tiles``; k4v2_g64:
+      16 / 32K 383.9 -> 356.2 us, 4 / 128K 383.9 -> 358.4, 8 / 32K 212.6 -> 202.6, 64 / 4K 211.1 -> 201.8,
+      32 / 4K 119.8 -> 117.8; k4v4_g64 at 16 / 32K 378.5 -> 401.0); with the scales read ahead (session
+      20) 2 warps unstacked beat them at every such shape timed, stacked -> 2 warps: 16 / 32K 312.5 ->
+      288.4, 4 / 128K 317.2 -> 297.7, 8 / 32K 180.2 -> 163.1, 64 / 4K 180.6 -> 164.9, 32 / 4K 104.4 ->
+      92.4, 16 / 16K 174.5 -> 154.0 (k4v4_g64 not timed at 2 warps there: it keeps 4, unstacked). With
+      shorter splits over :func:`tokens_m_min_programs`, 2 warps (128
       registers, no duplicated unpack: a 64-token tile's 32 token pairs are one 16-row block per warp):
       k4v2_g64 8 / 4K 55.3 -> 42.1, 2 / 32K 94.7 -> 70.6, 16 / 4K 76.1 -> 67.4, k4v4_g64 8 / 4K 55.6 ->
       43.8 (timed with the rounded-up split rule); slower with fewer programs (4 / 4K 31.6 -> 36.4,
-      1 / 32K 54.5 -> 62.7) and with long splits (16 / 32K 383.9 -> 515.2).
+      1 / 32K 54.5 -> 62.7) and, in session 14, with long splits (16 / 32K 383.9 -> 515.2).
 
     Timed at 4 query heads per KV head (32 / 8) only. In vLLM the block table is ``max_model_len``
     wide, so short sequences in a long-context engine count as long splits here.
@@ -742,9 +754,11 @@ def decode_shape_default(
         return ATTN_NUM_WARPS, False
     if cfg.head_dim == 64 and cfg.group_size == 128 and tiles_per_split >= TWO_WARP_D64_MIN_TILES:
         return 2, False
+    if cfg.head_dim == 128 and cfg.group_size == 128 and tiles_per_split >= TWO_WARP_D128_MIN_TILES:
+        return 2, False
     if cfg.head_dim == 128 and cfg.group_size == 64:
         if tiles_per_split >= STACK_MIN_TILES:
-            return ATTN_NUM_WARPS, cfg.v_bits == 2 and 2 * gqp <= TOKENS_M_MIN_ROWS
+            return (2, False) if cfg.v_bits == 2 else (ATTN_NUM_WARPS, False)
         if programs > tokens_m_min_programs(device):
             return 2, False
     return ATTN_NUM_WARPS, False
