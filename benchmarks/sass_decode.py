@@ -4,7 +4,11 @@ Compiles ``_attn_kernel`` for sm_90 with an explicit target (Triton's bundled pt
 cuobjdump) and counts the opcodes of the loop with the most ``LOP3`` (the quantized-tile loop).
 Counts depend on the local Triton version; compare variants compiled by the same one.
 
-    PYTHONPATH=. python benchmarks/sass_decode.py kvarn_k4v2_g128 --d 128 --tokens-m 1 --fold 0 1
+    PYTHONPATH=. python benchmarks/sass_decode.py kvarn_k4v2_g128 --d 128 --tokens-m 1 --fold 0 1 [--warps 2] [--waits]
+
+The last figure is :func:`loads_read_in_step` for the record's scale fields: how many of the loop's
+plain global loads of a tile's scales are waited for in the step that issued them (0: all read a
+step ahead, or prefetched by ``cp.async``).
 """
 
 from __future__ import annotations
@@ -92,8 +96,8 @@ def sass_and_resources(kernel) -> tuple[str, str]:
     return sass, res.stdout
 
 
-def main_loop(sass: str) -> collections.Counter:
-    """Opcode counts of the backward-branch loop with the most ``LOP3`` (the quantized tiles)."""
+def loop_instructions(sass: str) -> list[str]:
+    """The instructions (predicates kept) of the backward-branch loop with the most ``LOP3``: the quantized tiles."""
     labels, instrs, loops = {}, [], []
     for line in sass.splitlines():
         m = re.match(r"^\.(L_x_\d+):", line.strip())
@@ -102,12 +106,59 @@ def main_loop(sass: str) -> collections.Counter:
             continue
         m = re.match(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
         if m:
-            instrs.append(re.sub(r"^@!?U?P\w+\s+", "", m.group(1)))
+            instrs.append(m.group(1).strip())
     for i, ins in enumerate(instrs):
         m = re.search(r"BRA\s+(?:`\()?\.?(L_x_\d+)", ins)
         if m and labels.get(m.group(1), i + 1) <= i:
-            loops.append(collections.Counter(x.split()[0].split(".")[0] for x in instrs[labels[m.group(1)] : i + 1]))
-    return max(loops, key=lambda c: c["LOP3"])
+            loops.append(instrs[labels[m.group(1)] : i + 1])
+    return max(loops, key=lambda body: sum(x.lstrip("@!UP0123456789T ").startswith("LOP3") for x in body))
+
+
+def _unpredicated(ins: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", ins)
+
+
+def main_loop(sass: str) -> collections.Counter:
+    """Opcode counts of :func:`loop_instructions`."""
+    return collections.Counter(_unpredicated(x).split()[0].split(".")[0] for x in loop_instructions(sass))
+
+
+def loads_read_in_step(body: list[str], min_offset: int = 0) -> list[tuple[str, str]]:
+    """Plain global loads (``LDG``, not ``cp.async``) of a loop ``body`` whose value an instruction after
+    them in the same pass reads: ``(load, reader)`` pairs, so each is a global round trip the step
+    waits for. Only loads whose immediate address offset is at least ``min_offset`` count (a record's
+    scale fields start at ``LAYOUT.K_SCALE``; block ids are read at offset 0). A load read only after
+    the back-edge (in the next step) is prefetched and not listed."""
+    out = []
+    for i, ins in enumerate(body):
+        words = _unpredicated(ins).split(None, 1)
+        op = words[0]
+        if not op.startswith("LDG.") or len(words) < 2:
+            continue
+        dst, addr = [a.strip() for a in words[1].split(",", 1)]
+        offset = re.search(r"\+(-?0x[0-9a-f]+|\d+)\]", addr)
+        if (int(offset.group(1), 0) if offset else 0) < min_offset:
+            continue
+        width = {"64": 2, "128": 4}.get(op.split(".")[-1], 1)
+        live = {int(dst[1:]) + k for k in range(width)}
+        for later in body[i + 1 :]:
+            parts = _unpredicated(later).split(None, 1)
+            if len(parts) < 2:
+                continue
+            lop, args = parts
+            ops = [a.strip() for a in args.split(",")]
+            writes = (
+                not lop.startswith(("ST", "RED", "BRA", "BAR", "LDGSTS")) and re.fullmatch(r"R\d+", ops[0]) is not None
+            )
+            srcs = ops[1:] if writes or lop.startswith(("HMMA", "HGMMA")) else ops
+            if any(re.search(rf"\bR{r}\b", s) for s in srcs for r in live):
+                out.append((ins, later))
+                break
+            if writes:
+                live.discard(int(ops[0][1:]))
+                if not live:
+                    break
+    return out
 
 
 def main() -> None:
@@ -118,16 +169,31 @@ def main() -> None:
     ap.add_argument("--fused-q", type=int, default=0)
     ap.add_argument("--pair", type=int, default=0)
     ap.add_argument("--fold", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--waits", action="store_true", help="list the loop's scale loads read in their own step")
     args = ap.parse_args()
+    layout = record_layout(KVarNConfig.from_preset(args.preset, head_dim=args.d))
     for fold in args.fold:
-        k = compile_decode(args.preset, args.d, bool(args.tokens_m), bool(fold), bool(args.fused_q), bool(args.pair))
+        k = compile_decode(
+            args.preset,
+            args.d,
+            bool(args.tokens_m),
+            bool(fold),
+            bool(args.fused_q),
+            bool(args.pair),
+            num_warps=args.warps,
+        )
         sass, res = sass_and_resources(k)
         loop = main_loop(sass)
         usage = re.findall(r"REG:\d+ STACK:\d+", res)
         counts = " ".join(f"{op} {loop[op]}" for op in OPS)
+        waited = loads_read_in_step(loop_instructions(sass), layout.K_SCALE)
         print(
-            f"{args.preset} D={args.d} tokens_m={args.tokens_m} fold={fold} {usage} loop {sum(loop.values())}: {counts}"
+            f"{args.preset} D={args.d} tokens_m={args.tokens_m} fold={fold} warps={args.warps} {usage} "
+            f"loop {sum(loop.values())}: {counts}; scale loads read in their own step {len(waited)}"
         )
+        for load, reader in waited if args.waits else ():
+            print(f"    {load}  ->  {reader}")
 
 
 if __name__ == "__main__":

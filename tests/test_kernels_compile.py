@@ -36,6 +36,8 @@ DECODE = {
     # 2 warps under the register cap (decode_shape_default's launches)
     "two_warps_d64": ("kvarn_k4v2_g128", 64, True, False, True, {"num_warps": 2}),
     "two_warps_g64": ("kvarn_k4v2_g64", 128, True, True, True, {"num_warps": 2}),
+    "two_warps_d128": ("kvarn_k4v2_g128", 128, True, True, True, {"num_warps": 2}),
+    "two_warps_k2v2": ("kvarn_k2v2_g128", 128, True, True, True, {"num_warps": 2}),
     # FLAGS = (SPLIT, MERGE, ROTATE, OUT_BF16, INV_SQRT_D): the epilogue's partials, and one split
     "no_merge": ("kvarn_k4v2_g128", 128, True, True, True, {"FLAGS": (True, False, True, False, 128**-0.5)}),
     "one_split": ("kvarn_k4v2_g128", 128, False, False, True, {"FLAGS": (False, True, True, True, 128**-0.5)}),
