@@ -229,6 +229,31 @@ def _sequence_query(
 
 
 @triton.jit
+def _ahead_start(base, s_cb, bt_row, u0, u1, STEP: tl.constexpr, LAYOUT: tl.constexpr):
+    """What a walk over tiles ``u0, u0 + STEP, .. < u1`` reads before its first step: tile ``u0``'s record
+    (``base`` plus its block's offset), K and V scales (:func:`_key_side`, :func:`_value_side`), and the
+    block id of tile ``u0 + STEP``. An empty walk (``u0 >= u1``) reads nothing.
+
+    Each step then reads ahead (:func:`_ahead_step`, and the next tile's :func:`_value_side` after its
+    value step), so no step waits on global memory for its tile's scales: they were 16-bit loads, too
+    narrow for Triton's ``cp.async`` pipeline, and read in the step that used them they cost four
+    round trips a tile (``benchmarks/RESULTS.md``, session 20). The codes are prefetched by the pipeline.
+    """
+    walk = u0 < u1
+    rec = base + tl.load(bt_row + u0, mask=walk, other=0).to(tl.int64) * s_cb
+    blk = tl.load(bt_row + tl.minimum(u0 + STEP, u1 - 1), mask=walk, other=0)
+    return rec, blk, _key_side(rec, LAYOUT, walk), _value_side(rec, LAYOUT, walk)
+
+
+@triton.jit
+def _ahead_step(base, s_cb, bt_row, u, u1, blk, STEP: tl.constexpr, LAYOUT: tl.constexpr):
+    """Step ``u``'s reads for the steps after it: the next tile's record (from block id ``blk``, read the
+    step before) and K scales, and the block id of the tile after that: ``(rec, blk, key_side)``."""
+    rec = base + blk.to(tl.int64) * s_cb
+    return rec, tl.load(bt_row + tl.minimum(u + 2 * STEP, u1 - 1)), _key_side(rec, LAYOUT)
+
+
+@triton.jit
 def _quantized_tiles(
     query,
     records,
@@ -265,20 +290,10 @@ def _quantized_tiles(
     acc_o = tl.zeros([BLOCK_M, D // 2], tl.float32)  # odd output channels
     STEP: tl.constexpr = 2 if PAIR else 1
     base = cache + kvh.to(tl.int64) * s_ch
-    walk = u0 < u1  # an empty split reads nothing
-    rec_n = base + tl.load(bt_row + u0, mask=walk, other=0).to(tl.int64) * s_cb
-    blk_nn = tl.load(bt_row + tl.minimum(u0 + STEP, u1 - 1), mask=walk, other=0)
-    kside_n = _key_side(rec_n, LAYOUT, walk)
-    side_n = _value_side(rec_n, LAYOUT, walk)
-    for u in range(u0, u1, STEP):
-        # the scales of tile u were read during the step before (its block id the step before that): only
-        # the codes, which Triton's pipeline prefetches, are waited for (PAIR's second tile reads its own)
-        rec = rec_n
-        kside = kside_n
-        side = side_n
-        rec_n = base + blk_nn.to(tl.int64) * s_cb
-        blk_nn = tl.load(bt_row + tl.minimum(u + 2 * STEP, u1 - 1))
-        kside_n = _key_side(rec_n, LAYOUT)
+    rec_n, blk_nn, kside_n, side_n = _ahead_start(base, s_cb, bt_row, u0, u1, STEP, LAYOUT)
+    for u in range(u0, u1, STEP):  # PAIR's second tile reads its own scales
+        rec, kside, side = rec_n, kside_n, side_n
+        rec_n, blk_nn, kside_n = _ahead_step(base, s_cb, bt_row, u, u1, blk_nn, STEP, LAYOUT)
         if q_model is not None:
             s_e, s_o = _tile_scores(rec, _smoothed_query(rec, q_model, LAYOUT), LAYOUT, USE_ASM, FOLD, kside)
         else:
@@ -344,20 +359,10 @@ def _quantized_tiles_t(
     acc_o = tl.zeros([D // 2, N], tl.float32)
     STEP: tl.constexpr = 2 if PAIR else 1
     base = cache + kvh.to(tl.int64) * s_ch
-    walk = u0 < u1  # an empty split reads nothing
-    rec_n = base + tl.load(bt_row + u0, mask=walk, other=0).to(tl.int64) * s_cb
-    blk_nn = tl.load(bt_row + tl.minimum(u0 + STEP, u1 - 1), mask=walk, other=0)
-    kside_n = _key_side(rec_n, LAYOUT, walk)
-    side_n = _value_side(rec_n, LAYOUT, walk)
-    for u in range(u0, u1, STEP):
-        # the scales of tile u were read during step u - 1 (and its block id the step before), so
-        # no step waits on global memory but for the codes, which Triton's pipeline prefetches
-        rec = rec_n
-        kside = kside_n
-        side = side_n
-        rec_n = base + blk_nn.to(tl.int64) * s_cb
-        blk_nn = tl.load(bt_row + tl.minimum(u + 2 * STEP, u1 - 1))
-        kside_n = _key_side(rec_n, LAYOUT)
+    rec_n, blk_nn, kside_n, side_n = _ahead_start(base, s_cb, bt_row, u0, u1, STEP, LAYOUT)
+    for u in range(u0, u1, STEP):  # PAIR's second tile reads its own scales
+        rec, kside, side = rec_n, kside_n, side_n
+        rec_n, blk_nn, kside_n = _ahead_step(base, s_cb, bt_row, u, u1, blk_nn, STEP, LAYOUT)
         s_e, s_o = _tile_scores_t(rec, query_t, LAYOUT, USE_ASM, FOLD, kside)  # [G // 2, N] each
         m_new = tl.maximum(m_i, tl.max(tl.maximum(s_e, s_o), axis=0))
         if PAIR:
@@ -415,7 +420,7 @@ def _quantized_tiles_st(
     kside_bn = _key_side(base + off_bn, LAYOUT, walk)
     vside_n = _value_side_st(base, off_an, off_bn, LAYOUT, walk)
     for u in range(u0, u1, 2):
-        # as in _quantized_tiles_t: each step's scales were read the step before, their block ids before that
+        # as _ahead_start / _ahead_step for two tiles a step: the scales a step ahead, the block ids two
         off_a = off_an
         off_b = off_bn
         kside_a = kside_an

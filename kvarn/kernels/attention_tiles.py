@@ -372,7 +372,7 @@ def _tile_values(
 
 @triton.jit
 def _key_side(rec, LAYOUT: tl.constexpr, ok=None):
-    """A tile's K channel scales and zero points as raw fp16 bits, ``[DK]`` int16 per field, for :func:`_tile_scores_t`.
+    """A tile's K channel scales and zero points as raw fp16 bits, ``[DK]`` int16 per field, for the score step.
 
     ``(ks0, kz0, ks1, kz1, ks2, kz2, ks3, kz3)``; with two fields the last four repeat the first.
     ``ok``: a scalar mask (nothing is read where it is false).
