@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvarn.kernels._common import bf16_to_f32, load_f32, pool_factor
+from kvarn.kernels._common import load_f32, pool_factor
 
 FP16_1024 = tl.constexpr(0x6400)
 """fp16 bits of 1024.0. OR-ing an integer ``c < 1024`` into them gives the fp16 value ``1024 + c``."""
@@ -196,16 +196,6 @@ def _packed_dot(
         even, odd = _field_dot(a2, w, 2, BITS, USE_ASM, even, odd, CODES_LEFT)
         even, odd = _field_dot(a3, w, 3, BITS, USE_ASM, even, odd, CODES_LEFT)
     return even, odd
-
-
-@triton.jit
-def _load_f16(ptr):
-    return tl.load(ptr.to(tl.pointer_type(tl.float16))).to(tl.float32)
-
-
-@triton.jit
-def _load_bf16(ptr):
-    return bf16_to_f32(tl.load(ptr.to(tl.pointer_type(tl.int16))))
 
 
 @triton.jit
@@ -408,10 +398,8 @@ def _key_side(rec, LAYOUT: tl.constexpr, ok=None):
 
 @triton.jit
 def _k_field(side, f: tl.constexpr, LAYOUT: tl.constexpr):
-    """Field ``f``'s scales and centered zero points ``k_zero + 2^(K_BITS-1) k_scale``, fp32, from a :func:`_key_side`.
-
-    (The values :func:`_k_scales` computes from the record.)
-    """
+    """Field ``f``'s channel scales and centered zero points ``k_zero + 2^(K_BITS-1) k_scale``, ``[DK]`` fp32,
+    from a :func:`_key_side`."""
     KC: tl.constexpr = 1 << (LAYOUT.K_BITS - 1)
     ks = side[2 * f].to(tl.float16, bitcast=True).to(tl.float32)
     return ks, side[2 * f + 1].to(tl.float16, bitcast=True).to(tl.float32) + KC * ks
@@ -427,16 +415,6 @@ def _k_operands_t(q_f, side, f: tl.constexpr, LAYOUT: tl.constexpr, FOLD: tl.con
     """
     ks, kz = _k_field(side, f, LAYOUT)
     return _k_apply(q_f, ks[:, None], kz[:, None], f, LAYOUT, FOLD)
-
-
-@triton.jit
-def _k_scales(rec, f: tl.constexpr, LAYOUT: tl.constexpr):
-    """K field ``f``'s channel scales and centered zero points ``k_zero + 2^(K_BITS-1) k_scale``, ``[DK]`` fp32."""
-    DK: tl.constexpr = LAYOUT.D // LAYOUT.K_PER_BYTE
-    KC: tl.constexpr = 1 << (LAYOUT.K_BITS - 1)
-    ch = f * DK + tl.arange(0, DK)
-    ks = _load_f16(rec + LAYOUT.K_SCALE + 2 * ch)
-    return ks, _load_f16(rec + LAYOUT.K_ZERO + 2 * ch) + KC * ks
 
 
 @triton.jit
