@@ -594,8 +594,8 @@ def _tile_scores_st(
     LAYOUT: tl.constexpr,
     USE_ASM: tl.constexpr,
     FOLD: tl.constexpr,
-    side_a=None,
-    side_b=None,
+    side_a,
+    side_b,
 ):
     """:func:`_tile_scores_t` on two tiles stacked on the dot's M: ``(even, odd)`` tokens, ``[G, N]`` fp32 each.
 
@@ -608,14 +608,12 @@ def _tile_scores_st(
     at 4 heads) carry the second tile. The code words of both tiles are one ``[2, G / 2, DK]`` load
     from the two records (:func:`_pair`): a record chosen per row lost the 16-byte loads and spilled,
     and joining two loaded tiles cost ~200 more instructions a step (sm_90, RESULTS.md session 14).
+    ``side_a``, ``side_b``: the two tiles' :func:`_key_side`, read a step ahead by the caller.
     """
     q0, q1, q2, q3, rf = query_t
     PK: tl.constexpr = LAYOUT.K_PER_BYTE
     DK: tl.constexpr = LAYOUT.D // PK
     GH: tl.constexpr = LAYOUT.G // 2
-    if side_a is None:
-        side_a = _key_side(base + off_a, LAYOUT)
-        side_b = _key_side(base + off_b, LAYOUT)
     qs0, qz = _k_operands_st(q0, side_a, side_b, second, 0, LAYOUT, FOLD)  # [DK, N]
     qs1, qz1 = _k_operands_st(q1, side_a, side_b, second, 1, LAYOUT, FOLD)
     qz += qz1
@@ -686,13 +684,14 @@ def _tile_values_st(
     LAYOUT: tl.constexpr,
     USE_ASM: tl.constexpr,
     FOLD: tl.constexpr,
-    side=None,
+    side,
 ):
     """:func:`_tile_values_t` on the two stacked tiles of :func:`_tile_scores_st`; ``p_e, p_o: [G, N]``.
 
     The value dot reduces over both tiles' tokens at once (V code words ``[D // 2, 2 G // PV]``, tile
     a's then tile b's of each field); a column's probabilities are 0 on the other tile's tokens, so
-    column ``c`` gets its own tile's values, scaled by that tile's ``v_chan``. ``acc = (acc_e, acc_o)``.
+    column ``c`` gets its own tile's values, scaled by that tile's ``v_chan``. ``acc = (acc_e, acc_o)``;
+    ``side``: the tiles' :func:`_value_side_st`, read a step ahead by the caller.
     """
     acc_e, acc_o = acc
     N: tl.constexpr = p_e.shape[1]
@@ -704,8 +703,6 @@ def _tile_values_st(
     VC: tl.constexpr = 1 << (LAYOUT.V_BITS - 1)  # code centering, see _unpack
     recs = base + _pair(off_a, off_b)  # [2]
     ti = tl.arange(0, GH)
-    if side is None:
-        side = _value_side_st(base, off_a, off_b, LAYOUT)
     vz_w, vc_a, vc_b = side
     vs_e, vs_o = _f16_pairs(recs[:, None] + LAYOUT.V_SCALE + 4 * ti[None, :])  # [2, GH]
     vs_e = tl.reshape(vs_e, (G,))
