@@ -230,21 +230,39 @@ def eager_main(out_path: str, env: dict, copy_bw: float) -> None:
 
 RULE_SHAPES = [
     *[("kvarn_k4v2_g64", 128, b, c) for b, c in ((8, 4096), (2, 32768), (16, 4096), (4, 4096), (1, 32768))],
+    *[("kvarn_k4v2_g64", 128, b, c) for b, c in ((1, 1024), (1, 2048), (64, 1024))],
     ("kvarn_k4v2_g64", 128, 16, 32768),
     ("kvarn_k4v4_g64", 128, 16, 32768),
     ("kvarn_k4v4_g64", 128, 8, 4096),
     *[("kvarn_k4v2_g128", 256, b, c) for b, c in ((1, 4096), (8, 4096), (16, 32768))],
     *[("kvarn_k4v2_g128", 64, b, c) for b, c in ((1, 4096), (8, 4096), (16, 32768))],
-    *[("kvarn_k4v2_g128", 128, b, c) for b, c in ((1, 1024), (8, 1024), (1, 4096), (16, 32768), (64, 32768))],
+    *[("kvarn_k4v2_g128", 128, b, c) for b, c in ((1, 1024), (8, 1024), (1, 2048), (8, 2048), (64, 2048))],
+    *[("kvarn_k4v2_g128", 128, b, c) for b, c in ((1, 4096), (16, 32768), (64, 32768))],
     ("kvarn_k2v2_g128", 128, 16, 32768),
     ("kvarn_k4v4_g128", 128, 16, 32768),
 ]
 """``--rules`` shapes (preset, D, batch, context; 32/8 heads, fp16): where ``decode_shape_default`` and the split
-rules pick 2 warps or stacked tiles, and their neighbours."""
+rules change the launch (1, 2 or 4 warps, stacked tiles), and their neighbours."""
+GRID_SHAPES = [
+    (p, d, b, c)
+    for p, d in [
+        ("kvarn_k4v2_g128", 128),
+        ("kvarn_k2v2_g128", 128),
+        ("kvarn_k4v4_g128", 128),
+        ("kvarn_k4v2_g64", 128),
+        ("kvarn_k4v4_g64", 128),
+        ("kvarn_k4v2_g128", 64),
+        ("kvarn_k4v2_g128", 256),
+    ]
+    for c in (1024, 4096, 32768, 131072)
+    for b in (1, 4, 16, 64)
+    if b * c <= 16 * 131072
+]
+"""``--grid`` shapes: presets and head dims x batch x context (32/8 heads, fp16), batch x context up to 2M tokens."""
 
 
-def rules_main(out_path: str, env: dict, copy_bw: float) -> None:
-    """The default launches of ``RULE_SHAPES`` against SDPA, each with the split count, warps and stacking it took.
+def table_main(out_path: str, env: dict, copy_bw: float, shapes: list, name: str) -> None:
+    """The default launches of ``shapes`` against SDPA, each with the split count, warps and stacking it took.
 
     What was launched is read from the launcher's call of ``_launch_attention`` (the graph capture's),
     so the table names the rules' choices as they ran, not as this script would recompute them.
@@ -260,7 +278,7 @@ def rules_main(out_path: str, env: dict, copy_bw: float) -> None:
     rows = []
     print("| preset | D | B | ctx | kvarn us | SDPA us | vs SDPA | % copy BW | splits | warps | stacked |")
     try:
-        for preset, d, batch, ctx in RULE_SHAPES:
+        for preset, d, batch, ctx in shapes:
             r = bench_shape(preset, d, 32, 8, batch, ctx, torch.float16, copy_bw, {})
             r.update(seen)
             rows.append(r)
@@ -271,7 +289,7 @@ def rules_main(out_path: str, env: dict, copy_bw: float) -> None:
                 flush=True,
             )
             with open(out_path, "w") as f:
-                json.dump({"env": env, "copy_GBps": copy_bw, "rules": rows}, f, indent=1)
+                json.dump({"env": env, "copy_GBps": copy_bw, name: rows}, f, indent=1)
     finally:
         A._launch_attention = launch
 
@@ -306,8 +324,9 @@ def main() -> None:
         "--smooth", action="store_true", help="key smoothing: a few shapes, smoothed (per tile, per sequence) and not"
     )
     ap.add_argument(
-        "--rules", action="store_true", help="the launch rules' shapes (2 warps, stacked tiles): default launches"
+        "--rules", action="store_true", help="the launch rules' shapes (1, 2, 4 warps, stacking): default launches"
     )
+    ap.add_argument("--grid", action="store_true", help="presets and head dims x batch x context: default launches")
     args = ap.parse_args()
     env = environment()
     copy_bw = copy_bandwidth()
@@ -318,8 +337,9 @@ def main() -> None:
     if args.eager:
         eager_main(args.out, env, copy_bw)
         return
-    if args.rules:
-        rules_main(args.out, env, copy_bw)
+    if args.rules or args.grid:
+        name = "rules" if args.rules else "grid"
+        table_main(args.out, env, copy_bw, RULE_SHAPES if args.rules else GRID_SHAPES, name)
         return
     checks = correctness_suite(
         [

@@ -38,6 +38,9 @@ DECODE = {
     "two_warps_g64": ("kvarn_k4v2_g64", 128, True, True, True, {"num_warps": 2}),
     "two_warps_d128": ("kvarn_k4v2_g128", 128, True, True, True, {"num_warps": 2}),
     "two_warps_k2v2": ("kvarn_k2v2_g128", 128, True, True, True, {"num_warps": 2}),
+    # 1 warp, 255 registers (decode_shape_default's launches at D = 128 with long block tables)
+    "one_warp_d128": ("kvarn_k4v2_g128", 128, True, True, True, {"num_warps": 1, "HAS_SINK": True}),
+    "one_warp_g64": ("kvarn_k4v4_g64", 128, True, True, False, {"num_warps": 1, "TAIL_ROWS": 13, "HAS_KV": True}),
     # FLAGS = (SPLIT, MERGE, ROTATE, OUT_BF16, INV_SQRT_D): the epilogue's partials, and one split
     "no_merge": ("kvarn_k4v2_g128", 128, True, True, True, {"FLAGS": (True, False, True, False, 128**-0.5)}),
     "one_split": ("kvarn_k4v2_g128", 128, False, False, True, {"FLAGS": (False, True, True, True, 128**-0.5)}),

@@ -518,6 +518,7 @@ def test_split_rule_on_an_h200(monkeypatch):
     assert attention.default_splits(k4v2, 128, 257, False, cuda, num_warps=8) == 10
     # 2 warps are capped too (DECODE_MAX_REGS): the whole waves, as timed for decode_shape_default
     assert attention.default_splits(k4v2, 128, 257, False, cuda, num_warps=2) == 8
+    assert attention.default_splits(k4v2, 128, 257, False, cuda, num_warps=1) == 8  # and 1 warp (255 registers)
     per_tile = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128, smooth_keys=True)
     assert attention.default_splits(per_tile, 128, 257, False, cuda) == 10
     # D = 256 keeps the rounded-up waves; 64-token tiles at D = 128 take tokens_m and its whole waves
@@ -528,38 +529,53 @@ def test_split_rule_on_an_h200(monkeypatch):
 
 
 def test_decode_shape_default_rule(monkeypatch):
-    """Warps and stacked tiles by default (``decode_shape_default``, sessions 14 and 20's timings): 2 warps
-    for ``D = 64`` splits of 8+ tiles and ``D = 128`` splits of 16+ 128-token tiles; at 64-token tiles 2 warps
-    for 2-bit values (4 warps for 4-bit) in splits of 16+ tiles, else 2 warps over 792 programs; 4 warps
-    elsewhere; no stacking by default."""
+    """Warps and stacked tiles by default (``decode_shape_default``, sessions 14, 20 and 21's timings): 1 warp
+    at ``D = 128`` for up to 8 query heads a KV head with a block table of 2048+ tokens, or 64-token tiles over
+    792 programs; else 2 warps for ``D = 64`` splits of 8+ tiles and ``D = 128`` splits of 16+ 128-token
+    tiles; at 64-token tiles 2 warps for 2-bit values (4 warps for 4-bit) in splits of 16+ tiles, else 2
+    warps over 792 programs; 4 warps elsewhere; no stacking by default."""
     monkeypatch.setattr(attention, "_num_sms", lambda index: 132)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     rule = attention.decode_shape_default
     d64 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=64)
     g64 = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=128)
     k4v2 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
-    assert rule(d64, True, 4, 1280, 26, cuda) == (2, False)  # 16 x 32K
-    assert rule(d64, True, 4, 1280, 8, cuda) == (2, False)
-    assert rule(d64, True, 4, 1280, 7, cuda) == (4, False)
-    assert rule(d64, True, 4, 512, 4, cuda) == (4, False)  # 1 x 32K
-    assert rule(d64, False, 4, 1280, 26, cuda) == (4, False)  # the row path keeps 4 warps
-    assert rule(g64, True, 4, 1024, 65, cuda) == (2, False)  # 16 x 32K (stacked at 4 warps: 312.5 -> 288.4 us)
-    assert rule(g64, True, 4, 1024, 16, cuda) == (2, False)
-    assert rule(g64, True, 4, 1024, 15, cuda) == (2, False)
-    assert rule(g64, True, 8, 1024, 65, cuda) == (2, False)
     k4v4_g64 = KVarNConfig.from_preset("kvarn_k4v4_g64", head_dim=128)
-    assert rule(k4v4_g64, True, 4, 1024, 65, cuda) == (4, False)  # stacking was slower for 4-bit values
-    assert rule(k4v4_g64, True, 4, 1024, 5, cuda) == (2, False)
-    assert rule(g64, True, 4, 1024, 5, cuda) == (2, False)  # 8 x 4K
-    assert rule(g64, True, 4, 792, 5, cuda) == (4, False)
-    assert rule(g64, True, 4, 512, 9, cuda) == (4, False)  # 1 x 32K
-    assert rule(k4v2, True, 4, 1024, 32, cuda) == (2, False)  # 16 x 32K
-    assert rule(k4v2, True, 4, 1024, 16, cuda) == (2, False)  # 8 x 32K
-    assert rule(k4v2, True, 4, 1056, 8, cuda) == (4, False)  # 4 x 32K: 2 warps were slower
-    assert rule(k4v2, False, 4, 1024, 32, cuda) == (4, False)  # the row path keeps 4 warps
-    assert rule(KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=256), True, 4, 1024, 65, cuda) == (4, False)
-    assert rule(d64, True, 4, 1280, 26, cpu) == (4, False)
-    assert rule(KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64), True, 4, 1280, 26, cuda) == (4, False)
+    # (config, tokens_m, padded heads a KV head, programs, tiles a split, device, block table width)
+    # 1 warp: D = 128, up to 8 heads a KV head, 2048+ tokens of table (or 64-token tiles over 792 programs)
+    assert rule(k4v2, True, 4, 1024, 33, cuda, 256) == (1, False)  # 16 x 32K
+    assert rule(k4v2, True, 8, 1024, 33, cuda, 256) == (1, False)
+    assert rule(k4v2, True, 4, 264, 1, cuda, 32) == (1, False)  # 1 x 4K: 33 one-tile splits
+    assert rule(k4v2, True, 4, 1056, 8, cuda, 256) == (1, False)  # 4 x 32K (level with 4 warps)
+    assert rule(k4v2, True, 4, 64, 2, cuda, 16) == (1, False)  # 2K of table
+    assert rule(k4v2, True, 4, 72, 1, cuda, 15) == (4, False)  # 1 x 1K-2K: 4 warps were faster
+    assert rule(k4v2, True, 4, 1024, 1, cuda, 8) == (4, False)  # 64 x 1K
+    assert rule(k4v2, True, 16, 1024, 33, cuda, 256) == (2, False)  # 16 heads a KV head spill at 1 warp
+    assert rule(g64, True, 4, 1024, 65, cuda, 512) == (1, False)  # 16 x 32K
+    assert rule(g64, True, 4, 256, 2, cuda, 64) == (1, False)  # 1 x 4K
+    assert rule(k4v4_g64, True, 4, 1024, 65, cuda, 512) == (1, False)
+    assert rule(g64, True, 4, 1024, 8, cuda, 16) == (1, False)  # 64 x 1K: over 792 programs
+    assert rule(g64, True, 4, 792, 8, cuda, 16) == (4, False)
+    assert rule(g64, True, 4, 64, 2, cuda, 16) == (4, False)  # 1 x 1K
+    assert rule(g64, True, 4, 64, 1, cuda, 32) == (1, False)  # 2K of table
+    # the older rules where 1 warp does not apply
+    assert rule(d64, True, 4, 1280, 26, cuda, 256) == (2, False)  # 16 x 32K
+    assert rule(d64, True, 4, 1280, 8, cuda, 256) == (2, False)
+    assert rule(d64, True, 4, 1280, 7, cuda, 256) == (4, False)
+    assert rule(d64, True, 4, 512, 4, cuda, 256) == (4, False)  # 1 x 32K
+    assert rule(d64, False, 4, 1280, 26, cuda, 256) == (4, False)  # the row path keeps 4 warps
+    assert rule(g64, True, 16, 1024, 65, cuda, 512) == (2, False)  # 16 heads: 2 warps, 2-bit values
+    assert rule(g64, True, 16, 1024, 15, cuda, 512) == (2, False)  # over 792 programs
+    assert rule(k4v4_g64, True, 16, 1024, 65, cuda, 512) == (4, False)  # stacking was slower for 4-bit values
+    assert rule(k4v4_g64, True, 16, 1024, 5, cuda, 512) == (2, False)
+    assert rule(g64, True, 16, 792, 5, cuda, 512) == (4, False)
+    assert rule(k4v2, True, 16, 1024, 16, cuda, 256) == (2, False)
+    assert rule(k4v2, True, 16, 1056, 8, cuda, 256) == (4, False)  # 2 warps were slower at 8 tiles a split
+    assert rule(k4v2, False, 4, 1024, 32, cuda, 256) == (4, False)  # the row path keeps 4 warps
+    assert rule(KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=256), True, 4, 1024, 65, cuda, 256) == (4, False)
+    assert rule(d64, True, 4, 1280, 26, cpu, 256) == (4, False)
+    assert rule(k4v2, True, 4, 1024, 33, cpu, 256) == (4, False)
+    assert rule(KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64), True, 4, 1280, 26, cuda, 512) == (4, False)
 
 
 def test_decode_shape_default_reaches_the_launch(monkeypatch):
@@ -583,7 +599,7 @@ def test_decode_shape_default_reaches_the_launch(monkeypatch):
     assert (first["num_warps"], first["STACK"]) == (2, True) and grid == (2, 2, 3)
     # (config, tokens_m, padded heads a KV head, programs, tiles a split): 2 sequences x 2 KV heads x 3 splits
     width = state["block_table"].shape[1] + 1
-    assert rule_args[0] == (cfg, True, 4, 12, -(-width // 3), torch.device("cpu"))
+    assert rule_args[0] == (cfg, True, 4, 12, -(-width // 3), torch.device("cpu"), width - 1)
     assert (second["num_warps"], second["STACK"]) == (4, False) and (third["num_warps"], third["STACK"]) == (2, True)
     assert warps_of_splits == [4, 4, 2]  # none for num_splits=3; a 2-warp launch asks again for its warps
 

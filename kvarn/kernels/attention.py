@@ -50,7 +50,7 @@ MIN_DOT_ROWS = 16
 ATTN_NUM_WARPS = 4
 ATTN_NUM_STAGES = 2
 """Launch configuration of the attention kernel (the best of the sweep in ``benchmarks/RESULTS.md``) where
-:func:`decode_shape_default` does not pick 2 warps."""
+:func:`decode_shape_default` does not pick 1 or 2 warps."""
 EDGE_NUM_WARPS = 4
 """Warps of the prologue and epilogue kernels."""
 WAVES = 3
@@ -74,13 +74,15 @@ tiles: each program then pays the rotation (~half a tile of work) once, against 
 The splits are merged in the attention launch up to the same number of waves (:func:`merge_in_kernel`)."""
 SMS_OFF_CUDA = 4
 """SM count the split choice assumes on a device without SMs (the CPU interpreter)."""
-DECODE_MAX_REGS = {(64, 4): 96, (128, 4): 128, (64, 2): 96, (128, 2): 128}
+DECODE_MAX_REGS = {(64, 4): 96, (128, 4): 128, (64, 2): 96, (128, 2): 128, (128, 1): 255}
 """Register cap of the decode attention kernel by (head dim, warps): 5 / 4 programs per SM at 4 warps. Without
 it, ptxas takes 150-170 registers for some presets once the split merge is in the kernel, for the same main
 loop (local sm_90 compiles: same instruction count, no spills in the loop; a few values kept across
 the loop go to the stack). At 2 warps (:func:`decode_shape_default`) the same caps allow 10 / 8 programs
-per SM; the 2-warp launches were timed with them (session 14). D = 256 (220+ either way) and multi-query
-launches are left alone."""
+per SM; the 2-warp launches were timed with them (session 14). One warp at ``D = 128`` takes the whole 255
+(8 programs per SM; a 192 or 168 cap spilled and was slower at every shape timed, session 21); being in the
+table, it gets the capped kernel's whole-waves split rule (:func:`default_splits`), as timed. D = 256
+(220+ either way) and multi-query launches are left alone."""
 TOKENS_M_WAVES = 2
 TOKENS_M_PROGRAMS_PER_SM = 4
 """Split count of a ``tokens_m`` launch at ``D = 128`` (:func:`default_splits`): the most splits whose
@@ -568,7 +570,7 @@ def paged_attention(
     heads per KV head, padded to a power of two, not with ``pair_tiles``) scores and weighs two tiles a
     loop step in one dot each, stacked on M, the second tile in the query columns the heads leave free
     (default :func:`decode_shape_default`, only at its own warps when ``num_warps`` is forced); a forced
-    ``num_warps`` of 2 takes the register cap too (``DECODE_MAX_REGS``); ``empty`` allocates the output and the
+    ``num_warps`` of 1 or 2 takes the register cap too (``DECODE_MAX_REGS``); ``empty`` allocates the output and the
     workspaces (``torch.empty``'s signature; tests pass one that fills with NaN); ``out`` (``[Nq, Hq,
     D]`` in ``query.dtype``, unit last stride, e.g. a view of the caller's buffer) receives the
     result instead of a new tensor and is returned (no copy launch after the kernel).
@@ -643,7 +645,9 @@ def _paged_attention(
     if tokens_m is None:
         tokens_m = tokens_m_default(cfg, multi_q, n_blocks * hkv * splits, dev)
     tokens_m = not multi_q and tokens_m
-    warps, stack = decode_shape_default(cfg, tokens_m, gqp, n_blocks * hkv * splits, cdiv(max_units, splits), dev)
+    warps, stack = decode_shape_default(
+        cfg, tokens_m, gqp, n_blocks * hkv * splits, cdiv(max_units, splits), dev, block_table.shape[1]
+    )
     if num_warps is not None:  # the rule's stacking was timed at its own warps only
         stack, warps = stack and num_warps == warps, num_warps
     pair = pair_tiles_default(cfg, tokens_m) if pair_tiles is None else pair_tiles
@@ -710,16 +714,40 @@ def _stack_tiles(stack_tiles: bool | None, default: bool, gqp: int, tokens_m: bo
 TWO_WARP_D64_MIN_TILES = 8
 TWO_WARP_D128_MIN_TILES = 16
 STACK_MIN_TILES = 16
+ONE_WARP_MIN_TOKENS = 2048
+ONE_WARP_MAX_HEADS = 8
 """See :func:`decode_shape_default`."""
 
 
 def decode_shape_default(
-    cfg: KVarNConfig, tokens_m: bool, gqp: int, programs: int, tiles_per_split: int, device: torch.device
+    cfg: KVarNConfig,
+    tokens_m: bool,
+    gqp: int,
+    programs: int,
+    tiles_per_split: int,
+    device: torch.device,
+    table_tiles: int,
 ) -> tuple[int, bool]:
     """Defaults of ``num_warps`` and ``stack_tiles`` for a launch of ``programs`` programs (splits included)
-    whose splits walk up to ``tiles_per_split`` tiles (the block table's width over the splits).
+    whose splits walk up to ``tiles_per_split`` tiles of a block table ``table_tiles`` tiles wide.
 
-    ``(ATTN_NUM_WARPS, False)`` except for ``tokens_m`` decode launches on CUDA of:
+    One warp for ``tokens_m`` decode launches on CUDA at ``D = 128`` with at most ``ONE_WARP_MAX_HEADS``
+    query heads a KV head (``gqp``, padded) and a block table of ``ONE_WARP_MIN_TOKENS`` or more tokens,
+    or 64-token tiles in launches over :func:`tokens_m_min_programs`: 255 registers, 8 programs an SM,
+    each program a whole tile a warp, so the scores' max and sums over the tokens, the probabilities'
+    move into the value dot and the scales' layouts stay inside the warp (7 ``BAR`` a step in the loop
+    instead of 24 at 2 warps; 1,892 SASS a tile against 2 x 1,114, local sm_90 compile, k4v2). Measured
+    on the H200 (session 21; the previous default -> 1 warp, k4v2_g128 unless named): 16 / 32K 159.4
+    -> 154.0 and 152.5 us, 64 / 32K 564.9 -> 540.9, 8 / 32K 93.4 -> 88.5, 1 / 32K 38.9 -> 33.1, 2 / 32K
+    62.5 -> 40.7, 4 / 128K 160.8 -> 150.1, 1 / 4K 23.1 -> 18.9, 32 / 4K 72.4 -> 61.3; k2v2 16 / 32K 148.4
+    -> 143.4, k4v4 16 / 32K 203.8 -> 168.4; k4v2_g64 16 / 32K 288.4 -> 159.5, 4 / 128K 295.1 -> 158.2,
+    64 / 4K 163.6 -> 93.4, 64 / 1K 62.8 -> 39.4; k4v4_g64 16 / 32K 313.3 -> 174.7. Level (within 2%) at
+    4 and 8 / 4K, 64 / 4K and 4 / 32K; slower at 1K contexts of 128-token tiles (1 / 1K 14.7 -> 17.1,
+    8 / 1K 20.3 -> 23.3, 64 / 1K 51.5 -> 55.2) and for 64-token tiles at 1 / 1K (16.3 -> 18.0), which
+    keep the rules below. 16 heads a KV head spill at 1 warp (840 bytes of stack); ``D = 64`` was
+    slower (16 / 32K 118.6 -> 126.5) and ``D = 256`` spills (1,272 bytes).
+
+    Otherwise ``(ATTN_NUM_WARPS, False)`` except for ``tokens_m`` decode launches on CUDA of:
 
     - ``D = 64``, 128-token tiles, ``TWO_WARP_D64_MIN_TILES`` or more tiles a split: 2 warps (96
       registers, 10 programs per SM). Measured on the H200 (session 14, k4v2, 4 -> 2 warps): batch 16
@@ -752,6 +780,10 @@ def decode_shape_default(
     """
     if not tokens_m or device.type != "cuda":
         return ATTN_NUM_WARPS, False
+    if cfg.head_dim == 128 and gqp <= ONE_WARP_MAX_HEADS:
+        long_table = table_tiles * cfg.group_size >= ONE_WARP_MIN_TOKENS
+        if long_table or (cfg.group_size == 64 and programs > tokens_m_min_programs(device)):
+            return 1, False
     if cfg.head_dim == 64 and cfg.group_size == 128 and tiles_per_split >= TWO_WARP_D64_MIN_TILES:
         return 2, False
     if cfg.head_dim == 128 and cfg.group_size == 128 and tiles_per_split >= TWO_WARP_D128_MIN_TILES:
