@@ -741,7 +741,7 @@ def decode_shape_default(
     -> 154.0 and 152.5 us, 64 / 32K 564.9 -> 540.9, 8 / 32K 93.4 -> 88.5, 1 / 32K 38.9 -> 33.1, 2 / 32K
     62.5 -> 40.7, 4 / 128K 160.8 -> 150.1, 1 / 4K 23.1 -> 18.9, 32 / 4K 72.4 -> 61.3; k2v2 16 / 32K 148.4
     -> 143.4, k4v4 16 / 32K 203.8 -> 168.4; k4v2_g64 16 / 32K 288.4 -> 159.5, 4 / 128K 295.1 -> 158.2,
-    64 / 4K 163.6 -> 93.4, 64 / 1K 62.8 -> 39.4; k4v4_g64 16 / 32K 313.3 -> 174.7. Level (within 2%) at
+    64 / 4K 163.6 -> 93.4, 64 / 1K 62.8 -> 39.4; k4v4_g64 16 / 32K 313.3 -> 174.7. Level (within 3%) at
     4 and 8 / 4K, 64 / 4K and 4 / 32K; slower at 1K contexts of 128-token tiles (1 / 1K 14.7 -> 17.1,
     8 / 1K 20.3 -> 23.3, 64 / 1K 51.5 -> 55.2) and for 64-token tiles at 1 / 1K (16.3 -> 18.0), which
     keep the rules below. 16 heads a KV head spill at 1 warp (840 bytes of stack); ``D = 64`` was
@@ -775,7 +775,8 @@ def decode_shape_default(
       43.8 (timed with the rounded-up split rule); slower with fewer programs (4 / 4K 31.6 -> 36.4,
       1 / 32K 54.5 -> 62.7) and, in session 14, with long splits (16 / 32K 383.9 -> 515.2).
 
-    Timed at 4 query heads per KV head (32 / 8) only. In vLLM the block table is ``max_model_len``
+    The 2-warp rules above were timed at 4 query heads per KV head (32 / 8) only; the 1-warp rule at 4 and 8
+    (64 / 8: 16 / 32K 162.1 us against 168.4 at 2 warps and 199.0 at 4). In vLLM the block table is ``max_model_len``
     wide, so short sequences in a long-context engine count as long splits here.
     """
     if not tokens_m or device.type != "cuda":
