@@ -45,7 +45,13 @@ allocates them, which costs little beside a launch that large)."""
 
 _INPUT, _ALLOC, _PERSISTENT = range(3)
 _UNSEEN, _SEEN_ONCE = object(), object()
-_local = threading.local()
+
+
+class _Local(threading.local):
+    recorder: Recorder | None = None
+
+
+_local = _Local()
 
 try:  # Triton's own hooks and stream lookup, as its launcher uses them (3.6 and 3.9 alike)
     from triton import knobs as _knobs
@@ -56,7 +62,7 @@ except ImportError:  # pragma: no cover - Triton without knobs: plans stay off
 
 def recording() -> Recorder | None:
     """The recorder of the call being planned on this thread, or ``None``."""
-    return getattr(_local, "recorder", None)
+    return _local.recorder
 
 
 def launch(kernel, grid: tuple, *args, **kwargs):
@@ -122,14 +128,17 @@ class Recorder:
                     src = self._source(a)
                     if src is None:
                         return None
-                    holes.append((pos, *src))
-                    bound[pos] = None
+                    if src[0] == _PERSISTENT:  # its address from now on (the plan holds the tensor)
+                        bound[pos] = a.data_ptr()
+                    else:
+                        holes.append((pos, *src))
+                        bound[pos] = None
             grid3 = (*grid, 1, 1)[:3]
             launches.append((compiled, grid3, bound, holes))
         out = None if result is None else self._source(result)
         if result is not None and (out is None or out[0] == _PERSISTENT):
             return None
-        return Plan(launches, self.allocs, out)
+        return Plan(launches, self.allocs, out, list(self.persistent.values()))
 
     def _source(self, t: torch.Tensor) -> tuple[int, object] | None:
         i = self.inputs.get(id(t))
@@ -144,32 +153,69 @@ class Recorder:
 
 
 class Plan:
-    """A recorded call, replayed for new inputs of the same key (see the module docstring)."""
+    """A recorded call, replayed for new inputs of the same key (see the module docstring).
 
-    def __init__(self, launches: list[tuple], allocs: list[tuple], out: tuple[int, object] | None):
-        self.launches = launches
+    Tensor arguments go to Triton's launcher as device addresses (``int``s): given a tensor, the
+    launcher calls its ``data_ptr()`` and asks the driver whether that is a device address
+    (``cuPointerGetAttribute``), for every tensor argument of every launch. A replay needs neither:
+    its key holds every input's device, the inputs' addresses are read once with the key
+    (:meth:`Planner.call`), and reused workspaces' addresses sit in per-stream argument lists.
+    """
+
+    def __init__(self, launches: list[tuple], allocs: list[tuple], out: tuple[int, object] | None, keep=()):
         self.allocs = allocs
+        self.keep = keep  # the persistent buffers whose addresses the launches hold
         self.out = out  # None: the launcher returns nothing
         self.fresh = out[1] if out is not None and out[0] == _ALLOC else -1  # the returned allocation
         self.reuse = sum(math.prod(s) * dt.itemsize for s, dt, _ in allocs) <= MAX_CACHED_WORKSPACE
-        self.workspaces: dict[int, list[torch.Tensor | None]] = {}
+        # per launch: Triton's run, its arguments after the launch's own (grid, stream, function, metadata,
+        # hooks), the input holes (position, input index), the allocation holes (position, allocation index)
+        self.launches = []
+        for compiled, grid, bound, holes in launches:
+            head = (*grid, None, compiled.function, compiled.packed_metadata, None, None, None)
+            args = [*head, *bound]
+            inp = [(len(head) + pos, src) for pos, kind, src in holes if kind == _INPUT]
+            alloc = [(len(head) + pos, src) for pos, kind, src in holes if kind == _ALLOC]
+            self.launches.append((compiled.run, args, inp, alloc))
+        self.workspaces: dict[int, tuple[list, list]] = {}  # stream -> (allocations, argument lists)
 
-    def replay(self, inputs: Sequence[torch.Tensor | None], stream: int) -> torch.Tensor | None:
-        allocs = self.workspaces.get(stream) if self.reuse else None
-        if allocs is None:
-            allocs = [None if i == self.fresh else _alloc(a) for i, a in enumerate(self.allocs)]
+    def _bind(self, stream: int) -> tuple[list, list]:
+        """The allocations (the returned one ``None``) and each launch's arguments with addresses, on ``stream``."""
+        allocs = [None if i == self.fresh else _alloc(a) for i, a in enumerate(self.allocs)]
+        bound = []
+        for run, args, inp, alloc in self.launches:
+            args = list(args)
+            args[3] = stream
+            fresh = []
+            for pos, src in alloc:
+                if src == self.fresh:
+                    fresh.append(pos)
+                else:
+                    args[pos] = allocs[src].data_ptr()
+            bound.append((run, args, inp, fresh))
+        return allocs, bound
+
+    def replay(self, inputs: Sequence[torch.Tensor | None], addrs: Sequence[int], stream: int) -> torch.Tensor | None:
+        """Launch the recorded kernels on ``inputs`` (device addresses ``addrs``) on ``stream``; returns the result."""
+        held = self.workspaces.get(stream) if self.reuse else None
+        if held is None:
+            held = self._bind(stream)
             if self.reuse:
-                self.workspaces[stream] = allocs
+                self.workspaces[stream] = held
+        allocs, bound = held
+        result = fresh_addr = None
         if self.fresh >= 0:
-            allocs = list(allocs)
-            allocs[self.fresh] = _alloc(self.allocs[self.fresh])
-        for compiled, grid, bound, holes in self.launches:
-            args = list(bound)
-            for pos, kind, src in holes:
-                args[pos] = inputs[src] if kind == _INPUT else allocs[src] if kind == _ALLOC else src
-            compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
-        if self.out is None:
-            return None
+            result = _alloc(self.allocs[self.fresh])
+            fresh_addr = result.data_ptr()
+        for run, template, inp, fresh in bound:
+            args = template.copy()
+            for pos, src in inp:
+                args[pos] = addrs[src]
+            for pos in fresh:
+                args[pos] = fresh_addr
+            run(*args)
+        if self.out is None or result is not None:
+            return result
         kind, src = self.out
         return inputs[src] if kind == _INPUT else allocs[src]
 
@@ -179,11 +225,19 @@ def _alloc(spec: tuple) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def tensor_key(t: torch.Tensor | None) -> tuple | None:
-    """What a plan's key holds of a tensor: shape, strides, dtype, device index and 16-byte alignment."""
-    if t is None:
-        return None
-    return (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16)
+def _key(head: tuple, device_index: int, inputs: Sequence[torch.Tensor | None]) -> tuple[tuple, list[int]]:
+    """A call's plan key, ``head`` (the launcher's part), the device, then each input's shape, strides, dtype,
+    device index and 16-byte alignment; and the inputs' addresses (0 for ``None``)."""
+    key, addrs = [*head, device_index], []
+    for t in inputs:
+        if t is None:
+            key.append(None)
+            addrs.append(0)
+        else:
+            p = t.data_ptr()
+            key.append((t.shape, t.stride(), t.dtype, t.get_device(), p % 16))
+            addrs.append(p)
+    return tuple(key), addrs
 
 
 class Planner:
@@ -192,30 +246,33 @@ class Planner:
     def __init__(self):
         self.plans: dict[tuple, Plan | None] = {}
         self.enabled = True
+        self._newest: Plan | None = None  # the plan at the end of ``plans``, where known
 
     def clear(self) -> None:
         self.plans.clear()
+        self._newest = None
 
     def call(self, key_of: Callable[[], tuple | None] | None, inputs: Sequence, run: Callable) -> torch.Tensor | None:
-        """``run(empty)`` (the launcher, allocating through ``empty``), or a replay of the plan of ``key_of()``.
+        """``run(empty)`` (the launcher, allocating through ``empty``), or a replay of this call's plan.
 
         Called while another launcher is being recorded (``paged_attention``'s ``write_tail``), it runs
         the launcher, allocating through that recording, so the outer plan holds these launches.
 
-        ``key_of`` is ``None`` for a call that must not be planned, else it gives the call's key (or
-        ``None``); ``inputs`` are the call's tensors, those the key describes (a call that passes one
+        ``key_of`` is ``None`` for a call that must not be planned, else it gives the launcher's part of
+        the call's key (its config and other non-tensor arguments), or ``None``; the key adds the
+        device and the layouts of ``inputs``, the call's tensors (:func:`_key`; a call that passes one
         tensor as two inputs is not planned).
         """
-        outer = recording()
+        outer = _local.recorder
         if outer is not None:  # inside another launcher's recording: its plan takes these launches in
             return run(outer.empty)
         if key_of is None or not self.enabled or not _replayable():
             return run(torch.empty)
-        key = key_of()
-        if key is None:
+        head = key_of()
+        if head is None:
             return run(torch.empty)
         device_index = _driver.active.get_current_device()
-        key = (*key, device_index)
+        key, addrs = _key(head, device_index, inputs)
         plan = self.plans.get(key, _UNSEEN)
         if plan is None:
             return run(torch.empty)
@@ -223,21 +280,24 @@ class Planner:
             self._insert(key, _SEEN_ONCE)
             return run(torch.empty)
         if plan is not _SEEN_ONCE:
-            self.plans.pop(key, None)  # to the recent end, so eviction (oldest first) spares it
-            self.plans[key] = plan
-            return plan.replay(inputs, _driver.active.get_current_stream(device_index))
+            if plan is not self._newest:  # to the recent end, so eviction (oldest first) spares it
+                self.plans.pop(key, None)
+                self.plans[key] = self._newest = plan
+            return plan.replay(inputs, addrs, _driver.active.get_current_stream(device_index))
         with Recorder(inputs) as rec:
             result = run(rec.empty)
         try:
-            self.plans[key] = rec.plan(result)
+            self.plans[key] = rec.plan(result)  # in place: this key is not the newest as such
         except AttributeError:  # a kernel object without Triton's JIT parameters (e.g. an autotuner)
             self.plans[key] = None
+        self._newest = None
         return result
 
     def _insert(self, key: tuple, value) -> None:
         if len(self.plans) >= MAX_PLANS:
             self.plans.pop(next(iter(self.plans)))
         self.plans[key] = value
+        self._newest = None
 
 
 def _replayable() -> bool:

@@ -608,11 +608,11 @@ step's ``key, value`` (without them the launcher reads ``seq_lens`` back to chec
 
 
 def _plan_key(inputs: tuple, cfg: KVarNConfig, scale, knobs: tuple) -> tuple | None:
-    """The plan key of a call: its inputs' layouts (:func:`~kvarn.kernels._plan.tensor_key`), the
-    config, scale and knobs. ``out`` is checked here too (:func:`_check_out`): a replay skips the
-    launcher's checks, and whether ``out`` shares the query's memory is not in the key."""
+    """The launcher's part of a call's plan key: the config, scale and knobs (the planner adds the inputs'
+    layouts). ``out`` is checked here too (:func:`_check_out`): a replay skips the launcher's checks,
+    and whether ``out`` shares the query's memory is not in the key."""
     _check_out(inputs[-1], inputs[0])
-    return (cfg, scale, knobs, *map(_plan.tensor_key, inputs))
+    return cfg, scale, knobs
 
 
 def _paged_attention(

@@ -728,7 +728,7 @@ def write_tail(
     """
     inputs = (k, v, tail_k, tail_v, tail_slot_mapping)
     return WRITE_TAIL_PLANS.call(
-        lambda: (cfg, *map(_plan.tensor_key, inputs)),
+        lambda: (cfg,),
         inputs,
         lambda empty: _write_tail(k, v, tail_k, tail_v, tail_slot_mapping, cfg),
     )
