@@ -526,6 +526,10 @@ def test_split_rule_on_an_h200(monkeypatch):
     assert attention.default_splits(d256, 128, 257, False, cuda) == 10
     g64 = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=128)
     assert attention.default_splits(g64, 128, 513, False, cuda) == 8  # 16 x 32K, timed in session 13
+    # one-tile splits up to 2 programs per SM, 4 at D = 64 (half a tile's work; 4 / 1K timed in session 22)
+    d64 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=64)
+    assert launch(4, 1024)[0] == 4 and attention.default_splits(d64, 32, 9, False, cuda) == 9
+    assert attention.default_splits(d64, 64, 9, False, cuda) == 4  # 8 / 1K: 576 programs, over 4 per SM
 
 
 def test_decode_shape_default_rule(monkeypatch):
@@ -533,7 +537,7 @@ def test_decode_shape_default_rule(monkeypatch):
     at ``D = 128`` for up to 8 query heads a KV head with a block table of 2048+ tokens, or 64-token tiles over
     792 programs; else 2 warps for ``D = 64`` splits of 8+ tiles and ``D = 128`` splits of 16+ 128-token
     tiles; at 64-token tiles 2 warps for 2-bit values (4 warps for 4-bit) in splits of 16+ tiles, else 2
-    warps over 792 programs; 4 warps elsewhere; no stacking by default."""
+    warps from 396 programs (session 22; 792 before); 4 warps elsewhere; no stacking by default."""
     monkeypatch.setattr(attention, "_num_sms", lambda index: 132)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     rule = attention.decode_shape_default
@@ -555,7 +559,9 @@ def test_decode_shape_default_rule(monkeypatch):
     assert rule(g64, True, 4, 256, 2, cuda, 64) == (1, False)  # 1 x 4K
     assert rule(k4v4_g64, True, 4, 1024, 65, cuda, 512) == (1, False)
     assert rule(g64, True, 4, 1024, 8, cuda, 16) == (1, False)  # 64 x 1K: over 792 programs
-    assert rule(g64, True, 4, 792, 8, cuda, 16) == (4, False)
+    assert rule(g64, True, 4, 792, 8, cuda, 16) == (2, False)  # 2 warps from 396 programs (3 an SM)
+    assert rule(g64, True, 4, 512, 3, cuda, 16) == (2, False)  # 16 x 1K, 4 splits
+    assert rule(g64, True, 4, 395, 3, cuda, 16) == (4, False)
     assert rule(g64, True, 4, 64, 2, cuda, 16) == (4, False)  # 1 x 1K
     assert rule(g64, True, 4, 64, 1, cuda, 32) == (1, False)  # 2K of table
     # the older rules where 1 warp does not apply
@@ -568,7 +574,7 @@ def test_decode_shape_default_rule(monkeypatch):
     assert rule(g64, True, 16, 1024, 15, cuda, 512) == (2, False)  # over 792 programs
     assert rule(k4v4_g64, True, 16, 1024, 65, cuda, 512) == (4, False)  # stacking was slower for 4-bit values
     assert rule(k4v4_g64, True, 16, 1024, 5, cuda, 512) == (2, False)
-    assert rule(g64, True, 16, 792, 5, cuda, 512) == (4, False)
+    assert rule(g64, True, 16, 395, 5, cuda, 512) == (4, False)
     assert rule(k4v2, True, 16, 1024, 16, cuda, 256) == (2, False)
     assert rule(k4v2, True, 16, 1056, 8, cuda, 256) == (4, False)  # 2 warps were slower at 8 tiles a split
     assert rule(k4v2, False, 4, 1024, 32, cuda, 256) == (4, False)  # the row path keeps 4 warps

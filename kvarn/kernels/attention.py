@@ -192,12 +192,14 @@ def min_tiles_per_split(cfg: KVarNConfig, programs: int, max_units: int, device:
 
     1 for 128-token tiles when even one-tile splits give at most ``ONE_TILE_MAX_WAVES`` programs per
     SM (``benchmarks/RESULTS.md``, issue 9 round 2: batch 1 at 1K, 9 one-tile splits 16.4 us against
-    21.5 us with 4; at batch 8 / 1K one-tile splits were slower, 29.2 against 25.1 us).
+    21.5 us with 4; at batch 8 / 1K one-tile splits were slower, 29.2 against 25.1 us), twice that at
+    ``D = 64``, whose tiles are half the work (session 22, 4 / 1K: 4 splits 18.8 us, 8 16.4, 16 15.6).
     ``SHORT_MIN_TILES`` when splits of ``MIN_TILES_PER_SPLIT`` tiles would fill less than one wave
     (batch 8 / 1K: 4 splits of 2 tiles 24.9 us, 2 of 4 tiles 28.0 us); else ``MIN_TILES_PER_SPLIT``.
     """
     sms = _num_sms(device.index or 0) if device.type == "cuda" else SMS_OFF_CUDA
-    if cfg.group_size >= 128 and programs * max_units <= ONE_TILE_MAX_WAVES * sms:
+    waves = ONE_TILE_MAX_WAVES * max(1, 128 // cfg.head_dim)
+    if cfg.group_size >= 128 and programs * max_units <= waves * sms:
         return 1
     if programs * (max_units // MIN_TILES_PER_SPLIT) < PROGRAMS_PER_SM * sms:
         return SHORT_MIN_TILES
@@ -773,7 +775,10 @@ def decode_shape_default(
       registers, no duplicated unpack: a 64-token tile's 32 token pairs are one 16-row block per warp):
       k4v2_g64 8 / 4K 55.3 -> 42.1, 2 / 32K 94.7 -> 70.6, 16 / 4K 76.1 -> 67.4, k4v4_g64 8 / 4K 55.6 ->
       43.8 (timed with the rounded-up split rule); slower with fewer programs (4 / 4K 31.6 -> 36.4,
-      1 / 32K 54.5 -> 62.7) and, in session 14, with long splits (16 / 32K 383.9 -> 515.2).
+      1 / 32K 54.5 -> 62.7) and, in session 14, with long splits (16 / 32K 383.9 -> 515.2). Those
+      tables now take 1 warp; below 2048 tokens 2 warps from one wave of ``PROGRAMS_PER_SM`` programs
+      an SM (session 22, 4 -> 2 warps: 16 / 1K 26.8 -> 24.8 us, k4v4_g64 27.3 -> 25.4, level at 8 / 1K
+      and 4 / 1K, slower at 1 and 2 / 1K: 16.1 -> 17.3, 17.1 -> 17.7).
 
     The 2-warp rules above were timed at 4 query heads per KV head (32 / 8) only; the 1-warp rule at 4 and 8
     (64 / 8: 16 / 32K 162.1 us against 168.4 at 2 warps and 199.0 at 4). In vLLM the block table is ``max_model_len``
@@ -792,7 +797,7 @@ def decode_shape_default(
     if cfg.head_dim == 128 and cfg.group_size == 64:
         if tiles_per_split >= STACK_MIN_TILES:
             return (2, False) if cfg.v_bits == 2 else (ATTN_NUM_WARPS, False)
-        if programs > tokens_m_min_programs(device):
+        if programs >= PROGRAMS_PER_SM * _num_sms(device.index or 0):
             return 2, False
     return ATTN_NUM_WARPS, False
 
