@@ -72,6 +72,8 @@ def summarize(rows: list[dict], top: int = 20) -> dict:
     for r in rows:
         if r["executed"] > 0:
             by_count[r["executed"]].append(r)
+    if not by_count:
+        raise ValueError("the export has no executed instructions (was the kernel profiled?)")
     executed, loop = max(by_count.items(), key=lambda kv: sum(r["samples"] for r in kv[1]))
     samples = sum(r["samples"] for r in loop)
     reasons, ops, op_count = collections.Counter(), collections.Counter(), collections.Counter()
@@ -149,20 +151,17 @@ def run_store(args) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
-    dec = sub.add_parser("decode", help="decode attention calls (default launch) for ncu")
-    dec.add_argument("preset")
-    dec.add_argument("--d", type=int, default=128)
+    work = argparse.ArgumentParser(add_help=False)  # what the two workloads share
+    work.add_argument("preset")
+    work.add_argument("--d", type=int, default=128)
+    work.add_argument("--hkv", type=int, default=8)
+    work.add_argument("--calls", type=int, default=5, help="calls (the first ones compile)")
+    dec = sub.add_parser("decode", parents=[work], help="decode attention calls (default launch) for ncu")
     dec.add_argument("--batch", type=int, default=16)
     dec.add_argument("--ctx", type=int, default=32768)
     dec.add_argument("--hq", type=int, default=32)
-    dec.add_argument("--hkv", type=int, default=8)
-    dec.add_argument("--calls", type=int, default=5)
-    sto = sub.add_parser("store", help="store_tiles calls for ncu")
-    sto.add_argument("preset")
-    sto.add_argument("--d", type=int, default=128)
+    sto = sub.add_parser("store", parents=[work], help="store_tiles calls for ncu")
     sto.add_argument("--tiles", type=int, default=1024)
-    sto.add_argument("--hkv", type=int, default=8)
-    sto.add_argument("--calls", type=int, default=3)
     summ = sub.add_parser("summarize", help="the hottest loop of an ncu source-page CSV export")
     summ.add_argument("csv")
     summ.add_argument("--top", type=int, default=20)

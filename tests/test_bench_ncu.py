@@ -65,3 +65,10 @@ def test_opcode_and_command_line(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "4 instructions executed 256 times each, 67.3% of 98 stall samples" in out
     assert "long_sb 57.6%" in out and (tmp_path / "s.json").exists()
+
+
+def test_an_export_without_executed_instructions_is_refused(tmp_path):
+    path = tmp_path / "src.csv"
+    _write(path, [("0x10", "NOP", 0, 0, 0, 0, 0)])
+    with pytest.raises(ValueError, match="no executed instructions"):
+        summarize(read_source_csv(path))
