@@ -464,6 +464,23 @@ def test_paged_attention_empty_sequence_rows(merge):
     check_attention(out[keep], ref_args)
 
 
+def test_fuse_query_rotation_one_warp_waves(monkeypatch):
+    """One-warp launches keep the prologue where the in-kernel rotation's shared memory would cost a wave
+    (7 fused programs an SM with 2-bit V, 6 with 4-bit V, against 8) and splits are 6 units or longer."""
+    monkeypatch.setattr(attention, "_num_sms", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    k4v2 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
+    k4v4 = KVarNConfig.from_preset("kvarn_k4v4_g128", head_dim=128)
+    k2v2 = KVarNConfig.from_preset("kvarn_k2v2_g128", head_dim=128)
+    fuse = attention.fuse_query_rotation
+    assert not fuse(k4v2, 1056, 8, cuda, 1)  # 4 / 32K: 8 programs an SM with the prologue, 7 fused
+    assert fuse(k4v2, 1056, 8, cuda, 4)  # other warp counts: the rule as before
+    assert fuse(k4v2, 924, 8, cuda, 1)  # 7 an SM: one wave either way
+    assert fuse(k4v2, 1024, 5, cuda, 1)  # short splits: the saved launch wins
+    assert not fuse(k4v4, 925, 6, cuda, 1) and fuse(k4v4, 792, 6, cuda, 1)  # 6 fused programs an SM
+    assert fuse(k2v2, 1056, 8, cuda, 1)  # 2-bit K: always fused
+
+
 def test_min_split_tiles_default_rule():
     """At least 2 tiles a split for ``tokens_m`` decode launches (128-token tiles) with fewer than 16
     programs before splitting (batch 1 at 8 KV heads), 3 from 16 on; 1 for other launches (the row
