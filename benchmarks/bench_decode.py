@@ -7,6 +7,7 @@ reference: on a small cache stored by the reference (per preset, head dim, dtype
 the first sequence of every timed shape. A failed check stops the run.
 
     PYTHONPATH=. python benchmarks/bench_decode.py --out decode.json [--quick]
+    PYTHONPATH=. python benchmarks/bench_decode.py --out intercept.json --intercept kvarn_k4v2_g128 16 8 1
 """
 
 from __future__ import annotations
@@ -238,6 +239,7 @@ RULE_SHAPES = [
     *[("kvarn_k4v2_g128", 64, b, c) for b, c in ((1, 4096), (8, 4096), (16, 32768))],
     *[("kvarn_k4v2_g128", 128, b, c) for b, c in ((1, 1024), (8, 1024), (1, 2048), (8, 2048), (64, 2048))],
     *[("kvarn_k4v2_g128", 128, b, c) for b, c in ((1, 4096), (16, 32768), (64, 32768))],
+    *[(p, 128, b, 32768) for p, b in (("kvarn_k4v2_g128", 3), ("kvarn_k4v2_g128", 4), ("kvarn_k4v4_g128", 4))],
     ("kvarn_k2v2_g128", 128, 16, 32768),
     ("kvarn_k4v4_g128", 128, 16, 32768),
 ]
@@ -294,6 +296,59 @@ def table_main(out_path: str, env: dict, copy_bw: float, shapes: list, name: str
         A._launch_attention = launch
 
 
+INTERCEPT_STEPS = (8, 16, 32)
+"""``--intercept``: contexts ``k * splits * G`` (plus the 37-token tail), so each split walks ``k + 1`` units."""
+
+
+def fit_units(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares ``t = a + b * units`` through ``(units, t)`` points: ``(a, b)``, the per-call intercept and the
+    time per unit a split walks."""
+    n = len(points)
+    if n < 2 or len({u for u, _ in points}) < 2:
+        raise ValueError("fit_units needs two or more distinct unit counts")
+    mu = sum(u for u, _ in points) / n
+    mt = sum(t for _, t in points) / n
+    b = sum((u - mu) * (t - mt) for u, t in points) / sum((u - mu) ** 2 for u, _ in points)
+    return mt - b * mu, b
+
+
+def intercept_main(out_path: str, env: dict, copy_bw: float, preset: str, batch: int, splits: int, warps: int) -> None:
+    """Where a full-grid launch's time goes: the split count and warps fixed, the context grown so each split walks
+    ``k + 1`` units (``INTERCEPT_STEPS``), and ``t = a + b * units`` fitted (:func:`fit_units`). ``b`` is the loop's
+    cost a tile with every program resident (its bandwidth: the records all programs read a step), ``a`` what a call
+    costs besides (launches, the programs' set-up, the first tiles' latency, the merge). Each shape is first checked
+    against the reference (``bench_shape``). 32 / 8 heads, fp16; ``batch * 8 * splits`` programs should fit one wave
+    (8 a one-warp program an SM at D = 128: ``16 8 1`` is 1,024 on 132 SMs)."""
+    cfg = KVarNConfig.from_preset(preset, head_dim=128)
+    rows = []
+    print("| preset | B | ctx | splits | units a split | kvarn us |")
+    for k in INTERCEPT_STEPS:
+        ctx = k * splits * cfg.group_size
+        r = bench_shape(
+            preset,
+            128,
+            32,
+            8,
+            batch,
+            ctx,
+            torch.float16,
+            copy_bw,
+            {"num_splits": splits, "num_warps": warps},
+            sdpa=False,
+        )
+        r.update(units=k + 1, ctx=ctx)
+        rows.append(r)
+        print(f"| {preset} | {batch} | {ctx} + {TAIL} | {splits} | {k + 1} | {r['kvarn_us']:.2f} |", flush=True)
+    a, b = fit_units([(r["units"], r["kvarn_us"]) for r in rows])
+    loop_gbps = batch * 8 * splits * cfg.record_bytes / b / 1e3
+    fit = {"intercept_us": a, "unit_us": b, "loop_GBps": loop_gbps, "loop_pct_copy": 100 * loop_gbps / copy_bw}
+    print(
+        f"t = {a:.1f} us + {b:.3f} us x units; the loop at {loop_gbps:.0f} GB/s ({fit['loop_pct_copy']:.0f}% of copy)"
+    )
+    with open(out_path, "w") as f:
+        json.dump({"env": env, "copy_GBps": copy_bw, "intercept": rows, "fit": fit}, f, indent=1)
+
+
 def correctness_suite(configs, smooth: str | None = None) -> list[dict]:
     out = []
     for preset, d, dtype, hq, hkv in configs:
@@ -327,6 +382,12 @@ def main() -> None:
         "--rules", action="store_true", help="the launch rules' shapes (1, 2, 4 warps, stacking): default launches"
     )
     ap.add_argument("--grid", action="store_true", help="presets and head dims x batch x context: default launches")
+    ap.add_argument(
+        "--intercept",
+        nargs=4,
+        metavar=("PRESET", "BATCH", "SPLITS", "WARPS"),
+        help="fixed splits and warps, growing context: a call's intercept and the loop's cost a tile (D = 128)",
+    )
     args = ap.parse_args()
     env = environment()
     copy_bw = copy_bandwidth()
@@ -336,6 +397,10 @@ def main() -> None:
         return
     if args.eager:
         eager_main(args.out, env, copy_bw)
+        return
+    if args.intercept:
+        preset, batch, splits, warps = args.intercept
+        intercept_main(args.out, env, copy_bw, preset, int(batch), int(splits), int(warps))
         return
     if args.rules or args.grid:
         name = "rules" if args.rules else "grid"
