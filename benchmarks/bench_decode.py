@@ -239,12 +239,13 @@ RULE_SHAPES = [
     *[("kvarn_k4v2_g128", 64, b, c) for b, c in ((1, 4096), (8, 4096), (16, 32768))],
     *[("kvarn_k4v2_g128", 128, b, c) for b, c in ((1, 1024), (8, 1024), (1, 2048), (8, 2048), (64, 2048))],
     *[("kvarn_k4v2_g128", 128, b, c) for b, c in ((1, 4096), (16, 32768), (64, 32768))],
-    *[(p, 128, b, 32768) for p, b in (("kvarn_k4v2_g128", 3), ("kvarn_k4v2_g128", 4), ("kvarn_k4v4_g128", 4))],
+    *[(p, 128, b, 32768) for p in ("kvarn_k4v2_g128", "kvarn_k4v4_g128") for b in (2, 3, 4)],
     ("kvarn_k2v2_g128", 128, 16, 32768),
     ("kvarn_k4v4_g128", 128, 16, 32768),
 ]
 """``--rules`` shapes (preset, D, batch, context; 32/8 heads, fp16): where ``decode_shape_default`` and the split
-rules change the launch (1, 2 or 4 warps, stacked tiles), and their neighbours."""
+rules change the launch (1, 2 or 4 warps, stacked tiles), where ``fuse_query_rotation`` keeps or drops the prologue
+(2-4 / 32K), and their neighbours."""
 GRID_SHAPES = [
     (p, d, b, c)
     for p, d in [
@@ -273,12 +274,12 @@ def table_main(out_path: str, env: dict, copy_bw: float, shapes: list, name: str
     launch = A._launch_attention
 
     def spy(grid, *args):
-        seen.update(splits=grid[2], warps=args[-1]["num_warps"], stack=args[-1]["STACK"])
+        seen.update(splits=grid[2], warps=args[-1]["num_warps"], stack=args[-1]["STACK"], fused=args[-1]["FUSED_Q"])
         return launch(grid, *args)
 
     A._launch_attention = spy
     rows = []
-    print("| preset | D | B | ctx | kvarn us | SDPA us | vs SDPA | % copy BW | splits | warps | stacked |")
+    print("| preset | D | B | ctx | kvarn us | SDPA us | vs SDPA | % copy BW | splits | warps | stacked | fused q |")
     try:
         for preset, d, batch, ctx in shapes:
             r = bench_shape(preset, d, 32, 8, batch, ctx, torch.float16, copy_bw, {})
@@ -287,7 +288,8 @@ def table_main(out_path: str, env: dict, copy_bw: float, shapes: list, name: str
             torch.cuda.empty_cache()
             print(
                 f"| {preset} | {d} | {batch} | {ctx} | {r['kvarn_us']:.1f} | {r['sdpa_us']:.1f} | "
-                f"{r['speedup']:.2f}x | {r['kvarn_pct_copy']:.0f}% | {r['splits']} | {r['warps']} | {r['stack']} |",
+                f"{r['speedup']:.2f}x | {r['kvarn_pct_copy']:.0f}% | {r['splits']} | {r['warps']} | {r['stack']} | "
+                f"{r['fused']} |",
                 flush=True,
             )
             with open(out_path, "w") as f:
@@ -313,40 +315,49 @@ def fit_units(points: list[tuple[int, float]]) -> tuple[float, float]:
 
 
 def intercept_main(out_path: str, env: dict, copy_bw: float, preset: str, batch: int, splits: int, warps: int) -> None:
-    """Where a full-grid launch's time goes: the split count and warps fixed, the context grown so each split walks
-    ``k + 1`` units (``INTERCEPT_STEPS``), and ``t = a + b * units`` fitted (:func:`fit_units`). ``b`` is the loop's
-    cost a tile with every program resident (its bandwidth: the records all programs read a step), ``a`` what a call
-    costs besides (launches, the programs' set-up, the first tiles' latency, the merge). Each shape is first checked
-    against the reference (``bench_shape``). 32 / 8 heads, fp16; ``batch * 8 * splits`` programs should fit one wave
-    (8 a one-warp program an SM at D = 128: ``16 8 1`` is 1,024 on 132 SMs)."""
+    """Where a full-grid launch's time goes: the split count and warps fixed, the context grown so the longest split
+    walks ``k + 1`` units (``INTERCEPT_STEPS``), and ``t = a + b * units`` fitted (:func:`fit_units`). ``b`` is the
+    loop's cost a tile with every program resident (its bandwidth: the records all programs read a step), ``a`` what
+    a call costs besides (launches, the programs' set-up, the first tiles' latency, the merge). Each shape is first
+    checked against the reference (``bench_shape``). 32 / 8 heads, fp16; ``batch * 8 * splits`` programs should fit
+    one wave (8 one-warp programs an SM at D = 128: ``16 8 1`` is 1,024 on 132 SMs), else the fit is not the loop's.
+    """
     cfg = KVarNConfig.from_preset(preset, head_dim=128)
+    programs = batch * 8 * splits
+    wave = 8 * A._num_sms(torch.cuda.current_device())
+    if programs > wave:
+        print(f"warning: {programs} programs exceed one wave of 8 an SM ({wave}); b is not the loop's cost alone")
+    seen = {}
+    launch = A._launch_attention
+
+    def spy(grid, *args):
+        seen.update(splits=grid[2], warps=args[-1]["num_warps"], fused=args[-1]["FUSED_Q"])
+        return launch(grid, *args)
+
+    A._launch_attention = spy
+    params = {"preset": preset, "batch": batch, "splits": splits, "warps": warps, "programs": programs}
     rows = []
-    print("| preset | B | ctx | splits | units a split | kvarn us |")
-    for k in INTERCEPT_STEPS:
-        ctx = k * splits * cfg.group_size
-        r = bench_shape(
-            preset,
-            128,
-            32,
-            8,
-            batch,
-            ctx,
-            torch.float16,
-            copy_bw,
-            {"num_splits": splits, "num_warps": warps},
-            sdpa=False,
-        )
-        r.update(units=k + 1, ctx=ctx)
-        rows.append(r)
-        print(f"| {preset} | {batch} | {ctx} + {TAIL} | {splits} | {k + 1} | {r['kvarn_us']:.2f} |", flush=True)
+    print("| preset | B | ctx | splits | units (longest split) | kvarn us | fused q |")
+    try:
+        for k in INTERCEPT_STEPS:
+            ctx = k * splits * cfg.group_size
+            knobs = {"num_splits": splits, "num_warps": warps}
+            r = bench_shape(preset, 128, 32, 8, batch, ctx, torch.float16, copy_bw, knobs, sdpa=False)
+            r.update(seen, units=k + 1, ctx=ctx)
+            rows.append(r)
+            print(f"| {preset} | {batch} | {ctx} + {TAIL} | {splits} | {k + 1} | {r['kvarn_us']:.2f} | {r['fused']} |")
+            with open(out_path, "w") as f:
+                json.dump({"env": env, "copy_GBps": copy_bw, "params": params, "intercept": rows}, f, indent=1)
+    finally:
+        A._launch_attention = launch
     a, b = fit_units([(r["units"], r["kvarn_us"]) for r in rows])
-    loop_gbps = batch * 8 * splits * cfg.record_bytes / b / 1e3
+    loop_gbps = programs * cfg.record_bytes / b / 1e3
     fit = {"intercept_us": a, "unit_us": b, "loop_GBps": loop_gbps, "loop_pct_copy": 100 * loop_gbps / copy_bw}
     print(
         f"t = {a:.1f} us + {b:.3f} us x units; the loop at {loop_gbps:.0f} GB/s ({fit['loop_pct_copy']:.0f}% of copy)"
     )
     with open(out_path, "w") as f:
-        json.dump({"env": env, "copy_GBps": copy_bw, "intercept": rows, "fit": fit}, f, indent=1)
+        json.dump({"env": env, "copy_GBps": copy_bw, "params": params, "intercept": rows, "fit": fit}, f, indent=1)
 
 
 def correctness_suite(configs, smooth: str | None = None) -> list[dict]:
@@ -389,6 +400,11 @@ def main() -> None:
         help="fixed splits and warps, growing context: a call's intercept and the loop's cost a tile (D = 128)",
     )
     args = ap.parse_args()
+    modes = [m for m in ("smooth", "eager", "rules", "grid", "intercept") if getattr(args, m)]
+    if len(modes) > 1:
+        ap.error(f"pick one of --{', --'.join(modes)}")
+    if args.intercept and not all(c.isdigit() and int(c) > 0 for c in args.intercept[1:]):
+        ap.error("--intercept takes PRESET BATCH SPLITS WARPS, the last three positive integers")
     env = environment()
     copy_bw = copy_bandwidth()
     print(f"{env} copy bandwidth {copy_bw:.0f} GB/s", flush=True)
@@ -399,8 +415,8 @@ def main() -> None:
         eager_main(args.out, env, copy_bw)
         return
     if args.intercept:
-        preset, batch, splits, warps = args.intercept
-        intercept_main(args.out, env, copy_bw, preset, int(batch), int(splits), int(warps))
+        preset, *counts = args.intercept
+        intercept_main(args.out, env, copy_bw, preset, *map(int, counts))
         return
     if args.rules or args.grid:
         name = "rules" if args.rules else "grid"

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from benchmarks.bench_decode import INTERCEPT_STEPS, fit_units
+from benchmarks.bench_decode import INTERCEPT_STEPS, fit_units, main
 
 
 def test_fit_recovers_a_line():
@@ -32,3 +34,15 @@ def test_fit_needs_two_unit_counts():
 
 def test_steps_give_distinct_units():
     assert len(set(INTERCEPT_STEPS)) == len(INTERCEPT_STEPS) >= 2
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--intercept", "kvarn_k4v2_g128", "16", "eight", "1"], ["--intercept", "kvarn_k4v2_g128", "16", "0", "1"],
+     ["--grid", "--rules"], ["--intercept", "kvarn_k4v2_g128", "16", "8", "1", "--eager"]],
+)  # fmt: skip
+def test_bad_modes_are_refused_before_any_gpu_work(argv, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench_decode.py", *argv])
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code == 2 and "error" in capsys.readouterr().err

@@ -465,20 +465,30 @@ def test_paged_attention_empty_sequence_rows(merge):
 
 
 def test_fuse_query_rotation_one_warp_waves(monkeypatch):
-    """One-warp launches keep the prologue where the in-kernel rotation's shared memory would cost a wave
-    (7 fused programs an SM with 2-bit V, 6 with 4-bit V, against 8) and splits are 6 units or longer."""
+    """One-warp launches at D = 128 keep the prologue where the in-kernel rotation's shared memory would cost the
+    programs that get units a wave (7 fused programs an SM with 2-bit V, 6 with 4-bit V, against 8)."""
     monkeypatch.setattr(attention, "_num_sms", lambda index: 132)
     cuda = torch.device("cuda", 0)
     k4v2 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
     k4v4 = KVarNConfig.from_preset("kvarn_k4v4_g128", head_dim=128)
-    k2v2 = KVarNConfig.from_preset("kvarn_k2v2_g128", head_dim=128)
     fuse = attention.fuse_query_rotation
     assert not fuse(k4v2, 1056, 8, cuda, 1)  # 4 / 32K: 8 programs an SM with the prologue, 7 fused
     assert fuse(k4v2, 1056, 8, cuda, 4)  # other warp counts: the rule as before
     assert fuse(k4v2, 924, 8, cuda, 1)  # 7 an SM: one wave either way
-    assert fuse(k4v2, 1024, 5, cuda, 1)  # short splits: the saved launch wins
-    assert not fuse(k4v4, 925, 6, cuda, 1) and fuse(k4v4, 792, 6, cuda, 1)  # 6 fused programs an SM
-    assert fuse(k2v2, 1056, 8, cuda, 1)  # 2-bit K: always fused
+    assert fuse(k4v2, 1024, 5, cuda, 1, active=832)  # 2 / 32K: 52 of 64 splits get units, one fused wave
+    assert not fuse(k4v4, 1024, 5, cuda, 1, active=832)  # 6 fused programs an SM: 792
+    assert not fuse(k4v4, 900, 6, cuda, 1) and fuse(k4v4, 792, 6, cuda, 1)
+    assert fuse(KVarNConfig.from_preset("kvarn_k2v2_g128", head_dim=128), 1056, 8, cuda, 1)  # 2-bit K: always
+    assert fuse(KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=64), 1056, 8, cuda, 1)  # measured at D = 128 only
+
+
+def test_active_splits():
+    """The splits of the longest sequence that get units, as ``_split_units`` hands them out."""
+    assert attention.active_splits(257, 64, 2) == 52  # 5 units each
+    assert attention.active_splits(257, 8, 1) == 8
+    assert attention.active_splits(257, 33, 3) == 33  # 8 units each
+    assert attention.active_splits(5, 8, 3) == 2
+    assert attention.active_splits(1, 8, 3) == 1
 
 
 def test_min_split_tiles_default_rule():

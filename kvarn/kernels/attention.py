@@ -74,16 +74,15 @@ tiles: each program then pays the rotation (~half a tile of work) once, against 
 The splits are merged in the attention launch up to the same number of waves (:func:`merge_in_kernel`)."""
 ONE_WARP_PROGRAMS_PER_SM = 8
 FUSED_ONE_WARP_PROGRAMS_PER_SM = {2: 7, 4: 6}
-FUSED_WAVE_MIN_TILES = 6
 """Resident one-warp decode programs per SM (``D = 128``, 128-token tiles, 4-bit K; 255 registers: 8 by
 registers), and with ``FUSED_Q`` by V bits: the in-kernel rotation's operands take the kernel from 20,480
 bytes of shared memory to 29,440 (2-bit V) or 33,536 (4-bit V; triton 3.6, sm_90), over the 28,160 that 8
-programs may hold of an SM's 228 KB (1 KB reserved a program). Where that costs the launch a wave and a
-split walks ``FUSED_WAVE_MIN_TILES`` or more units, :func:`fuse_query_rotation` takes the prologue.
-Measured on the H200 (session 24, ``benchmarks/RESULTS.md``; 1,024-1,056 programs, fused -> prologue):
-k4v2 4 / 32K (8 units a split) 73.5 -> 55.5 us, 3 / 32K (6) 60.8 -> 51.0, k4v4 4 / 32K (8) 78.8 -> 63.4;
-with 5 units the fused launch stayed ahead (k4v2 2 / 32K 40.3 against 43.2, 4 / 16K 41.2 against 44.1),
-k4v4 2 / 32K (5 units, 6 programs an SM) was not (55.3 against 46.7; kept fused by the rule)."""
+programs may hold of an SM's 228 KB (1 KB reserved a program). Where the programs that get units
+(:func:`active_splits`) then need one wave more fused than with the prologue, :func:`fuse_query_rotation`
+takes the prologue. Measured on the H200 (session 24, ``benchmarks/RESULTS.md``; 132 SMs, programs with
+units, fused -> prologue): k4v2 4 / 32K (1,056) 73.5 -> 55.5 µs, 3 / 32K (1,032) 60.8 -> 51.0, k4v4 4 / 32K
+(1,056) 78.8 -> 63.4, k4v4 2 / 32K (832, over 6 x 132) 55.3 -> 46.7; one fused wave of 7 an SM stayed
+ahead: k4v2 2 / 32K and 4 / 16K (832 each) 40.3 and 41.2 fused, 43.2 and 44.1 with the prologue."""
 SMS_OFF_CUDA = 4
 """SM count the split choice assumes on a device without SMs (the CPU interpreter)."""
 DECODE_MAX_REGS = {(64, 4): 96, (128, 4): 128, (64, 2): 96, (128, 2): 128, (128, 1): 255}
@@ -232,8 +231,19 @@ def merge_in_kernel(programs: int, splits: int, device: torch.device) -> bool:
     return splits == 1 or splits > EPILOGUE_MAX_SPLITS or programs * splits <= FUSE_MAX_WAVES * PROGRAMS_PER_SM * sms
 
 
+def active_splits(max_units: int, splits: int, min_units: int) -> int:
+    """Splits of the longest sequence that get units: the kernel gives each ``max(cdiv(units, splits), min_units)``
+    (``_split_units``), so ``cdiv(max_units, that)`` of them."""
+    return max(cdiv(max_units, max(cdiv(max_units, splits), min_units)), 1)
+
+
 def fuse_query_rotation(
-    cfg: KVarNConfig, programs: int, tiles_per_split: int, device: torch.device, num_warps: int = ATTN_NUM_WARPS
+    cfg: KVarNConfig,
+    programs: int,
+    tiles_per_split: int,
+    device: torch.device,
+    num_warps: int = ATTN_NUM_WARPS,
+    active: int | None = None,
 ) -> bool:
     """Whether the attention kernel rotates its own queries (``FUSED_Q``) instead of a prologue launch.
 
@@ -241,16 +251,18 @@ def fuse_query_rotation(
     memory there lets the compiler hoist the score operand's layout onto the loop-invariant
     queries (~230 registers instead of 128, half the programs per SM). Otherwise only for short
     launches (see ``FUSE_MAX_WAVES``), where the saved launch outweighs the per-program rotation,
-    and with one warp (``num_warps``) not where the rotation's shared memory costs the launch a
-    wave of splits of ``FUSED_WAVE_MIN_TILES`` units or more (``FUSED_ONE_WARP_PROGRAMS_PER_SM``).
+    and for one-warp launches at ``D = 128`` (``num_warps``) not where the rotation's shared memory
+    costs the ``active`` programs (those with units; default ``programs``) a wave
+    (``FUSED_ONE_WARP_PROGRAMS_PER_SM``).
     """
     if cfg.k_per_byte == 4 or cfg.group_size < 128:
         return True
     sms = _num_sms(device.index or 0) if device.type == "cuda" else SMS_OFF_CUDA
-    fused_per_sm = FUSED_ONE_WARP_PROGRAMS_PER_SM.get(cfg.v_bits, ONE_WARP_PROGRAMS_PER_SM)
-    extra_wave = cdiv(programs, fused_per_sm * sms) > cdiv(programs, ONE_WARP_PROGRAMS_PER_SM * sms)
-    if num_warps == 1 and extra_wave and tiles_per_split >= FUSED_WAVE_MIN_TILES:
-        return False
+    if num_warps == 1 and cfg.head_dim == 128:
+        active = programs if active is None else active
+        fused_per_sm = FUSED_ONE_WARP_PROGRAMS_PER_SM.get(cfg.v_bits, ONE_WARP_PROGRAMS_PER_SM)
+        if cdiv(active, fused_per_sm * sms) > cdiv(active, ONE_WARP_PROGRAMS_PER_SM * sms):
+            return False
     return programs <= FUSE_MAX_WAVES * PROGRAMS_PER_SM * sms and tiles_per_split <= FUSE_MAX_TILES
 
 
@@ -685,9 +697,11 @@ def _paged_attention(
     if merge and splits > 1 and (counters.dtype != torch.int32 or counters.numel() < n_blocks * hkv):
         raise ValueError(f"counters must be int32 with at least {n_blocks * hkv} entries")
     part, ws_m, ws_l = _workspaces(merge, splits, query.shape, dev, empty)
+    min_units = min_split_tiles or min_split_tiles_default(cfg, tokens_m, n_blocks * hkv)
     fused_q = fuse_query
     if fused_q is None:
-        fused_q = fuse_query_rotation(cfg, n_blocks * hkv * splits, cdiv(max_units, splits), dev, warps)
+        active = n_blocks * hkv * active_splits(max_units, splits, min_units)
+        fused_q = fuse_query_rotation(cfg, n_blocks * hkv * splits, cdiv(max_units, splits), dev, warps, active)
     smooth_q = cfg.seq_smooth and not fused_q and not multi_q  # the prologue smooths the queries too
     q = q_s = query
     if not fused_q:
@@ -706,7 +720,7 @@ def _paged_attention(
     launch["TOKENS_M"] = tokens_m
     launch["PAIR"] = pair
     launch["FOLD"] = fold_offsets_default(cfg, launch["TOKENS_M"]) if fold_offsets is None else fold_offsets
-    launch["min_units"] = min_split_tiles or min_split_tiles_default(cfg, launch["TOKENS_M"], n_blocks * hkv)
+    launch["min_units"] = min_units
     launch["STACK"] = stack
     if block_rows:
         launch["TAIL_ROWS"] = block_rows
