@@ -291,6 +291,36 @@ def test_paged_attention_merge_in_graph(preset, splits):
     print(f"STATS merge_in_graph {preset} splits={splits} rel_err={err:.2e}")
 
 
+@pytest.mark.parametrize("num_warps", [None, 1])
+def test_decode_timeline_stamps_every_program(num_warps):
+    """``decode_timeline``: every program of the grid stamps its entry and units, the programs that walk records
+    stamp them in order, the output is the unstamped launch's bit for bit, and the stamps stop with the block."""
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
+    lengths = [40 * cfg.group_size + 17, 3 * cfg.group_size + 1, 1]  # the short ones leave splits without units
+    state = build_cache(cfg, lengths, 8, torch.float16, seed=11, device=DEV)
+    query = torch.randn(len(lengths), 32, 128, device=DEV).half()
+    args = attention_args(state, query, cfg, sink=False)
+    splits = 8
+    want = attention.paged_attention(*args, num_splits=splits, num_warps=num_warps)
+    rows = len(lengths) * 8 * splits
+    buf = torch.zeros(rows + 5, 8, dtype=torch.int64, device=DEV)
+    with attention.decode_timeline(buf):
+        got = attention.paged_attention(*args, num_splits=splits, num_warps=num_warps)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    t = buf.cpu()
+    assert (t[:rows, 0] > 0).all() and (t[:rows, 1] >= t[:rows, 0]).all() and (t[rows:] == 0).all()
+    walked = t[:rows, 2] > 0
+    assert 0 < int(walked.sum()) < rows  # the short sequences leave splits without units
+    w = t[:rows][walked]
+    assert (w[:, 2] >= w[:, 1]).all() and (w[:, 3] >= w[:, 2]).all() and (w[:, 4] >= w[:, 3]).all()
+    assert ((t[:rows, 7] >= 0) & (t[:rows, 7] < torch.cuda.get_device_properties(0).multi_processor_count)).all()
+    buf.zero_()
+    attention.paged_attention(*args, num_splits=splits, num_warps=num_warps)
+    torch.cuda.synchronize()
+    assert not buf.any()
+
+
 @pytest.mark.parametrize(
     "knobs", [{}, {"fuse_query": False, "fuse_merge": False, "num_splits": 3}], ids=["one_launch", "three_launches"]
 )

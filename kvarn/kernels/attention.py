@@ -21,6 +21,7 @@ The tuning knobs are keyword arguments of :func:`paged_attention`, defaults as m
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable
@@ -646,7 +647,7 @@ def _plan_key(inputs: tuple, cfg: KVarNConfig, scale, knobs: tuple) -> tuple | N
     layouts). ``out`` is checked here too (:func:`_check_out`): a replay skips the launcher's checks,
     and whether ``out`` shares the query's memory is not in the key."""
     _check_out(inputs[-1], inputs[0])
-    return cfg, scale, knobs
+    return cfg, scale, knobs, _TIMELINE[0]
 
 
 def _paged_attention(
@@ -880,6 +881,35 @@ def _check_out(out: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | 
     return out
 
 
+_TIMELINE = [0]
+"""The ``TIMELINE`` buffer address of attention launches (0: none), set by :func:`decode_timeline`."""
+
+
+@contextlib.contextmanager
+def decode_timeline(buf: torch.Tensor):
+    """Within the block, attention launches stamp per-program times into ``buf`` (a diagnostic, CUDA only).
+
+    ``buf``: int64, contiguous, ``[rows, 8]`` on the GPU the calls run on, with a row for every program of
+    the launches (``query blocks x Hkv x splits``; decode: ``batch x Hkv x splits``), row
+    ``(block * Hkv + kv_head) * splits + split``. Columns (``%globaltimer``, ns, and the SM id) are
+    :data:`~kvarn.kernels.attention_decode.TIMELINE_ENTRY` ..; a program without units writes the first two.
+    The stamped kernel is a separate compile (the address is one of its constants) and a separate plan
+    key; ``benchmarks/timeline_decode.py`` reads the stamps.
+    """
+    if buf.dtype != torch.int64 or buf.dim() != 2 or buf.shape[1] != 8 or not buf.is_contiguous():
+        got = f"{buf.dtype} {tuple(buf.shape)}"
+        raise ValueError(f"decode_timeline needs a contiguous int64 [rows, 8] buffer, got {got}")
+    if buf.device.type != "cuda":
+        raise ValueError("decode_timeline stamps %globaltimer on a CUDA device; the buffer is on " + str(buf.device))
+    if _TIMELINE[0]:
+        raise RuntimeError("decode_timeline is already active")
+    _TIMELINE[0] = buf.data_ptr()
+    try:
+        yield buf
+    finally:
+        _TIMELINE[0] = 0
+
+
 def _launch_attention(grid, qs, query, cache, block_table, seq_lens, qsl, pool, ws, cfg, flags, launch) -> None:
     """Launch the attention kernel; ``qs = (q, q_s)``: ``query`` or the prologue's outputs (``launch["FUSED_Q"]``);
     ``launch`` holds the kernel's keyword arguments and ``min_units`` (1 if absent)."""
@@ -941,5 +971,6 @@ def _launch_attention(grid, qs, query, cache, block_table, seq_lens, qsl, pool, 
         MERGE_CH=max(1, MERGE_CHUNK // (block_q * gqp * d)),
         FLAGS=flags,
         maxnreg=_decode_max_regs(cfg, launch["num_warps"], multi_q),
+        TIMELINE=_TIMELINE[0],
         **launch,
     )

@@ -722,6 +722,34 @@ def _fp_tiles(
     return state
 
 
+TIMELINE_ENTRY = tl.constexpr(0)
+TIMELINE_UNITS = tl.constexpr(1)
+TIMELINE_RECORDS = tl.constexpr(2)
+TIMELINE_FP = tl.constexpr(3)
+TIMELINE_DONE = tl.constexpr(4)
+TIMELINE_SM = tl.constexpr(7)
+"""Columns of a ``TIMELINE`` row (:func:`kvarn.kernels.attention.decode_timeline`): ``%globaltimer`` (ns) at the
+program's entry, once its units are known (``seq_lens`` read), after its record tiles, after its
+full-precision units, after its finish (partial, merge, output); the SM it ran on."""
+
+
+@triton.jit
+def _stamp(TL: tl.constexpr, row, col: tl.constexpr, dep):
+    """With ``TL`` (a buffer's address, else nothing) write ``%globaltimer`` at ``[row, col]`` once ``dep`` is known.
+
+    A diagnostic (GPU only: inline PTX, never under the interpreter): ``dep`` is a scalar the stamp
+    waits for (a loop's result), so the time is taken after the work that produced it. At ``col``
+    ``TIMELINE_ENTRY`` the SM id is written too.
+    """
+    if TL != 0:
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep], tl.int64, is_pure=False, pack=1)
+        base = tl.full([], TL, tl.int64).to(tl.pointer_type(tl.int64)) + row.to(tl.int64) * 8
+        tl.store(base + col, now)
+        if col == TIMELINE_ENTRY:
+            sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [dep], dtype=tl.int32, is_pure=False, pack=1)
+            tl.store(base + TIMELINE_SM, sm.to(tl.int64))
+
+
 @triton.jit(do_not_specialize=STEP_COUNTS)
 def _attn_kernel(
     q,
@@ -778,6 +806,7 @@ def _attn_kernel(
     HAS_KV: tl.constexpr = False,
     STACK: tl.constexpr = False,
     TAIL_ROWS: tl.constexpr = 0,
+    TIMELINE: tl.constexpr = 0,
 ):
     """Grid ``(query blocks, Hkv, num_splits)``; see :func:`kvarn.kernels.attention_merge._finish` for what it writes.
 
@@ -801,6 +830,8 @@ def _attn_kernel(
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    stamp_row = (pid * tl.num_programs(1) + kvh) * tl.num_programs(2) + split
+    _stamp(TIMELINE, stamp_row, TIMELINE_ENTRY, split)
     if MULTI_Q:
         seq, q_start, n_q, q_first = _query_block(pid, query_start_loc, num_seqs, BLOCK_Q)
     else:
@@ -818,6 +849,7 @@ def _attn_kernel(
     n_full, own, u0, u1, qt0, sink_slot, has_sink, n_act = _split_units(
         seq, seq_len, n_q, q_first, split, num_splits, min_units, sink_slots, G, BLOCK_Q, MULTI_Q, HAS_SINK, HAS_KV
     )
+    _stamp(TIMELINE, stamp_row, TIMELINE_UNITS, n_act + u0 + u1)
     if has_q & ((split < n_act) | (not FLAGS[1])):  # without MERGE the epilogue reads every split's partial
         lo_q = pos_q // G * G if MULTI_Q else pos_q  # each row's own tile: records (and the sink) before it only
         bt_row = block_table + seq.to(tl.int64) * s_bt
@@ -829,12 +861,14 @@ def _attn_kernel(
             FUSED_Q, SMOOTH_Q, LATE_Q)  # fmt: skip
         state = _record_tiles(rec_query, walk, q_base, ld_ok, LAYOUT, MULTI_Q, USE_ASM, PAIR, TOKENS_M, FUSED_Q,
             IN_BF16, FACTOR, FOLD, STACK, GQP)  # fmt: skip
+        _stamp(TIMELINE, stamp_row, TIMELINE_RECORDS, tl.max(state[0], axis=0).to(tl.int32))
         pool = (tail_k, tail_v, p_slot, p_tok, p_head, kvh)
         own_here = (own[0] + own[3] > 0) & (u0 <= n_full) & (n_full < u1)
         units = (has_sink & (u0 == 0), sink_slot, own_here, (tail_slots, seq), own, pos_q, lo_q)
         src = (q_base, ld_ok, pool, (key, value, q_start + own[2] - (seq_len - n_q)))
         m_i, l_i, acc = _fp_tiles(state, query, src, units, LAYOUT, ROTATE, IN_BF16, FACTOR, FUSED_Q, POOL_BF16,
             LATE_Q, MULTI_Q, HAS_KV, TAIL_ROWS)  # fmt: skip
+        _stamp(TIMELINE, stamp_row, TIMELINE_FP, tl.max(m_i, axis=0).to(tl.int32))
 
         R: tl.constexpr = BLOCK_Q * GQP  # the program's distinct rows
         q_row_c, head_c, row_ok_c, _ = _program_rows(R, q_start, q_first, n_q, kvh, GQ, GQP)
@@ -843,3 +877,4 @@ def _attn_kernel(
         outs = (part, ws_m, ws_l, s_ws, final, s_o, s_oh)
         counter = counters + pid * tl.num_programs(1) + kvh
         _finish((m_i, l_i, acc), rows, compact, outs, counter, n_act, MERGE_CH, FLAGS)
+        _stamp(TIMELINE, stamp_row, TIMELINE_DONE, split)
