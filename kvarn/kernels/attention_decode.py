@@ -861,14 +861,14 @@ def _attn_kernel(
             FUSED_Q, SMOOTH_Q, LATE_Q)  # fmt: skip
         state = _record_tiles(rec_query, walk, q_base, ld_ok, LAYOUT, MULTI_Q, USE_ASM, PAIR, TOKENS_M, FUSED_Q,
             IN_BF16, FACTOR, FOLD, STACK, GQP)  # fmt: skip
-        _stamp(TIMELINE, stamp_row, TIMELINE_RECORDS, tl.max(state[0], axis=0).to(tl.int32))
+        _stamp(TIMELINE, stamp_row, TIMELINE_RECORDS, tl.max(state[0], axis=0).to(tl.int32, bitcast=True))
         pool = (tail_k, tail_v, p_slot, p_tok, p_head, kvh)
         own_here = (own[0] + own[3] > 0) & (u0 <= n_full) & (n_full < u1)
         units = (has_sink & (u0 == 0), sink_slot, own_here, (tail_slots, seq), own, pos_q, lo_q)
         src = (q_base, ld_ok, pool, (key, value, q_start + own[2] - (seq_len - n_q)))
         m_i, l_i, acc = _fp_tiles(state, query, src, units, LAYOUT, ROTATE, IN_BF16, FACTOR, FUSED_Q, POOL_BF16,
             LATE_Q, MULTI_Q, HAS_KV, TAIL_ROWS)  # fmt: skip
-        _stamp(TIMELINE, stamp_row, TIMELINE_FP, tl.max(m_i, axis=0).to(tl.int32))
+        _stamp(TIMELINE, stamp_row, TIMELINE_FP, tl.max(m_i, axis=0).to(tl.int32, bitcast=True))
 
         R: tl.constexpr = BLOCK_Q * GQP  # the program's distinct rows
         q_row_c, head_c, row_ok_c, _ = _program_rows(R, q_start, q_first, n_q, kvh, GQ, GQP)
