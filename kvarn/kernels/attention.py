@@ -892,7 +892,8 @@ def decode_timeline(buf: torch.Tensor):
     ``buf``: int64, contiguous, ``[rows, 8]`` on the GPU the calls run on, with a row for every program of
     the launches (``query blocks x Hkv x splits``; decode: ``batch x Hkv x splits``), row
     ``(block * Hkv + kv_head) * splits + split``. Columns (``%globaltimer``, ns, and the SM id) are
-    :data:`~kvarn.kernels.attention_decode.TIMELINE_ENTRY` ..; a program without units writes the first two.
+    :data:`~kvarn.kernels.attention_decode.TIMELINE_ENTRY` ..; in a launch that merges in the kernel a program
+    without units writes the first two.
     The stamped kernel is a separate compile (the address is one of its constants) and a separate plan
     key; ``benchmarks/timeline_decode.py`` reads the stamps.
     """
