@@ -734,14 +734,15 @@ full-precision units, after its finish (partial, merge, output); the SM it ran o
 
 
 @triton.jit
-def _stamp(TL: tl.constexpr, row, col: tl.constexpr, dep):
-    """With ``TL`` (a buffer's address, else nothing) write ``%globaltimer`` at ``[row, col]`` once ``dep`` is known.
+def _stamp(TL: tl.constexpr, col: tl.constexpr, dep):
+    """With ``TL`` (a buffer's address, else nothing) write ``%globaltimer`` at the program's row, column ``col``.
 
     A diagnostic (GPU only: inline PTX, never under the interpreter): ``dep`` is a scalar the stamp
-    waits for (a loop's result), so the time is taken after the work that produced it. At ``col``
-    ``TIMELINE_ENTRY`` the SM id is written too.
+    waits for (a loop's result), so the time is taken after the work that produced it. The row is
+    ``(pid(0) * Hkv + pid(1)) * splits + pid(2)``; at ``col`` ``TIMELINE_ENTRY`` the SM id is written too.
     """
     if TL != 0:
+        row = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
         now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep], tl.int64, is_pure=False, pack=1)
         base = tl.full([], TL, tl.int64).to(tl.pointer_type(tl.int64)) + row.to(tl.int64) * 8
         tl.store(base + col, now)
@@ -830,16 +831,11 @@ def _attn_kernel(
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    stamp_row = (pid * tl.num_programs(1) + kvh) * tl.num_programs(2) + split
-    _stamp(TIMELINE, stamp_row, TIMELINE_ENTRY, split)
+    _stamp(TIMELINE, TIMELINE_ENTRY, split)
     if MULTI_Q:
         seq, q_start, n_q, q_first = _query_block(pid, query_start_loc, num_seqs, BLOCK_Q)
     else:
-        seq = pid
-        q_start = pid
-        n_q = 1
-        q_first = 0
-
+        seq, q_start, n_q, q_first = pid, pid, 1, 0
     has_q = q_first < n_q  # else a spare query block of a multi-query launch: nothing to do
     seq_len = tl.load(seq_lens + seq, mask=has_q, other=0)
     q_row, head, row_ok, q_local = _program_rows(BLOCK_M, q_start, q_first, n_q, kvh, GQ, GQP)
@@ -849,7 +845,7 @@ def _attn_kernel(
     n_full, own, u0, u1, qt0, sink_slot, has_sink, n_act = _split_units(
         seq, seq_len, n_q, q_first, split, num_splits, min_units, sink_slots, G, BLOCK_Q, MULTI_Q, HAS_SINK, HAS_KV
     )
-    _stamp(TIMELINE, stamp_row, TIMELINE_UNITS, n_act + u0 + u1)
+    _stamp(TIMELINE, TIMELINE_UNITS, n_act + u0 + u1)
     if has_q & ((split < n_act) | (not FLAGS[1])):  # without MERGE the epilogue reads every split's partial
         lo_q = pos_q // G * G if MULTI_Q else pos_q  # each row's own tile: records (and the sink) before it only
         bt_row = block_table + seq.to(tl.int64) * s_bt
@@ -861,20 +857,18 @@ def _attn_kernel(
             FUSED_Q, SMOOTH_Q, LATE_Q)  # fmt: skip
         state = _record_tiles(rec_query, walk, q_base, ld_ok, LAYOUT, MULTI_Q, USE_ASM, PAIR, TOKENS_M, FUSED_Q,
             IN_BF16, FACTOR, FOLD, STACK, GQP)  # fmt: skip
-        _stamp(TIMELINE, stamp_row, TIMELINE_RECORDS, tl.max(state[0], axis=0).to(tl.int32, bitcast=True))
+        _stamp(TIMELINE, TIMELINE_RECORDS, tl.max(state[0], axis=0).to(tl.int32, bitcast=True))
         pool = (tail_k, tail_v, p_slot, p_tok, p_head, kvh)
         own_here = (own[0] + own[3] > 0) & (u0 <= n_full) & (n_full < u1)
         units = (has_sink & (u0 == 0), sink_slot, own_here, (tail_slots, seq), own, pos_q, lo_q)
         src = (q_base, ld_ok, pool, (key, value, q_start + own[2] - (seq_len - n_q)))
         m_i, l_i, acc = _fp_tiles(state, query, src, units, LAYOUT, ROTATE, IN_BF16, FACTOR, FUSED_Q, POOL_BF16,
             LATE_Q, MULTI_Q, HAS_KV, TAIL_ROWS)  # fmt: skip
-        _stamp(TIMELINE, stamp_row, TIMELINE_FP, tl.max(m_i, axis=0).to(tl.int32, bitcast=True))
-
+        _stamp(TIMELINE, TIMELINE_FP, tl.max(m_i, axis=0).to(tl.int32, bitcast=True))
         R: tl.constexpr = BLOCK_Q * GQP  # the program's distinct rows
         q_row_c, head_c, row_ok_c, _ = _program_rows(R, q_start, q_first, n_q, kvh, GQ, GQP)
         compact = (q_row_c * hq + head_c, row_ok_c)
-        rows = (q_row, head, row_ok, hq, split)
-        outs = (part, ws_m, ws_l, s_ws, final, s_o, s_oh)
         counter = counters + pid * tl.num_programs(1) + kvh
-        _finish((m_i, l_i, acc), rows, compact, outs, counter, n_act, MERGE_CH, FLAGS)
-        _stamp(TIMELINE, stamp_row, TIMELINE_DONE, split)
+        _finish((m_i, l_i, acc), (q_row, head, row_ok, hq, split), compact, (part, ws_m, ws_l, s_ws, final, s_o, s_oh),
+            counter, n_act, MERGE_CH, FLAGS)  # fmt: skip
+        _stamp(TIMELINE, TIMELINE_DONE, split)
