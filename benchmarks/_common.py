@@ -56,8 +56,8 @@ def environment() -> dict:
     }
 
 
-def time_graph(fn, warmup_ms: float = 25, rep_ms: float = 200) -> float:
-    """Median device time of ``fn`` in microseconds, replayed from a CUDA graph (L2 flushed per replay)."""
+def capture_graph(fn) -> tuple[torch.cuda.CUDAGraph, object]:
+    """``fn`` run eagerly, then on a side stream, then captured: ``(graph, what the captured call returned)``."""
     fn()
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
@@ -67,8 +67,14 @@ def time_graph(fn, warmup_ms: float = 25, rep_ms: float = 200) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        out = fn()
     torch.cuda.synchronize()
+    return graph, out
+
+
+def time_graph(fn, warmup_ms: float = 25, rep_ms: float = 200) -> float:
+    """Median device time of ``fn`` in microseconds, replayed from a CUDA graph (L2 flushed per replay)."""
+    graph, _ = capture_graph(fn)
     ms = triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
     return ms * 1e3
 

@@ -4,8 +4,8 @@ Runs a decode shape under :func:`kvarn.kernels.attention.decode_timeline` (repla
 stamps of the last replay read back) and summarizes them: when the programs start, how long each takes to
 know its units, to walk its record tiles and to finish (partial, merge, output), grouped by the order the
 hardware dispatches them (``dispatch = block + blocks x (kv_head + Hkv x split)``, x fastest) in rounds of one
-program an SM, and the kernel's span against the replay's time. Every timed launch is checked against the
-reference first (``bench_decode.bench_shape``).
+program an SM, and the kernel's span against the replay's time. The plain launch is checked against the
+reference before it is timed (``bench_decode.bench_shape``), the stamped replay's output after it.
 
     PYTHONPATH=. python benchmarks/timeline_decode.py --out timeline.json
     PYTHONPATH=. python benchmarks/timeline_decode.py --shape kvarn_k4v2_g128 64 32768 --splits 0
@@ -91,8 +91,8 @@ def summarize(stamps: torch.Tensor, grid: tuple[int, int, int], n_sms: int) -> d
 
 
 def run_shape(preset: str, batch: int, ctx: int, splits: int, copy_bw: float) -> dict:
-    from benchmarks._common import time_graph
-    from benchmarks.bench_decode import args_of, bench_shape, synthetic_cache
+    from benchmarks._common import capture_graph, time_graph
+    from benchmarks.bench_decode import args_of, bench_shape, check, synthetic_cache
     from kvarn.config import KVarNConfig
     from kvarn.kernels import attention as A
 
@@ -105,17 +105,17 @@ def run_shape(preset: str, batch: int, ctx: int, splits: int, copy_bw: float) ->
     buf = torch.zeros(batch * hkv * MAX_SPLITS, 8, dtype=torch.int64, device="cuda")  # rows past the grid stay 0
     with A.decode_timeline(buf):
         stamped_us = time_graph(lambda: A.paged_attention(*args_of(st, q, cfg), **launch))
-        graph = torch.cuda.CUDAGraph()
-        A.paged_attention(*args_of(st, q, cfg), **launch)
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            A.paged_attention(*args_of(st, q, cfg), **launch)
+        graph, out = capture_graph(lambda: A.paged_attention(*args_of(st, q, cfg), **launch))
         buf.zero_()
+        out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
+    check(out, st, q, cfg, 1, f"stamped {preset} B={batch} ctx={ctx}")  # the stamped launch computes the same
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     stamps = buf.cpu()
     n_splits = int((stamps[:, ENTRY] > 0).sum()) // (batch * hkv)  # the launch's own split count
+    if n_splits == 0:
+        raise SystemExit(f"REFUSING TO REPORT: no program stamped ({preset} B={batch} ctx={ctx})")
     summary = summarize(stamps, (batch, hkv, n_splits), sms)
     return {"preset": preset, "batch": batch, "ctx": ctx, "splits": n_splits, "graph_us": plain["kvarn_us"]} | {
         "graph_us_stamped": stamped_us,

@@ -312,6 +312,8 @@ def test_decode_timeline_stamps_every_program(num_warps):
     assert (t[:rows, 0] > 0).all() and (t[:rows, 1] >= t[:rows, 0]).all() and (t[rows:] == 0).all()
     walked = t[:rows, 2] > 0
     assert 0 < int(walked.sum()) < rows  # the short sequences leave splits without units
+    one_token = walked.view(len(lengths), 8, splits)[2]  # rows (seq * Hkv + kv_head) * splits + split
+    assert one_token[:, 0].all() and not one_token[:, 1:].any()  # its one unit is split 0's
     w = t[:rows][walked]
     assert (w[:, 2] >= w[:, 1]).all() and (w[:, 3] >= w[:, 2]).all() and (w[:, 4] >= w[:, 3]).all()
     assert ((t[:rows, 7] >= 0) & (t[:rows, 7] < torch.cuda.get_device_properties(0).multi_processor_count)).all()
