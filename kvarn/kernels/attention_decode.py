@@ -170,14 +170,19 @@ def _load_query(q_base, row_ok, LAYOUT: tl.constexpr, ROTATE: tl.constexpr, IN_B
 
 
 @triton.jit
-def _query_rows(query, LAYOUT: tl.constexpr):
-    """The rows' rotated, scaled queries ``[BLOCK_M, D]`` back from :func:`_load_query`'s fields (exact)."""
+def _query_rows(query, LAYOUT: tl.constexpr, SCALED: tl.constexpr = True):
+    """The rows' rotated, scaled queries ``[BLOCK_M, D]`` back from :func:`_load_query`'s fields (exact).
+
+    ``SCALED=False``: ``(qn, rf)`` instead, the rows ``qn`` (``|qn| < 1``) and their power-of-two scale ``rf``.
+    """
     q0, q1, q2, q3, rf = query
     if LAYOUT.K_PER_BYTE == 4:
         q_full = _concat(_concat(q0, q1), _concat(q2, q3))
     else:
         q_full = _concat(q0, q1)
-    return q_full * rf[:, None]
+    if SCALED:
+        return q_full * rf[:, None]
+    return q_full, rf
 
 
 @triton.jit
@@ -695,7 +700,7 @@ def _fp_tiles(
             q_use = _load_query(q_base, row_ok, LAYOUT, ROTATE, IN_BF16, FACTOR, FUSED_Q)
         else:
             q_use = query
-        q_full = _query_rows(q_use, LAYOUT)  # [BLOCK_M, D]
+        q_full = _query_rows(q_use, LAYOUT, False)  # ([BLOCK_M, D], [BLOCK_M])
         if sink_here:
             if MULTI_Q:
                 state = _fp_tile(q_full, state, pool, sink_slot, LAYOUT.G, 0, lo_q - 1, POOL_BF16)
