@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvarn.kernels._common import NEG_BIG, hadamard_pm, hdot, store_model
+from kvarn.kernels._common import NEG_BIG, fwht_rows, hadamard_pm, hdot, store_model
 
 
 @triton.jit
@@ -94,7 +94,7 @@ def _unrotate(x, INV_SQRT_D: tl.constexpr):
 def _store_output(o, dst, row_ok, ROTATE: tl.constexpr, OUT_BF16: tl.constexpr, INV_SQRT_D: tl.constexpr):
     """Normalized rotated rows ``o: [M, D]`` -> the model frame, cast, stored at ``dst: [M, D]`` where ``row_ok``."""
     if ROTATE:
-        o = _unrotate(o, INV_SQRT_D)
+        o = fwht_rows(o, INV_SQRT_D)
     store_model(dst, o, row_ok[:, None], OUT_BF16)
 
 
@@ -136,5 +136,7 @@ def _finish(result, rows, compact, outs, counter, num_splits, CH: tl.constexpr, 
                 R: tl.constexpr = compact[0].shape[0]
                 o = _merge_rows(part, ws_m, ws_l, compact[0], compact[1], num_splits, s_ws, D, CH)  # [R, D]
                 tl.store(counter, 0)
+                if flags[2]:  # the R merged rows leave the rotated frame before they are spread over BLOCK_M
+                    o = fwht_rows(o, flags[4])
                 o = tl.reshape(tl.broadcast_to(o[None, :, :], (BLOCK_M // R, R, D)), (BLOCK_M, D))
-                _store_output(o, dst, row_ok, flags[2], flags[3], flags[4])
+                store_model(dst, o, row_ok[:, None], flags[3])
