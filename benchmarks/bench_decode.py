@@ -24,12 +24,20 @@ from benchmarks._common import TOL, copy_bandwidth, environment, time_eager, tim
 from kvarn import reference as R
 from kvarn.config import KVarNConfig
 from kvarn.kernels import attention as A
+from kvarn.reference.quantize import pool_exponent
 
 TAIL = 37
 REL_TOL = TOL.ATTN_REL
 
 
 def synthetic_cache(cfg: KVarNConfig, batch: int, ctx: int, hkv: int, dtype: torch.dtype, seed: int) -> dict:
+    """Random records (codes, scales, centered zero points) and own tiles of ``TAIL`` tokens, ``batch`` x ``ctx``.
+
+    The own tiles hold N(0, 1) rotated values in the pool form (``2^-POOL_EXP`` of them in fp16), so keys of
+    records and own tiles are of one scale and a decode's output is an average over the whole context: the
+    check then sees the records (with fp16 tails 16x too large it saw mostly the own tile, and missed a bias
+    of the value sums that grew with the context; ``benchmarks/RESULTS.md``, session 26).
+    """
     g, d = cfg.group_size, cfg.head_dim
     n_full = ctx // g
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -43,10 +51,11 @@ def synthetic_cache(cfg: KVarNConfig, batch: int, ctx: int, hkv: int, dtype: tor
         return cache[..., off[name] : off[name] + 2 * lens[name]].view(dt)
 
     field("k_scale", torch.float16).uniform_(0.02, 0.2, generator=gen)
-    field("k_zero", torch.float16).copy_(-7.5 * field("k_scale", torch.float16))
+    k_mid, v_mid = (((1 << bits) - 1) / 2 for bits in (cfg.k_bits, cfg.v_bits))  # centered codes
+    field("k_zero", torch.float16).copy_(-k_mid * field("k_scale", torch.float16))
     field("k_tok", torch.bfloat16).uniform_(0.5, 2.0, generator=gen)
     field("v_scale", torch.float16).uniform_(0.1, 0.6, generator=gen)
-    field("v_zero", torch.float16).copy_(-1.5 * field("v_scale", torch.float16))
+    field("v_zero", torch.float16).copy_(-v_mid * field("v_scale", torch.float16))
     field("v_chan", torch.bfloat16).uniform_(0.5, 2.0, generator=gen)
     if cfg.smooth_keys:  # plausible smoothing factors (random bytes may be fp8 NaN)
         smooth = cache[..., cfg.offsets["k_smooth"] : cfg.offsets["k_smooth"] + d]
@@ -54,8 +63,9 @@ def synthetic_cache(cfg: KVarNConfig, batch: int, ctx: int, hkv: int, dtype: tor
         smooth.copy_(vals.to(torch.float8_e4m3fn).view(torch.uint8))
     perm = torch.randperm(num_blocks - 1, device="cuda", generator=gen) + 1
     block_table = perm.reshape(batch, n_full).to(torch.int32)
-    tail_k = torch.randn(batch, g, hkv, d, device="cuda", generator=gen).to(dtype)
-    tail_v = torch.randn(batch, g, hkv, d, device="cuda", generator=gen).to(dtype)
+    pool_scale = 2.0 ** -pool_exponent(dtype, d)
+    tail_k = (torch.randn(batch, g, hkv, d, device="cuda", generator=gen) * pool_scale).to(dtype)
+    tail_v = (torch.randn(batch, g, hkv, d, device="cuda", generator=gen) * pool_scale).to(dtype)
     return {
         "cache": cache,
         "block_table": block_table,

@@ -195,7 +195,7 @@ def test_paged_attention_stack_tiles_gpu(preset, d, dtype, hq, hkv, sink, splits
 @pytest.mark.parametrize("tokens_m", [False, True])
 @pytest.mark.parametrize("preset,d,dtype,hq,hkv,sink,splits", [ATTN_CASES[0], ATTN_CASES[8]])
 def test_paged_attention_fold_gpu(preset, d, dtype, hq, hkv, sink, splits, tokens_m, fold):
-    """Both unpacks of the codes on both paths: ``fold_offsets`` (offsets folded) and the shift-mask-subtract one."""
+    """Both unpacks of the K codes on both paths: ``fold_offsets`` (offsets folded) and the shift-mask-subtract one."""
     args = _attn_case(preset, d, dtype, hq, hkv, sink)
     out = attention.paged_attention(
         *args, num_splits=splits, tokens_m=tokens_m, fold_offsets=fold, empty=poisoned_empty
@@ -264,13 +264,31 @@ def test_write_tail_and_gather_tail_tiles_on_block_rows_gpu(dtype):
         assert got[1::3].isnan().all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("preset", ["kvarn_k4v2_g128", "kvarn_k2v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64"])
+def test_paged_attention_long_flat_context_gpu(preset, dtype):
+    """32K tokens of random records with centered codes, attended near-uniformly: the output is a small average
+    of many values, so a bias of the value sums that grows with the context shows against the reference (the
+    folded V codes of sessions before 26 were 4.7e-2 off at 4 / 32K in fp16, 4.3e-2 in bf16; centered 6e-4)."""
+    from benchmarks.bench_decode import args_of, synthetic_cache
+
+    cfg = KVarNConfig.from_preset(preset, head_dim=128)
+    state = synthetic_cache(cfg, 2, 32768, 8, dtype, seed=5)
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    query = torch.randn(2, 32, 128, device=DEV, generator=gen).to(dtype)
+    args = args_of(state, query, cfg)
+    err = check_attention(attention.paged_attention(*args), args)
+    print(f"STATS long_flat_context {preset} {dtype} rel_err={err:.2e}")
+
+
 @pytest.mark.parametrize("preset,splits", [("kvarn_k4v2_g128", None), ("kvarn_k4v2_g64", 64), ("kvarn_k2v2_g128", 37)])
 def test_paged_attention_merge_in_graph(preset, splits):
     """Batch 1, many splits, replayed from a CUDA graph: every replay merges right, counters end at zero."""
     cfg = KVarNConfig.from_preset(preset, head_dim=128)
     lengths = [150 * cfg.group_size + 17, 3 * cfg.group_size + 1]
     state = build_cache(cfg, lengths, 8, torch.float16, seed=9, device=DEV)
-    query = torch.randn(len(lengths), 32, 128, device=DEV).half()
+    gen = torch.Generator(device=DEV).manual_seed(9)
+    query = torch.randn(len(lengths), 32, 128, device=DEV, generator=gen).half()
     args = attention_args(state, query, cfg, sink=True)
     attention.paged_attention(*args, num_splits=splits)
     stream = torch.cuda.Stream()
@@ -281,12 +299,12 @@ def test_paged_attention_merge_in_graph(preset, splits):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = attention.paged_attention(*args, num_splits=splits)
-    for i in range(3):
-        query.copy_(torch.randn_like(query) * (i + 1))
+    for i in range(3):  # 2x and 3x queries sharpen the softmax: the tolerance follows the sensitivity
+        query.copy_(torch.randn(query.shape, device=DEV, generator=gen) * (i + 1))
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        err = check_attention(out, args)
+        err = check_attention(out, args, conditioned=True)
         assert not attention.merge_counters(query.device, 1).any()
     print(f"STATS merge_in_graph {preset} splits={splits} rel_err={err:.2e}")
 

@@ -347,8 +347,10 @@ def tokens_m_min_programs(device: torch.device) -> int:
 def fold_offsets_default(cfg: KVarNConfig, tokens_m: bool) -> bool:
     """Default of ``fold_offsets``: on for ``tokens_m`` launches at ``D = 128``, off elsewhere.
 
-    Measured on the H200 (``benchmarks/RESULTS.md``, issue 9 round 4; ``tokens_m``, batch 16, 32K):
-    k4v2 247.2 -> 231.5 us, k2v2 254.4 -> 242.1, k4v4 261.6 -> 254.5. Off where it was not faster:
+    Measured on the H200 (``benchmarks/RESULTS.md``, issue 9 round 4; ``tokens_m``, batch 16, 32K),
+    when it folded the V codes too: k4v2 247.2 -> 231.5 us, k2v2 254.4 -> 242.1, k4v4 261.6 -> 254.5.
+    Scores only since session 26 (folded values were biased): k4v2 16 / 32K 173.2 -> 159.5 us, k2v2
+    169.5 -> 151.0 against unfolded, 151.5 and 139.6 with the values folded. Off where it was not faster:
     ``D = 256`` (226 registers instead of 162, 2 programs per SM instead of 3: 496.6 -> 629.3 us),
     ``D = 64`` (2 spills under the 96-register cap: 186.0 -> 190.7 us) and the row path without
     ``tokens_m`` (k4v4 batch 1 / 32K 59.6 -> 62.1 us; g64 and batch 1-8 at 4K unchanged).
@@ -597,10 +599,10 @@ def paged_attention(
     device's :func:`merge_counters`; ``pair_tiles`` walks two tiles per loop step (default
     :func:`pair_tiles_default`); ``tokens_m`` (decode only) puts the tokens on the M side of the
     score and value dots, the query heads on N (default :func:`tokens_m_default`);
-    ``fold_offsets`` unpacks the codes with one shift per code word and no subtraction
+    ``fold_offsets`` unpacks the K codes with one shift per code word and no subtraction
     (:func:`~kvarn.kernels.attention_tiles._unpack_raw`) and takes their offsets out of the
-    zero-point terms instead (default :func:`fold_offsets_default`; ``False`` is the per-field
-    shift-mask-subtract unpack); ``min_split_tiles``: the fewest tiles a split of a sequence walks
+    zero-point term instead (default :func:`fold_offsets_default`; ``False`` is the per-field
+    shift-mask-subtract unpack; V codes are always centered, see :mod:`~kvarn.kernels.attention_tiles`); ``min_split_tiles``: the fewest tiles a split of a sequence walks
     (default :func:`min_split_tiles_default`); ``stack_tiles`` (decode with ``tokens_m``, at most 4 query
     heads per KV head, padded to a power of two, not with ``pair_tiles``) scores and weighs two tiles a
     loop step in one dot each, stacked on M, the second tile in the query columns the heads leave free

@@ -282,8 +282,8 @@ def _quantized_tiles(
     ``m_i``, the sum ``l_i`` (``[BLOCK_M]``) and the unnormalized output ``acc: [BLOCK_M, D]``
     (rotated frame). With ``PAIR`` (constexpr) each step takes two tiles (one softmax step for
     both, two independent score chains); an odd last tile is read twice, the copy masked out.
-    ``FOLD``: the codes are unpacked without removing their offsets, which leave the zero-point
-    terms instead (:func:`_tile_scores`).
+    ``FOLD``: the K codes are unpacked without removing their offsets, which leave the zero-point
+    term instead (:func:`_tile_scores`; V codes are always centered).
     """
     BLOCK_M: tl.constexpr = query[4].shape[0]
     G: tl.constexpr = LAYOUT.G
@@ -321,13 +321,13 @@ def _quantized_tiles(
         p_e = tl.exp2(s_e - m_new[:, None])
         p_o = tl.exp2(s_o - m_new[:, None])
         l_e = l_e * alpha[:, None] + (p_e + p_o)
-        acc_e, acc_o = _tile_values(rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT, USE_ASM, FOLD, side)
+        acc_e, acc_o = _tile_values(rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT, USE_ASM, side)
         side_n = _value_side(rec_n, LAYOUT)
         if PAIR:
             p2_e = tl.exp2(s2_e - m_new[:, None])
             p2_o = tl.exp2(s2_o - m_new[:, None])
             l_e += p2_e + p2_o
-            acc_e, acc_o = _tile_values(rec2, p2_e, p2_o, None, acc_e, acc_o, LAYOUT, USE_ASM, FOLD)
+            acc_e, acc_o = _tile_values(rec2, p2_e, p2_o, None, acc_e, acc_o, LAYOUT, USE_ASM)
         m_i = m_new
     l_i = tl.sum(l_e, axis=1)
     acc = tl.reshape(tl.join(acc_e, acc_o), (BLOCK_M, D))
@@ -350,8 +350,8 @@ def _quantized_tiles_t(
     The score dot is ``codes^T @ (q k_scale)^T: [G // 2, N]`` and the value dot ``V^T @ p: [D // 2, N]``,
     so the ``N = BLOCK_M`` query rows (the heads of one KV head) are the MMA's columns: the
     per-token and per-channel work runs on ``G x N`` and ``D x N`` blocks, not on 16 padded rows.
-    Same returns as :func:`_quantized_tiles`. ``FOLD``: the codes are unpacked without removing
-    their offsets, which leave the zero-point terms instead (:func:`_tile_scores_t`).
+    Same returns as :func:`_quantized_tiles`. ``FOLD``: the K codes are unpacked without removing
+    their offsets, which leave the zero-point term instead (:func:`_tile_scores_t`).
     """
     query_t = _transposed(query)  # [DK, N] each
     N: tl.constexpr = query_t[4].shape[0]
@@ -380,13 +380,13 @@ def _quantized_tiles_t(
         p_e = tl.exp2(s_e - m_new[None, :])
         p_o = tl.exp2(s_o - m_new[None, :])
         l_e = l_e * alpha[None, :] + (p_e + p_o)
-        acc_e, acc_o = _tile_values_t(rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT, USE_ASM, FOLD, side)
+        acc_e, acc_o = _tile_values_t(rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT, USE_ASM, side)
         side_n = _value_side(rec_n, LAYOUT)
         if PAIR:
             p2_e = tl.exp2(s2_e - m_new[None, :])
             p2_o = tl.exp2(s2_o - m_new[None, :])
             l_e += p2_e + p2_o
-            acc_e, acc_o = _tile_values_t(rec2, p2_e, p2_o, None, acc_e, acc_o, LAYOUT, USE_ASM, FOLD)
+            acc_e, acc_o = _tile_values_t(rec2, p2_e, p2_o, None, acc_e, acc_o, LAYOUT, USE_ASM)
         m_i = m_new
     l_i = tl.sum(l_e, axis=0)
     acc = tl.reshape(tl.permute(tl.join(acc_e, acc_o), (1, 0, 2)), (N, D))  # [N, D // 2, 2] -> [N, D]
@@ -445,7 +445,7 @@ def _quantized_tiles_st(
         p_e = tl.exp2(s_e - m_new[None, :])
         p_o = tl.exp2(s_o - m_new[None, :])
         l_e = l_e * alpha[None, :] + (p_e + p_o)
-        acc = _tile_values_st(base, off_a, off_b, p_e, p_o, alpha, acc, second, LAYOUT, USE_ASM, FOLD, vside)
+        acc = _tile_values_st(base, off_a, off_b, p_e, p_o, alpha, acc, second, LAYOUT, USE_ASM, vside)
         vside_n = _value_side_st(base, off_an, off_bn, LAYOUT)
         m_i = m_new
     acc_e, acc_o = acc

@@ -15,11 +15,16 @@ field is a block of channels (the score dot's reduction axis), a V field a block
 value dot's reduction axis). Codes are read as 16-bit words: K words pair two neighbouring tokens
 (the score dot runs on even and odd tokens), V words two neighbouring channels (the value dot
 fills even and odd output channels), so one 32-bit mask unpacks two codes on the GPU.
-With ``FOLD`` (:func:`_unpack_raw`) the fields are not shifted down nor centered per code: each
-becomes ``2^(10 - S) + code`` in place, and the offsets leave the zero-point terms instead.
+With ``FOLD`` (:func:`_unpack_raw`) the K fields are not shifted down nor centered per code: each
+becomes ``2^(10 - S) + code`` in place, and the offsets leave the zero-point term instead. V
+fields are always centered: folded, every value product carries the offset (up to 1024 times a
+code step) with the same sign, and the tensor cores' fp32 accumulation, which truncates, turned
+that into a bias that grows with the context (H200, records-dominated synthetic caches, k4v2:
+4.7e-2 of max |out| at 4 / 32K against 6e-4 centered; ``benchmarks/RESULTS.md``, session 26).
+The scores' products change sign with the query and stay within the tolerances folded.
 
-Tail and sink tiles (full precision in the pool) and the step's own keys and values (pool form)
-use tf32 dots: fp16/bf16 keys and values are exact in tf32.
+Tail and sink tiles (full precision in the pool) and the step's own keys and values (pool form):
+fp16 pools in fp16 dots (:func:`_fp_rows`), bf16 pools in tf32 dots (exact for bf16 values).
 """
 
 from __future__ import annotations
@@ -118,7 +123,7 @@ def _unpack_raw(w, f: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr):
     The field sits at bits ``S = f * BITS``; OR-ing it into an fp16 of exponent ``2^(10 - S)``
     (mantissa unit ``2^-S`` of it) gives ``2^(10 - S) + code`` exactly, with no shift and no
     subtraction: one ``lop3`` per two codes on the GPU. The offset ``2^(10 - S)`` is folded into
-    the zero-point term by the caller (:func:`_raw_offset`).
+    the zero-point term by the caller (:func:`_k_apply`).
     """
     S: tl.constexpr = f * BITS
     MASK: tl.constexpr = ((1 << BITS) - 1) << S
@@ -135,15 +140,6 @@ def _unpack_raw(w, f: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr):
     else:
         x = (w & MASK) | EXP
     return x.to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _raw_offset(f, BITS: tl.constexpr):
-    """What :func:`_unpack_raw` adds to the centered code ``code - 2^(BITS-1)`` of field ``f``.
-
-    ``2^(10 - f * BITS) + 2^(BITS-1)``, fp32, for ``f`` an int32 tensor of field indices.
-    """
-    return ((1024 >> (f * BITS)) + (1 << (BITS - 1))).to(tl.float32)
 
 
 @triton.jit
@@ -168,7 +164,7 @@ def _packed_dot_raw(
     else ``sum_f a_f @ field_f(w)`` (``a_f: [M, K]``, ``w: [K, N]``). Returns ``(even, odd)`` (codes
     of the low and of the high byte of each word), ``[M, N]`` fp32 each; each carries
     ``sum_f off_f sum_k a_f`` on top of the centered product, which the caller subtracts
-    (``off_f`` = :func:`_raw_offset`).
+    (``off_f = 2^(10 - f * BITS) + 2^(BITS - 1)``, :func:`_k_apply`). Scores only (module doc).
     """
     wh = _high_bytes(w, USE_ASM)  # one shift for all the fields of the high bytes
     even, odd = _raw_dot(a0, w, wh, 0, BITS, USE_ASM, None, None, CODES_LEFT)
@@ -308,7 +304,6 @@ def _tile_values(
     acc_o,
     LAYOUT: tl.constexpr,
     USE_ASM: tl.constexpr,
-    FOLD: tl.constexpr = False,
     side=None,
 ):
     """Online-softmax value step of one quantized tile: ``acc * alpha + p @ V~``.
@@ -316,8 +311,7 @@ def _tile_values(
     ``p_e, p_o: [BLOCK_M, G // 2]`` are the probabilities of the even and odd tokens, ``alpha:
     [BLOCK_M]`` the rescale of the running accumulators ``acc_e, acc_o: [BLOCK_M, D // 2]`` (even
     and odd output channels; ``None``: no rescale). The V code bytes are read as 16-bit words ``[G // PV, D // 2]`` (two
-    neighbouring channels). ``FOLD`` as in :func:`_tile_scores`: token ``t`` belongs to field
-    ``t // (G // PV)``, whose offset times the fp16 ``p v_scale`` leaves the zero-point sum.
+    neighbouring channels), their fields centered (never folded: module doc).
     ``side``: the tile's :func:`_value_side` if the caller read it ahead (else it is read here).
     """
     BLOCK_M: tl.constexpr = p_e.shape[0]
@@ -337,9 +331,6 @@ def _tile_values(
     pv_e = (p_e * vs_e[None, :]).to(tl.float16)
     pv_o = (p_o * vs_o[None, :]).to(tl.float16)
     zt = p_e * vz_e[None, :] + p_o * vz_o[None, :]  # [BLOCK_M, G // 2]
-    if FOLD:
-        off = _raw_offset((2 * th) // CT, LAYOUT.V_BITS)  # [G // 2]: both tokens of a pair share a field
-        zt -= off[None, :] * (pv_e.to(tl.float32) + pv_o.to(tl.float32))
     z = tl.sum(zt, axis=1)  # [BLOCK_M]
     pv = tl.reshape(tl.join(pv_e, pv_o), (BLOCK_M, G))  # tokens in order
     pv0, pv1, pv2, pv3 = _split_fields(pv, BLOCK_M, PV, CT)  # [BLOCK_M, CT] each
@@ -347,10 +338,7 @@ def _tile_values(
     jv = tl.arange(0, CT)
     dh = tl.arange(0, DH)
     vw = tl.load((rec + LAYOUT.V_CODES).to(tl.pointer_type(tl.int16)) + jv[:, None] * DH + dh[None, :])  # [CT, DH]
-    if FOLD:
-        o_e, o_o = _packed_dot_raw(vw, pv0, pv1, pv2, pv3, PV, LAYOUT.V_BITS, USE_ASM, False)  # [BLOCK_M, DH] each
-    else:
-        o_e, o_o = _packed_dot(pv0, pv1, pv2, pv3, vw, PV, LAYOUT.V_BITS, USE_ASM)
+    o_e, o_o = _packed_dot(pv0, pv1, pv2, pv3, vw, PV, LAYOUT.V_BITS, USE_ASM)
     vc_e, vc_o = _bf16_split(vc_w)  # [DH] v_chan of even, odd channels
     if alpha is not None:
         acc_e = acc_e * alpha[:, None]
@@ -522,15 +510,12 @@ def _tile_values_t(
     acc_o,
     LAYOUT: tl.constexpr,
     USE_ASM: tl.constexpr,
-    FOLD: tl.constexpr = False,
     side=None,
 ):
     """:func:`_tile_values` transposed: ``p_e, p_o: [G // 2, N]``, ``acc_e, acc_o: [D // 2, N]``, ``alpha: [N]``.
 
     The value dot is ``V^T @ p``: the V code words ``[D // 2, G // PV]`` (channel pairs x tokens)
-    are the left operand, the ``N`` query rows its columns. ``FOLD`` as in :func:`_tile_scores_t`:
-    token ``t`` belongs to field ``t // (G // PV)``, whose offset times the fp16 ``p v_scale``
-    leaves the zero-point sum.
+    are the left operand, the ``N`` query rows its columns.
     """
     N: tl.constexpr = p_e.shape[1]
     G: tl.constexpr = LAYOUT.G
@@ -549,19 +534,13 @@ def _tile_values_t(
     pv_e = (p_e * vs_e[:, None]).to(tl.float16)
     pv_o = (p_o * vs_o[:, None]).to(tl.float16)
     zt = p_e * vz_e[:, None] + p_o * vz_o[:, None]  # [G // 2, N]
-    if FOLD:
-        off = _raw_offset((2 * th) // CT, LAYOUT.V_BITS)  # [G // 2]: both tokens of a pair share a field
-        zt -= off[:, None] * (pv_e.to(tl.float32) + pv_o.to(tl.float32))
     z = tl.sum(zt, axis=0)  # [N]
     pv = tl.reshape(tl.permute(tl.join(pv_e, pv_o), (0, 2, 1)), (G, N))  # tokens in order
     pv0, pv1, pv2, pv3 = _split_fields_t(pv, PV, CT)  # [CT, N] each
     jv = tl.arange(0, CT)
     dh = tl.arange(0, DH)
     vw = tl.load((rec + LAYOUT.V_CODES).to(tl.pointer_type(tl.int16)) + jv[None, :] * DH + dh[:, None])  # [DH, CT]
-    if FOLD:
-        o_e, o_o = _packed_dot_raw(vw, pv0, pv1, pv2, pv3, PV, LAYOUT.V_BITS, USE_ASM)  # [DH, N] each
-    else:
-        o_e, o_o = _packed_dot(pv0, pv1, pv2, pv3, vw, PV, LAYOUT.V_BITS, USE_ASM, True)
+    o_e, o_o = _packed_dot(pv0, pv1, pv2, pv3, vw, PV, LAYOUT.V_BITS, USE_ASM, True)
     vc_e, vc_o = _bf16_split(vc_w)  # [DH]
     if alpha is not None:
         acc_e = acc_e * alpha[None, :]
@@ -683,7 +662,6 @@ def _tile_values_st(
     second,
     LAYOUT: tl.constexpr,
     USE_ASM: tl.constexpr,
-    FOLD: tl.constexpr,
     side,
 ):
     """:func:`_tile_values_t` on the two stacked tiles of :func:`_tile_scores_st`; ``p_e, p_o: [G, N]``.
@@ -713,9 +691,6 @@ def _tile_values_st(
     pv_e = (p_e * vs_e[:, None]).to(tl.float16)
     pv_o = (p_o * vs_o[:, None]).to(tl.float16)
     zt = p_e * vz_e[:, None] + p_o * vz_o[:, None]  # [G, N]
-    if FOLD:
-        off = _raw_offset((2 * (tl.arange(0, G) % GH)) // CT, LAYOUT.V_BITS)  # [G]
-        zt -= off[:, None] * (pv_e.to(tl.float32) + pv_o.to(tl.float32))
     z = tl.sum(zt, axis=0)  # [N]
     pv = tl.reshape(tl.permute(tl.join(pv_e, pv_o), (0, 2, 1)), (2 * G, N))  # tile a's tokens, then tile b's
     pv0, pv1, pv2, pv3 = _split_fields_st(pv, PV, CT)  # [2 CT, N] each
@@ -723,10 +698,7 @@ def _tile_values_st(
     words = tl.arange(0, CT)[None, None, :] * DH + dh[:, None, None]  # [DH, 1, CT]
     vw = tl.load((recs[None, :, None] + LAYOUT.V_CODES).to(tl.pointer_type(tl.int16)) + words)
     vw = tl.reshape(vw, (DH, 2 * CT))  # tile a's tokens of each field, then tile b's
-    if FOLD:
-        o_e, o_o = _packed_dot_raw(vw, pv0, pv1, pv2, pv3, PV, LAYOUT.V_BITS, USE_ASM)  # [DH, N] each
-    else:
-        o_e, o_o = _packed_dot(pv0, pv1, pv2, pv3, vw, PV, LAYOUT.V_BITS, USE_ASM, True)
+    o_e, o_o = _packed_dot(pv0, pv1, pv2, pv3, vw, PV, LAYOUT.V_BITS, USE_ASM, True)
     vc_ae, vc_ao = _bf16_split(vc_a)  # [DH] v_chan of the even and odd channels, tile a
     vc_be, vc_bo = _bf16_split(vc_b)
     vc_e = _by_column(second, vc_ae, vc_be)  # [DH, N]
