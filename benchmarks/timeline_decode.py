@@ -20,13 +20,15 @@ import torch
 
 from kvarn.kernels import attention_decode as AD
 
-ENTRY, UNITS, RECORDS, DONE, SM = (c.value for c in (AD.TIMELINE_ENTRY, AD.TIMELINE_UNITS, AD.TIMELINE_RECORDS,
-    AD.TIMELINE_DONE, AD.TIMELINE_SM))  # fmt: skip
+ENTRY, UNITS, RECORDS, FP, DONE, SM = (c.value for c in (AD.TIMELINE_ENTRY, AD.TIMELINE_UNITS, AD.TIMELINE_RECORDS,
+    AD.TIMELINE_FP, AD.TIMELINE_DONE, AD.TIMELINE_SM))  # fmt: skip
 """The stamp columns (:func:`kvarn.kernels.attention.decode_timeline`)."""
 DEFAULT_SHAPES = [
     (p, b, 32768, 0) for p, b in (("kvarn_k4v2_g128", 16), ("kvarn_k4v2_g128", 64), ("kvarn_k4v2_g128", 1))
 ]
 """``(preset, batch, context, splits)`` (32 / 8 heads, D = 128, fp16; splits 0: the default)."""
+LAST_PROGRAMS = 8
+"""The latest-finishing programs listed one by one (``last``)."""
 MAX_SPLITS = 256
 """Stamp rows allotted a (sequence, KV head): more than any launch's splits."""
 
@@ -41,7 +43,9 @@ def summarize(stamps: torch.Tensor, grid: tuple[int, int, int], n_sms: int) -> d
     """Summary of one launch's stamps ``[rows, 8]`` (int64 ns; rows ``(block * Hkv + kv_head) * splits + split``).
 
     ``grid = (blocks, Hkv, splits)``. Programs without units (no ``RECORDS``
-    stamp) count in the start and span only. Rounds: the ``n_sms`` programs dispatched ``r``-th
+    stamp) count in the start and span only. ``fp_us``: the full-precision units (sink, own tile) after
+    the records; ``finish_us``: partial, merge and output after those. ``last``: the ``LAST_PROGRAMS``
+    programs that finished last, one by one. Rounds: the ``n_sms`` programs dispatched ``r``-th
     (``dispatch // n_sms``); ``per_round`` gives each round's programs, mean record walk and latest
     finish (µs from the first entry).
     """
@@ -61,6 +65,7 @@ def summarize(stamps: torch.Tensor, grid: tuple[int, int, int], n_sms: int) -> d
     dispatch = block + blocks * (kvh + hkv * split)
     rounds = dispatch // n_sms
     walk = us[:, RECORDS] - us[:, UNITS]
+    fp = us[:, FP] - us[:, RECORDS]
     per_round = []
     for r in range(int(rounds.max()) + 1):
         sel = (rounds == r) & walked
@@ -85,8 +90,22 @@ def summarize(stamps: torch.Tensor, grid: tuple[int, int, int], n_sms: int) -> d
     }
     if bool(walked.any()):
         out["walk_us"] = _quantiles(walk[walked])
-        out["finish_us"] = _quantiles((us[:, DONE] - us[:, RECORDS])[walked & done])
+        out["fp_us"] = _quantiles(fp[walked & done])
+        out["finish_us"] = _quantiles((us[:, DONE] - us[:, FP])[walked & done])
         out["done_us"] = _quantiles(us[walked & done, DONE])
+        last = torch.nonzero(walked & done).flatten()
+        last = last[us[last, DONE].argsort(descending=True)[:LAST_PROGRAMS]]
+        out["last"] = [
+            {
+                "split": int(split[i]),
+                "round": int(rounds[i]),
+                "walk_us": round(float(walk[i]), 2),
+                "fp_us": round(float(fp[i]), 2),
+                "finish_us": round(float(us[i, DONE] - us[i, FP]), 2),
+                "done_us": round(float(us[i, DONE]), 2),
+            }
+            for i in last.tolist()
+        ]
     return out
 
 
@@ -146,9 +165,12 @@ def main() -> None:
         print(
             f"{r['preset']} {r['batch']} / {r['ctx']}, {r['splits']} splits: replay {r['graph_us']:.1f} µs "
             f"(stamped {r['graph_us_stamped']:.1f}), span {r['span_us']} µs; record walk (min/p10/p50/p90/max) "
-            f"{r.get('walk_us')}, done {r.get('done_us')}",
+            f"{r.get('walk_us')}, full-precision units {r.get('fp_us')}, finish {r.get('finish_us')}, done "
+            f"{r.get('done_us')}",
             flush=True,
         )
+        for p in r.get("last", []):
+            print(f"  late: {p}")
         print("| round | programs | mean walk µs | last done µs |")
         print("|---:|---:|---:|---:|")
         for p in r["per_round"]:

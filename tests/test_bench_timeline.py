@@ -44,6 +44,11 @@ def test_summary_sees_slow_rounds():
     assert s["units_known_us"] == [0.5] * 5
     # the span: the last entry (0.1 µs) + 0.5 + 110 + 0.03 + 0.7
     assert s["span_us"] == pytest.approx(111.33, abs=0.01)
+    assert s["fp_us"] == [0.03] * 5 and s["finish_us"] == [0.7] * 5
+    late = s["last"]
+    assert len(late) == 8 and all(p["round"] >= 4 and p["walk_us"] == pytest.approx(110.0) for p in late)
+    assert [p["done_us"] for p in late] == sorted((p["done_us"] for p in late), reverse=True)
+    assert late[0]["done_us"] == s["span_us"]
 
 
 def test_summary_counts_programs_without_units():
