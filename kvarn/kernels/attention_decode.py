@@ -700,30 +700,30 @@ def _fp_tiles(
             q_use = _load_query(q_base, row_ok, LAYOUT, ROTATE, IN_BF16, FACTOR, FUSED_Q)
         else:
             q_use = query
-        q_full = _query_rows(q_use, LAYOUT, False)  # ([BLOCK_M, D], [BLOCK_M])
+        q_rows = _query_rows(q_use, LAYOUT, False)  # (qn [BLOCK_M, D], rf [BLOCK_M])
         if sink_here:
             if MULTI_Q:
-                state = _fp_tile(q_full, state, pool, sink_slot, LAYOUT.G, 0, lo_q - 1, POOL_BF16)
+                state = _fp_tile(q_rows, state, pool, sink_slot, LAYOUT.G, 0, lo_q - 1, POOL_BF16)
             else:
-                state = _fp_tile(q_full, state, pool, sink_slot, LAYOUT.G, 0, pos_q, POOL_BF16)
+                state = _fp_tile(q_rows, state, pool, sink_slot, LAYOUT.G, 0, pos_q, POOL_BF16)
         if TAIL_ROWS > 0:
             if own_here:
                 n_cols: tl.constexpr = (LAYOUT.G + TAIL_ROWS - 1) // TAIL_ROWS  # blocks of a tail
                 table = tail_slots + seq * n_cols
-                state = _fp_block_tile(q_full, state, pool, table, n_slot, fp0, pos_q, TAIL_ROWS, POOL_BF16)
+                state = _fp_block_tile(q_rows, state, pool, table, n_slot, fp0, pos_q, TAIL_ROWS, POOL_BF16)
         elif own_here:
             slot = tl.load(tail_slots + seq)
             if MULTI_Q:
-                state = _fp_tile(q_full, state, pool, slot, n_slot, fp0, pos_q, POOL_BF16, lo_q)
+                state = _fp_tile(q_rows, state, pool, slot, n_slot, fp0, pos_q, POOL_BF16, lo_q)
                 if HAS_KV:
                     key, value, row = step
                     D: tl.constexpr = LAYOUT.D
                     kvh = pool[5]
                     stride = tl.num_programs(1) * D  # [rows, Hkv, D] contiguous
                     off = row.to(tl.int64) * stride + kvh * D
-                    state = _fp_rows(q_full, state, key, value, off, stride, n_step, j0, pos_q, lo_q, POOL_BF16)
+                    state = _fp_rows(q_rows, state, key, value, off, stride, n_step, j0, pos_q, lo_q, POOL_BF16)
             else:
-                state = _fp_tile(q_full, state, pool, slot, n_slot, fp0, pos_q, POOL_BF16)
+                state = _fp_tile(q_rows, state, pool, slot, n_slot, fp0, pos_q, POOL_BF16)
     return state
 
 
