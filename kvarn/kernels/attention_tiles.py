@@ -41,7 +41,8 @@ FP16_1024_PAIR = tl.constexpr(0x64006400)
 LOP3_AND_OR = tl.constexpr(0xEA)
 """``lop3`` truth table of ``(a & b) | c``."""
 FP_TILE_TOKENS = tl.constexpr(16)
-"""Tokens per step of a full-precision pool tile (keeps the tf32 operands small in registers)."""
+"""Tokens per step of a full-precision pool tile (keeps the key and value blocks small in registers: at 32 the
+one-warp kernel spills, offline)."""
 
 
 @triton.jit
@@ -742,10 +743,10 @@ def _fp_rows(
     m_i, l_i, acc = state
     qn, rf = q_rows
     D: tl.constexpr = qn.shape[1]
-    unpool = pool_factor(D, POOL_BF16)  # the pool form back to the rotated values
     if POOL_BF16:
-        q_op = qn * rf[:, None]
+        q_op = qn * rf[:, None]  # a bf16 pool holds the rotated values as they are (pool factor 1)
     else:
+        unpool = pool_factor(D, POOL_BF16)  # the pool form back to the rotated values
         q_op = qn.to(tl.float16)
         s_scale = rf * unpool  # the scores' fp32 scale: the queries' and the pool's powers of two
     dd = tl.arange(0, D)
