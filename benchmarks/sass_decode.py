@@ -79,7 +79,7 @@ def compile_decode(
     const.update(extra or {})
     sig = {n: ptrs.get(n, "i32" if n in INTS else "*i32") for n in names if n not in const}
     sig.update({n: "constexpr" for n in const})
-    aligned = set(ptrs) | {"s_cb", "s_ch", "s_iq", "s_o", "p_slot", "p_head", "s_ws"}
+    aligned = set(ptrs) | {"s_cb", "s_ch", "s_iq", "s_o", "p_slot", "p_tok", "p_head", "s_ws"}  # as launches have them
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     opts = {"num_warps": num_warps, "num_stages": 2, "maxnreg": DECODE_MAX_REGS.get((d, num_warps))}
     return triton.compile(ASTSource(_attn_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
