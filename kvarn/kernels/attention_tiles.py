@@ -15,13 +15,15 @@ field is a block of channels (the score dot's reduction axis), a V field a block
 value dot's reduction axis). Codes are read as 16-bit words: K words pair two neighbouring tokens
 (the score dot runs on even and odd tokens), V words two neighbouring channels (the value dot
 fills even and odd output channels), so one 32-bit mask unpacks two codes on the GPU.
-With ``FOLD`` (:func:`_unpack_raw`) the K fields are not shifted down nor centered per code: each
-becomes ``2^(10 - S) + code`` in place, and the offsets leave the zero-point term instead. V
-fields are always centered: folded, every value product carries the offset (up to 1024 times a
-code step) with the same sign, and the tensor cores' fp32 accumulation, which truncates, turned
-that into a bias that grows with the context (H200, records-dominated synthetic caches, k4v2:
-4.7e-2 of max |out| at 4 / 32K against 6e-4 centered; ``benchmarks/RESULTS.md``, session 26).
-The scores' products change sign with the query and stay within the tolerances folded.
+Fields are unpacked in place (:func:`_unpack_raw`: a field at bit ``S`` becomes ``2^(10 - S) + code``
+with no shift) and centered by one fp16 subtraction (head dims up to ``IN_PLACE_MAX_D``; above it,
+shifted down a field at a time, :func:`_unpack`). With ``FOLD`` the K fields are not centered per code:
+the offsets leave the zero-point term instead. V fields are always centered: folded, every value
+product carries the offset (up to 1024 times a code step) with the same sign, and the tensor cores'
+fp32 accumulation, which truncates, turned that into a bias that grows with the context (H200,
+records-dominated synthetic caches, k4v2: 4.7e-2 of max |out| at 4 / 32K against 6e-4 centered;
+``benchmarks/RESULTS.md``, session 26). The scores' products change sign with the query and stay within
+the tolerances folded.
 
 Tail and sink tiles (full precision in the pool) and the step's own keys and values (pool form):
 fp16 pools in fp16 dots (:func:`_fp_rows`), bf16 pools in tf32 dots (exact for bf16 values).
@@ -40,6 +42,13 @@ FP16_1024_PAIR = tl.constexpr(0x64006400)
 """``FP16_1024`` in both halves of a 32-bit word (1677747200): unpacks two codes in one ``lop3``."""
 LOP3_AND_OR = tl.constexpr(0xEA)
 """``lop3`` truth table of ``(a & b) | c``."""
+IN_PLACE_MAX_D = tl.constexpr(128)
+"""Largest head dim whose centered codes :func:`_packed_dot` unpacks in place (one ``shr`` a code word for every
+high-byte field, a fp16 subtraction a code pair) rather than a field at a time (a ``shr`` a code pair and field).
+H200, session 27, two rounds each (``benchmarks/RESULTS.md``): k4v2 16 / 32K 159.0, 159.1 -> 152.7, 152.5 us,
+64 / 32K 575.4 -> 547.8, 553.2, k2v2 16 / 32K 151.4, 151.9 -> 145.6, 145.9, k4v2_g64 168.0 -> 161.9, 161.5,
+D = 64 116.4, 117.1 -> 109.8, 109.9; 1 / 1K and 1 / 32K within noise. Not at ``D = 256``: 330.2, 331.2 ->
+385.3, 384.9 us (at 255 registers already; 40 bytes of stack in place, offline)."""
 FP_TILE_TOKENS = tl.constexpr(16)
 """Tokens per step of a full-precision pool tile (keeps the key and value blocks small in registers: at 32 the
 one-warp kernel spills, offline)."""
@@ -144,54 +153,76 @@ def _unpack_raw(w, f: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _raw_dot(a, w, wh, f: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr, even, odd, CODES_LEFT: tl.constexpr):
-    """:func:`_field_dot` on :func:`_unpack_raw`'s codes; ``wh`` is :func:`_high_bytes` of ``w``."""
+def _unpack_in_place(w, f: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr, CENTER: tl.constexpr):
+    """:func:`_unpack_raw`, and with ``CENTER`` its offset ``2^(10 - S)`` and ``2^(BITS - 1)`` taken off in fp16:
+    the centered codes of :func:`_unpack`, bit for bit (small integers, exact), with no per-field shift."""
+    x = _unpack_raw(w, f, BITS, USE_ASM)
+    if CENTER:
+        OFF: tl.constexpr = (1024 >> (f * BITS)) + (1 << (BITS - 1))
+        x = x - OFF
+    return x
+
+
+@triton.jit
+def _raw_dot(
+    a, w, wh, f: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr, even, odd, CODES_LEFT: tl.constexpr,
+    CENTER: tl.constexpr,
+):  # fmt: skip
+    """:func:`_field_dot` on :func:`_unpack_in_place`'s codes; ``wh`` is :func:`_high_bytes` of ``w``."""
     if CODES_LEFT:
-        even = tl.dot(_unpack_raw(w, f, BITS, USE_ASM), a, even)
-        odd = tl.dot(_unpack_raw(wh, f, BITS, USE_ASM), a, odd)
+        even = tl.dot(_unpack_in_place(w, f, BITS, USE_ASM, CENTER), a, even)
+        odd = tl.dot(_unpack_in_place(wh, f, BITS, USE_ASM, CENTER), a, odd)
     else:
-        even = tl.dot(a, _unpack_raw(w, f, BITS, USE_ASM), even)
-        odd = tl.dot(a, _unpack_raw(wh, f, BITS, USE_ASM), odd)
+        even = tl.dot(a, _unpack_in_place(w, f, BITS, USE_ASM, CENTER), even)
+        odd = tl.dot(a, _unpack_in_place(wh, f, BITS, USE_ASM, CENTER), odd)
     return even, odd
 
 
 @triton.jit
 def _packed_dot_raw(
-    w, a0, a1, a2, a3, P: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr, CODES_LEFT: tl.constexpr = True
-):
-    """:func:`_packed_dot` with the fields unpacked by :func:`_unpack_raw` (their offsets not removed).
+    w, a0, a1, a2, a3, P: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr, CODES_LEFT: tl.constexpr = True,
+    CENTER: tl.constexpr = False,
+):  # fmt: skip
+    """:func:`_packed_dot` with the fields unpacked in place (:func:`_unpack_in_place`: no per-field shift).
 
     With ``CODES_LEFT`` ``sum_f field_f(w) @ a_f`` (``w: [M, K]`` int16, ``a_f: [K, N]`` fp16),
     else ``sum_f a_f @ field_f(w)`` (``a_f: [M, K]``, ``w: [K, N]``). Returns ``(even, odd)`` (codes
-    of the low and of the high byte of each word), ``[M, N]`` fp32 each; each carries
-    ``sum_f off_f sum_k a_f`` on top of the centered product, which the caller subtracts
-    (``off_f = 2^(10 - f * BITS) + 2^(BITS - 1)``, :func:`_k_apply`). Scores only (module doc).
+    of the low and of the high byte of each word), ``[M, N]`` fp32 each. Without ``CENTER`` each
+    carries ``sum_f off_f sum_k a_f`` on top of the centered product, which the caller subtracts
+    (``off_f = 2^(10 - f * BITS) + 2^(BITS - 1)``, :func:`_k_apply`; scores only, module doc); with
+    it the codes are centered before the dot, as :func:`_packed_dot`'s.
     """
     wh = _high_bytes(w, USE_ASM)  # one shift for all the fields of the high bytes
-    even, odd = _raw_dot(a0, w, wh, 0, BITS, USE_ASM, None, None, CODES_LEFT)
-    even, odd = _raw_dot(a1, w, wh, 1, BITS, USE_ASM, even, odd, CODES_LEFT)
+    even, odd = _raw_dot(a0, w, wh, 0, BITS, USE_ASM, None, None, CODES_LEFT, CENTER)
+    even, odd = _raw_dot(a1, w, wh, 1, BITS, USE_ASM, even, odd, CODES_LEFT, CENTER)
     if P == 4:
-        even, odd = _raw_dot(a2, w, wh, 2, BITS, USE_ASM, even, odd, CODES_LEFT)
-        even, odd = _raw_dot(a3, w, wh, 3, BITS, USE_ASM, even, odd, CODES_LEFT)
+        even, odd = _raw_dot(a2, w, wh, 2, BITS, USE_ASM, even, odd, CODES_LEFT, CENTER)
+        even, odd = _raw_dot(a3, w, wh, 3, BITS, USE_ASM, even, odd, CODES_LEFT, CENTER)
     return even, odd
 
 
 @triton.jit
 def _packed_dot(
-    a0, a1, a2, a3, w, P: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr, CODES_LEFT: tl.constexpr = False
-):
+    a0, a1, a2, a3, w, P: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr, CODES_LEFT: tl.constexpr,
+    D: tl.constexpr,
+):  # fmt: skip
     """``sum_f a_f @ field_f(w)`` over the ``P`` planar bit fields of the code words ``w: [K, N]`` int16.
 
     ``a_f: [M, K]`` fp16 is the operand of field ``f`` (``a2, a3`` unused when ``P = 2``). Returns
     ``(even, odd)``: the products with the codes of the low and of the high byte of each word,
-    ``[M, N]`` fp32 each. Serves both the score dot (K) and the value dot (V). With ``CODES_LEFT``
-    the products are ``field_f(w) @ a_f`` (``w: [M, K]``, ``a_f: [K, N]``).
+    ``[M, N]`` fp32 each, on centered codes. Serves both the score dot (K) and the value dot (V). With
+    ``CODES_LEFT`` the products are ``field_f(w) @ a_f`` (``w: [M, K]``, ``a_f: [K, N]``). Head dim
+    ``D`` up to ``IN_PLACE_MAX_D``: codes unpacked in place (:func:`_packed_dot_raw` with ``CENTER``),
+    above it shifted down a field at a time (:func:`_field_dot`); the same values either way.
     """
-    even, odd = _field_dot(a0, w, 0, BITS, USE_ASM, None, None, CODES_LEFT)
-    even, odd = _field_dot(a1, w, 1, BITS, USE_ASM, even, odd, CODES_LEFT)
-    if P == 4:
-        even, odd = _field_dot(a2, w, 2, BITS, USE_ASM, even, odd, CODES_LEFT)
-        even, odd = _field_dot(a3, w, 3, BITS, USE_ASM, even, odd, CODES_LEFT)
+    if D <= IN_PLACE_MAX_D:
+        even, odd = _packed_dot_raw(w, a0, a1, a2, a3, P, BITS, USE_ASM, CODES_LEFT, True)
+    else:
+        even, odd = _field_dot(a0, w, 0, BITS, USE_ASM, None, None, CODES_LEFT)
+        even, odd = _field_dot(a1, w, 1, BITS, USE_ASM, even, odd, CODES_LEFT)
+        if P == 4:
+            even, odd = _field_dot(a2, w, 2, BITS, USE_ASM, even, odd, CODES_LEFT)
+            even, odd = _field_dot(a3, w, 3, BITS, USE_ASM, even, odd, CODES_LEFT)
     return even, odd
 
 
@@ -271,7 +302,7 @@ def _tile_scores(rec, query, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FOLD: 
     if FOLD:
         s_e, s_o = _packed_dot_raw(kw, qs0, qs1, qs2, qs3, PK, LAYOUT.K_BITS, USE_ASM, False)  # [BLOCK_M, GH] each
     else:
-        s_e, s_o = _packed_dot(qs0, qs1, qs2, qs3, kw, PK, LAYOUT.K_BITS, USE_ASM)
+        s_e, s_o = _packed_dot(qs0, qs1, qs2, qs3, kw, PK, LAYOUT.K_BITS, USE_ASM, False, LAYOUT.D)
     kt_e, kt_o = _bf16_pairs(rec + LAYOUT.K_TOK + 4 * ti)  # [GH] k_tok of even, odd tokens
     s_e = (s_e + qz[:, None]) * (rf[:, None] * kt_e[None, :])
     s_o = (s_o + qz[:, None]) * (rf[:, None] * kt_o[None, :])
@@ -339,7 +370,7 @@ def _tile_values(
     jv = tl.arange(0, CT)
     dh = tl.arange(0, DH)
     vw = tl.load((rec + LAYOUT.V_CODES).to(tl.pointer_type(tl.int16)) + jv[:, None] * DH + dh[None, :])  # [CT, DH]
-    o_e, o_o = _packed_dot(pv0, pv1, pv2, pv3, vw, PV, LAYOUT.V_BITS, USE_ASM)
+    o_e, o_o = _packed_dot(pv0, pv1, pv2, pv3, vw, PV, LAYOUT.V_BITS, USE_ASM, False, LAYOUT.D)
     vc_e, vc_o = _bf16_split(vc_w)  # [DH] v_chan of even, odd channels
     if alpha is not None:
         acc_e = acc_e * alpha[:, None]
@@ -452,7 +483,7 @@ def _tile_scores_t(rec, query_t, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FO
     if FOLD:
         s_e, s_o = _packed_dot_raw(kw, qs0, qs1, qs2, qs3, PK, LAYOUT.K_BITS, USE_ASM)  # [GH, N] each
     else:
-        s_e, s_o = _packed_dot(qs0, qs1, qs2, qs3, kw, PK, LAYOUT.K_BITS, USE_ASM, True)
+        s_e, s_o = _packed_dot(qs0, qs1, qs2, qs3, kw, PK, LAYOUT.K_BITS, USE_ASM, True, LAYOUT.D)
     kt_e, kt_o = _bf16_pairs(rec + LAYOUT.K_TOK + 4 * ti)  # [GH]
     s_e = (s_e + qz[None, :]) * (kt_e[:, None] * rf[None, :])
     s_o = (s_o + qz[None, :]) * (kt_o[:, None] * rf[None, :])
@@ -541,7 +572,7 @@ def _tile_values_t(
     jv = tl.arange(0, CT)
     dh = tl.arange(0, DH)
     vw = tl.load((rec + LAYOUT.V_CODES).to(tl.pointer_type(tl.int16)) + jv[None, :] * DH + dh[:, None])  # [DH, CT]
-    o_e, o_o = _packed_dot(pv0, pv1, pv2, pv3, vw, PV, LAYOUT.V_BITS, USE_ASM, True)
+    o_e, o_o = _packed_dot(pv0, pv1, pv2, pv3, vw, PV, LAYOUT.V_BITS, USE_ASM, True, LAYOUT.D)
     vc_e, vc_o = _bf16_split(vc_w)  # [DH]
     if alpha is not None:
         acc_e = acc_e * alpha[None, :]
@@ -614,7 +645,7 @@ def _tile_scores_st(
     if FOLD:
         s_e, s_o = _packed_dot_raw(kw, qs0, qs1, qs2, qs3, PK, LAYOUT.K_BITS, USE_ASM)  # [G, N] each
     else:
-        s_e, s_o = _packed_dot(qs0, qs1, qs2, qs3, kw, PK, LAYOUT.K_BITS, USE_ASM, True)
+        s_e, s_o = _packed_dot(qs0, qs1, qs2, qs3, kw, PK, LAYOUT.K_BITS, USE_ASM, True, LAYOUT.D)
     kt_e, kt_o = _bf16_pairs(recs[:, None] + LAYOUT.K_TOK + 4 * ti[None, :])  # [2, GH]
     kt_e = tl.reshape(kt_e, (2 * GH,))  # [G]
     kt_o = tl.reshape(kt_o, (2 * GH,))
@@ -699,7 +730,7 @@ def _tile_values_st(
     words = tl.arange(0, CT)[None, None, :] * DH + dh[:, None, None]  # [DH, 1, CT]
     vw = tl.load((recs[None, :, None] + LAYOUT.V_CODES).to(tl.pointer_type(tl.int16)) + words)
     vw = tl.reshape(vw, (DH, 2 * CT))  # tile a's tokens of each field, then tile b's
-    o_e, o_o = _packed_dot(pv0, pv1, pv2, pv3, vw, PV, LAYOUT.V_BITS, USE_ASM, True)
+    o_e, o_o = _packed_dot(pv0, pv1, pv2, pv3, vw, PV, LAYOUT.V_BITS, USE_ASM, True, LAYOUT.D)
     vc_ae, vc_ao = _bf16_split(vc_a)  # [DH] v_chan of the even and odd channels, tile a
     vc_be, vc_bo = _bf16_split(vc_b)
     vc_e = _by_column(second, vc_ae, vc_be)  # [DH, N]
