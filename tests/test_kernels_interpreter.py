@@ -466,13 +466,17 @@ def test_paged_attention_empty_sequence_rows(merge):
 
 def test_fuse_query_rotation_one_warp_waves(monkeypatch):
     """One-warp launches at D = 128 keep the prologue where the in-kernel rotation's shared memory would cost the
-    programs that get units a wave (7 fused programs an SM with 2-bit V, 6 with 4-bit V, against 8)."""
+    programs that get units a wave: none since session 26 (8 fused programs an SM); the rule checked with
+    session 24's 7 fused programs an SM with 2-bit V and 6 with 4-bit V."""
     monkeypatch.setattr(attention, "_num_sms", lambda index: 132)
     cuda = torch.device("cuda", 0)
     k4v2 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
     k4v4 = KVarNConfig.from_preset("kvarn_k4v4_g128", head_dim=128)
     fuse = attention.fuse_query_rotation
-    assert not fuse(k4v2, 1056, 8, cuda, 1)  # 4 / 32K: 8 programs an SM with the prologue, 7 fused
+    assert fuse(k4v2, 1056, 8, cuda, 1) and fuse(k4v4, 1056, 8, cuda, 1)  # 4 / 32K: 8 an SM either way
+    assert not fuse(k4v2, 1056, 9, cuda, 1)  # longer splits: the prologue (FUSE_MAX_TILES)
+    monkeypatch.setattr(attention, "FUSED_ONE_WARP_PROGRAMS_PER_SM", {2: 7, 4: 6})
+    assert not fuse(k4v2, 1056, 8, cuda, 1)  # 8 programs an SM with the prologue, 7 fused
     assert fuse(k4v2, 1056, 8, cuda, 4)  # other warp counts: the rule as before
     assert fuse(k4v2, 924, 8, cuda, 1)  # 7 an SM: one wave either way
     assert fuse(k4v2, 1024, 5, cuda, 1, active=832)  # 2 / 32K: 52 of 64 splits get units, one fused wave

@@ -74,16 +74,18 @@ FUSE_MAX_TILES = 8
 tiles: each program then pays the rotation (~half a tile of work) once, against one launch saved.
 The splits are merged in the attention launch up to the same number of waves (:func:`merge_in_kernel`)."""
 ONE_WARP_PROGRAMS_PER_SM = 8
-FUSED_ONE_WARP_PROGRAMS_PER_SM = {2: 7, 4: 6}
+FUSED_ONE_WARP_PROGRAMS_PER_SM = {2: 8, 4: 8}
 """Resident one-warp decode programs per SM (``D = 128``, 128-token tiles, 4-bit K; 255 registers: 8 by
-registers), and with ``FUSED_Q`` by V bits: the in-kernel rotation's operands take the kernel from 20,480
-bytes of shared memory to 29,440 (2-bit V) or 33,536 (4-bit V; triton 3.6, sm_90), over the 28,160 that 8
-programs may hold of an SM's 228 KB (1 KB reserved a program). Where the programs that get units
-(:func:`active_splits`) then need one wave more fused than with the prologue, :func:`fuse_query_rotation`
-takes the prologue. Measured on the H200 (session 24, ``benchmarks/RESULTS.md``; 132 SMs, programs with
-units, fused -> prologue): k4v2 4 / 32K (1,056) 73.5 -> 55.5 µs, 3 / 32K (1,032) 60.8 -> 51.0, k4v4 4 / 32K
-(1,056) 78.8 -> 63.4, k4v4 2 / 32K (832, over 6 x 132) 55.3 -> 46.7; one fused wave of 7 an SM stayed
-ahead: k4v2 2 / 32K and 4 / 16K (832 each) 40.3 and 41.2 fused, 43.2 and 44.1 with the prologue."""
+registers), and with ``FUSED_Q`` by V bits: 8 programs may hold 28,160 bytes of shared memory each of an
+SM's 228 KB (1 KB reserved a program). Where the programs that get units (:func:`active_splits`) would
+need one wave more fused than with the prologue, :func:`fuse_query_rotation` takes the prologue.
+Session 24 measured 7 (2-bit V) and 6 (4-bit V) fused: the in-kernel rotation's operands took the
+kernel from 20,480 bytes to 29,440 and 33,536 (triton 3.6), and 4 / 32K k4v2 ran 73.5 us fused, 55.5
+with the prologue. Since session 26's merge by butterflies the kernel holds 14,848 (k4v2) and 18,944
+(k4v4) bytes, 17,408 fused (triton 3.6 on the H200 and 3.9 offline alike), so 8 either way; session 27
+(H200, two rounds each, prologue -> fused): k4v2 4 / 32K 55.5, 55.5 -> 54.8, 54.6 us, 3 / 32K 48.9,
+48.8 -> 47.4, 47.3, k4v4 4 / 32K 63.9, 63.9 -> 61.2, 61.3, k4v4 2 / 32K 47.0, 47.1 -> 44.4, 44.3
+(``benchmarks/RESULTS.md``)."""
 SMS_OFF_CUDA = 4
 """SM count the split choice assumes on a device without SMs (the CPU interpreter)."""
 DECODE_MAX_REGS = {(64, 4): 96, (128, 4): 128, (64, 2): 96, (128, 2): 128, (128, 1): 255}
