@@ -2,7 +2,8 @@
 
 The interpreter tests run the kernels' arithmetic on the CPU but never compile them, so what only a
 compile finds (a module global read in a kernel that is not a ``tl.constexpr``, a variable whose
-type differs between the branches of a runtime ``if``, a layout the backend rejects) would otherwise
+type differs between the branches of a runtime ``if``, two returns of a function with two types, a layout
+the backend rejects) would otherwise
 surface only on the GPU machine. One launch of each kernel family, with the constexpr switches the
 launchers set for it; the compile must produce a cubin.
 
@@ -30,6 +31,16 @@ DECODE = {
     "multi_query_kv": ("kvarn_k4v2_g64", 64, False, False, True, {"MULTI_Q": True, "BLOCK_Q": 4, "HAS_KV": True}),
     "seq_smooth_prologue": (("kvarn_k4v2_g128", SEQ), 64, True, True, False, {"SMOOTH_Q": True, "LATE_Q": True}),
     "seq_smooth_fused": (("kvarn_k2v2_g128", SEQ), 64, False, False, True, {"LATE_Q": True, "HAS_SINK": True}),
+    # prompt chunks of sequence-smoothed configs: the model-frame queries back from the prologue's rotated ones
+    # (session 26's two-typed _query_rows failed here on the GPU and in this compile alike)
+    "seq_smooth_multi_query": (
+        ("kvarn_k4v2_g128", SEQ),
+        128,
+        False,
+        False,
+        False,
+        {"MULTI_Q": True, "BLOCK_Q": 4, "BLOCK_M": 16, "SMOOTH_Q": True},
+    ),
     "per_tile_smooth": (("kvarn_k4v2_g64", {"smooth_keys": True}), 64, False, False, True, {}),
     "stack_tiles": ("kvarn_k4v2_g64", 128, True, True, True, {"STACK": True, "HAS_SINK": True}),
     "stack_tiles_k2v2": ("kvarn_k2v2_g128", 64, True, False, True, {"STACK": True}),

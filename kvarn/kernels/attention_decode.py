@@ -170,18 +170,18 @@ def _load_query(q_base, row_ok, LAYOUT: tl.constexpr, ROTATE: tl.constexpr, IN_B
 
 
 @triton.jit
-def _query_rows(query, LAYOUT: tl.constexpr, SCALED: tl.constexpr = True):
-    """The rows' rotated, scaled queries ``[BLOCK_M, D]`` back from :func:`_load_query`'s fields (exact).
+def _query_rows(query, LAYOUT: tl.constexpr):
+    """:func:`_load_query`'s fields as whole rows, exactly: ``(qn, rf)``, ``qn: [BLOCK_M, D]`` (``|qn| < 1``) and
+    its power-of-two scale ``rf: [BLOCK_M]`` (the rotated, scaled queries are ``qn * rf[:, None]``).
 
-    ``SCALED=False``: ``(qn, rf)`` instead, the rows ``qn`` (``|qn| < 1``) and their power-of-two scale ``rf``.
+    One return: triton 3.6 type-checks a ``return`` that follows a constexpr branch which returned, so two returns
+    of two types fail to compile there (a ``SCALED`` flag did, in the sequence-smoothed launches, session 27).
     """
     q0, q1, q2, q3, rf = query
     if LAYOUT.K_PER_BYTE == 4:
         q_full = _concat(_concat(q0, q1), _concat(q2, q3))
     else:
         q_full = _concat(q0, q1)
-    if SCALED:
-        return q_full * rf[:, None]
     return q_full, rf
 
 
@@ -229,7 +229,8 @@ def _sequence_query(
     if FUSED:
         q_model = _model_query(q_base, row_ok, D, IN_BF16, FACTOR)
     else:
-        q_model = _unrotate(_query_rows(query, LAYOUT), 1.0 / D)  # (q H) H / D = q
+        qn, rf = _query_rows(query, LAYOUT)
+        q_model = _unrotate(qn * rf[:, None], 1.0 / D)  # (q H) H / D = q
     return _scaled_query(q_model, s, LAYOUT)
 
 
@@ -700,7 +701,7 @@ def _fp_tiles(
             q_use = _load_query(q_base, row_ok, LAYOUT, ROTATE, IN_BF16, FACTOR, FUSED_Q)
         else:
             q_use = query
-        q_rows = _query_rows(q_use, LAYOUT, False)  # (qn [BLOCK_M, D], rf [BLOCK_M])
+        q_rows = _query_rows(q_use, LAYOUT)  # (qn [BLOCK_M, D], rf [BLOCK_M])
         if sink_here:
             if MULTI_Q:
                 state = _fp_tile(q_rows, state, pool, sink_slot, LAYOUT.G, 0, lo_q - 1, POOL_BF16)
