@@ -604,8 +604,8 @@ def paged_attention(
     score and value dots, the query heads on N (default :func:`tokens_m_default`);
     ``fold_offsets`` unpacks the K codes with one shift per code word and no subtraction
     (:func:`~kvarn.kernels.attention_tiles._unpack_raw`) and takes their offsets out of the zero-point term instead
-    (default :func:`fold_offsets_default`; ``False`` is the per-field shift-mask-subtract unpack; V codes are always
-    centered, see :mod:`~kvarn.kernels.attention_tiles`); ``min_split_tiles``: the fewest tiles a split of a
+    (default :func:`fold_offsets_default`; ``False`` centers each code before the dot, as the V codes always are:
+    see :mod:`~kvarn.kernels.attention_tiles`); ``min_split_tiles``: the fewest tiles a split of a
     sequence walks (default :func:`min_split_tiles_default`); ``stack_tiles`` (decode with ``tokens_m``, at most 4
     query heads per KV head, padded to a power of two, not with ``pair_tiles``) scores and weighs two tiles a
     loop step in one dot each, stacked on M, the second tile in the query columns the heads leave free
