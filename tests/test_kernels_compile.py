@@ -2,10 +2,9 @@
 
 The interpreter tests run the kernels' arithmetic on the CPU but never compile them, so what only a
 compile finds (a module global read in a kernel that is not a ``tl.constexpr``, a variable whose
-type differs between the branches of a runtime ``if``, two returns of a function with two types, a layout
-the backend rejects) would otherwise
-surface only on the GPU machine. One launch of each kernel family, with the constexpr switches the
-launchers set for it; the compile must produce a cubin.
+type differs between the branches of a runtime ``if``, two returns of a function with two types, a
+layout the backend rejects) would otherwise surface only on the GPU machine. One launch of each kernel
+family, with the constexpr switches the launchers set for it; the compile must produce a cubin.
 
 The compiles run in a child process (this file as a script): ``test_kernels_interpreter.py`` sets
 ``TRITON_INTERPRET=1`` and redefines the kernels as interpreted functions when pytest imports it,

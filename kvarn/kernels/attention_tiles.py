@@ -46,7 +46,7 @@ IN_PLACE_MAX_D = tl.constexpr(128)
 """Largest head dim whose centered codes :func:`_packed_dot` unpacks in place (one ``shr`` a code word for every
 high-byte field, a fp16 subtraction a code pair) rather than a field at a time (a ``shr`` a code pair and field).
 H200, session 27, two rounds each (``benchmarks/RESULTS.md``): k4v2 16 / 32K 159.0, 159.1 -> 152.7, 152.5 us,
-64 / 32K 575.4 -> 547.8, 553.2, k2v2 16 / 32K 151.4, 151.9 -> 145.6, 145.9, k4v2_g64 168.0 -> 161.9, 161.5,
+64 / 32K 575.4 -> 547.8, 553.2, k2v2 16 / 32K 151.4, 151.9 -> 145.6, 145.9, k4v2_g64 167.9, 168.1 -> 161.9, 161.5,
 D = 64 116.4, 117.1 -> 109.8, 109.9; 1 / 1K and 1 / 32K within noise. Not at ``D = 256``: 330.2, 331.2 ->
 385.3, 384.9 us (at 255 registers already; 40 bytes of stack in place, offline)."""
 FP_TILE_TOKENS = tl.constexpr(16)
