@@ -195,7 +195,7 @@ def test_paged_attention_stack_tiles_gpu(preset, d, dtype, hq, hkv, sink, splits
 @pytest.mark.parametrize("tokens_m", [False, True])
 @pytest.mark.parametrize("preset,d,dtype,hq,hkv,sink,splits", [ATTN_CASES[0], ATTN_CASES[8]])
 def test_paged_attention_fold_gpu(preset, d, dtype, hq, hkv, sink, splits, tokens_m, fold):
-    """Both unpacks of the K codes on both paths: ``fold_offsets`` (offsets folded) and the shift-mask-subtract one."""
+    """Both unpacks of the K codes on both paths: ``fold_offsets`` (offsets folded) and the centered one."""
     args = _attn_case(preset, d, dtype, hq, hkv, sink)
     out = attention.paged_attention(
         *args, num_splits=splits, tokens_m=tokens_m, fold_offsets=fold, empty=poisoned_empty

@@ -174,8 +174,8 @@ def _query_rows(query, LAYOUT: tl.constexpr):
     """:func:`_load_query`'s fields as whole rows, exactly: ``(qn, rf)``, ``qn: [BLOCK_M, D]`` (``|qn| < 1``) and
     its power-of-two scale ``rf: [BLOCK_M]`` (the rotated, scaled queries are ``qn * rf[:, None]``).
 
-    One return: triton 3.6 type-checks a ``return`` that follows a constexpr branch which returned, so two returns
-    of two types fail to compile there (a ``SCALED`` flag did, in the sequence-smoothed launches, session 27).
+    One return: Triton (3.6 and 3.9) type-checks a ``return`` that follows a constexpr branch which returned, so
+    two returns of two types fail to compile (a ``SCALED`` flag did, in the sequence-smoothed launches, session 27).
     """
     q0, q1, q2, q3, rf = query
     if LAYOUT.K_PER_BYTE == 4:
