@@ -355,7 +355,8 @@ def _quantized_tiles_t(
     their offsets, which leave the zero-point term instead (:func:`_tile_scores_t`).
     """
     query_t = _transposed(query)  # [DK, N] each
-    N: tl.constexpr = query_t[4].shape[0]
+    rf = query_t[4]  # [N], > 0: the scores' power of two, applied in the exponent
+    N: tl.constexpr = rf.shape[0]
     G: tl.constexpr = LAYOUT.G
     D: tl.constexpr = LAYOUT.D
     cache, s_cb, s_ch, kvh = records
@@ -369,23 +370,23 @@ def _quantized_tiles_t(
     for u in range(u0, u1, STEP):  # PAIR's second tile reads its own scales
         rec, kside, side = rec_n, kside_n, side_n
         rec_n, blk_nn, kside_n = _ahead_step(base, s_cb, bt_row, u, u1, blk_nn, STEP, LAYOUT)
-        s_e, s_o = _tile_scores_t(rec, query_t, LAYOUT, USE_ASM, FOLD, kside)  # [G // 2, N] each
-        m_new = tl.maximum(m_i, tl.max(tl.maximum(s_e, s_o), axis=0))
+        s_e, s_o = _tile_scores_t(rec, query_t, LAYOUT, USE_ASM, FOLD, kside, False)  # [G // 2, N] each, / rf
+        m_new = tl.maximum(m_i, rf * tl.max(tl.maximum(s_e, s_o), axis=0))
         if PAIR:
             rec2 = cache + tl.load(bt_row + tl.minimum(u + 1, u1 - 1)).to(tl.int64) * s_cb + kvh.to(tl.int64) * s_ch
-            s2_e, s2_o = _tile_scores_t(rec2, query_t, LAYOUT, USE_ASM, FOLD)
+            s2_e, s2_o = _tile_scores_t(rec2, query_t, LAYOUT, USE_ASM, FOLD, None, False)
             s2_e = tl.where(u + 1 < u1, s2_e, float("-inf"))
             s2_o = tl.where(u + 1 < u1, s2_o, float("-inf"))
-            m_new = tl.maximum(m_new, tl.max(tl.maximum(s2_e, s2_o), axis=0))
+            m_new = tl.maximum(m_new, rf * tl.max(tl.maximum(s2_e, s2_o), axis=0))
         alpha = tl.exp2(m_i - m_new)
-        p_e = tl.exp2(s_e - m_new[None, :])
-        p_o = tl.exp2(s_o - m_new[None, :])
+        p_e = tl.exp2(s_e * rf[None, :] - m_new[None, :])
+        p_o = tl.exp2(s_o * rf[None, :] - m_new[None, :])
         l_e = l_e * alpha[None, :] + (p_e + p_o)
         acc_e, acc_o = _tile_values_t(rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT, USE_ASM, side)
         side_n = _value_side(rec_n, LAYOUT)
         if PAIR:
-            p2_e = tl.exp2(s2_e - m_new[None, :])
-            p2_o = tl.exp2(s2_o - m_new[None, :])
+            p2_e = tl.exp2(s2_e * rf[None, :] - m_new[None, :])
+            p2_o = tl.exp2(s2_o * rf[None, :] - m_new[None, :])
             l_e += p2_e + p2_o
             acc_e, acc_o = _tile_values_t(rec2, p2_e, p2_o, None, acc_e, acc_o, LAYOUT, USE_ASM)
         m_i = m_new

@@ -450,7 +450,10 @@ def _k_apply(q_f, ks, kz, f: tl.constexpr, LAYOUT: tl.constexpr, FOLD: tl.conste
 
 
 @triton.jit
-def _tile_scores_t(rec, query_t, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr = False, side=None):
+def _tile_scores_t(
+    rec, query_t, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr = False, side=None,
+    RF: tl.constexpr = True,
+):  # fmt: skip
     """:func:`_tile_scores` with the tokens as the dot's M: ``(even, odd)`` tokens, ``[G // 2, N]`` fp32 each.
 
     ``query_t = (q0, q1, q2, q3, rf)``: ``q_f: [DK, N]`` are the K fields' channel blocks of the
@@ -485,8 +488,12 @@ def _tile_scores_t(rec, query_t, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FO
     else:
         s_e, s_o = _packed_dot(qs0, qs1, qs2, qs3, kw, PK, LAYOUT.K_BITS, USE_ASM, True, LAYOUT.D)
     kt_e, kt_o = _bf16_pairs(rec + LAYOUT.K_TOK + 4 * ti)  # [GH]
-    s_e = (s_e + qz[None, :]) * (kt_e[:, None] * rf[None, :])
-    s_o = (s_o + qz[None, :]) * (kt_o[:, None] * rf[None, :])
+    if RF:
+        s_e = (s_e + qz[None, :]) * (kt_e[:, None] * rf[None, :])
+        s_o = (s_o + qz[None, :]) * (kt_o[:, None] * rf[None, :])
+    else:
+        s_e = (s_e + qz[None, :]) * kt_e[:, None]
+        s_o = (s_o + qz[None, :]) * kt_o[:, None]
     return s_e, s_o
 
 
