@@ -353,8 +353,10 @@ def fold_offsets_default(cfg: KVarNConfig, tokens_m: bool) -> bool:
     when it folded the V codes too: k4v2 247.2 -> 231.5 us, k2v2 254.4 -> 242.1, k4v4 261.6 -> 254.5.
     Scores only since session 26 (folded values were biased), two runs each: k4v2 16 / 32K 159.1, 160.0 us
     (172.9-173.8 unfolded, 151.0, 152.1 with the values folded too), k2v2 150.9, 151.2 (169.2-170.1;
-    139.5, 139.7); those unfolded runs shifted each field down, session 27's in-place centering
-    (``IN_PLACE_MAX_D``) was not timed against the fold. Off where it was not faster:
+    139.5, 139.7); those unfolded runs shifted each field down. Against session 27's in-place centering
+    (``IN_PLACE_MAX_D``; session 28, two rounds, fold -> centered): k4v2 150.2, 151.8 -> 156.4, 156.5 us,
+    k2v2 139.8, 140.8 -> 146.3, 146.4, k4v4 173.4, 173.3 -> 182.1, 182.4, k4v2_g64 161.3, 161.1 -> 162.5, 162.0,
+    k4v2 1 / 4K 18.2, 17.9 -> 18.9, 18.8. Off where it was not faster:
     ``D = 256`` (226 registers instead of 162, 2 programs per SM instead of 3: 496.6 -> 629.3 us),
     ``D = 64`` (2 spills under the 96-register cap: 186.0 -> 190.7 us) and the row path without
     ``tokens_m`` (k4v4 batch 1 / 32K 59.6 -> 62.1 us; g64 and batch 1-8 at 4K unchanged).
