@@ -370,11 +370,11 @@ def _quantized_tiles_t(
     for u in range(u0, u1, STEP):  # PAIR's second tile reads its own scales
         rec, kside, side = rec_n, kside_n, side_n
         rec_n, blk_nn, kside_n = _ahead_step(base, s_cb, bt_row, u, u1, blk_nn, STEP, LAYOUT)
-        s_e, s_o = _tile_scores_t(rec, query_t, LAYOUT, USE_ASM, FOLD, kside, False)  # [G // 2, N] each, / rf
+        s_e, s_o = _tile_scores_t(rec, query_t, LAYOUT, USE_ASM, FOLD, kside)  # [G // 2, N] each, / rf
         m_new = tl.maximum(m_i, rf * tl.max(tl.maximum(s_e, s_o), axis=0))
         if PAIR:
             rec2 = cache + tl.load(bt_row + tl.minimum(u + 1, u1 - 1)).to(tl.int64) * s_cb + kvh.to(tl.int64) * s_ch
-            s2_e, s2_o = _tile_scores_t(rec2, query_t, LAYOUT, USE_ASM, FOLD, None, False)
+            s2_e, s2_o = _tile_scores_t(rec2, query_t, LAYOUT, USE_ASM, FOLD)
             s2_e = tl.where(u + 1 < u1, s2_e, float("-inf"))
             s2_o = tl.where(u + 1 < u1, s2_o, float("-inf"))
             m_new = tl.maximum(m_new, rf * tl.max(tl.maximum(s2_e, s2_o), axis=0))

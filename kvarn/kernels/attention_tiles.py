@@ -450,23 +450,21 @@ def _k_apply(q_f, ks, kz, f: tl.constexpr, LAYOUT: tl.constexpr, FOLD: tl.conste
 
 
 @triton.jit
-def _tile_scores_t(
-    rec, query_t, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr = False, side=None,
-    RF: tl.constexpr = True,
-):  # fmt: skip
-    """:func:`_tile_scores` with the tokens as the dot's M: ``(even, odd)`` tokens, ``[G // 2, N]`` fp32 each.
+def _tile_scores_t(rec, query_t, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr = False, side=None):
+    """:func:`_tile_scores` with the tokens as the dot's M: ``(even, odd)`` tokens, ``[G // 2, N]`` fp32 each,
+    divided by the rows' power of two ``rf``.
 
     ``query_t = (q0, q1, q2, q3, rf)``: ``q_f: [DK, N]`` are the K fields' channel blocks of the
     ``N`` query rows, transposed (``rf: [N]`` as in :func:`_tile_scores`). The code words are read
     ``[G // 2, DK]`` (token pairs x channels) and are the left operand, so the 64 token pairs fill
     the MMA's rows and the query heads are its columns: no padded rows in the per-token work.
     ``FOLD``: unpack with :func:`_packed_dot_raw` (no shifts but one per word, no subtraction) and
-    take the codes' offsets out of the zero-point term instead. ``RF=False`` leaves ``rf`` out (the scores
-    divided by it): :func:`~kvarn.kernels.attention_decode._quantized_tiles_t` applies it in the softmax's max and
-    ``exp2`` instead of an outer product with ``k_tok`` a tile (session 28, H200: k4v2 16 / 32K 152.1 -> 151.1 µs,
+    take the codes' offsets out of the zero-point term instead. ``rf`` is left out:
+    :func:`~kvarn.kernels.attention_decode._quantized_tiles_t` applies it in the softmax's max and ``exp2``
+    instead of an outer product with ``k_tok`` a tile (session 28, H200: k4v2 16 / 32K 152.1 -> 151.1 µs,
     k2v2 145.6 -> 140.5).
     """
-    q0, q1, q2, q3, rf = query_t
+    q0, q1, q2, q3, _ = query_t
     PK: tl.constexpr = LAYOUT.K_PER_BYTE
     DK: tl.constexpr = LAYOUT.D // PK
     GH: tl.constexpr = LAYOUT.G // 2
@@ -491,12 +489,8 @@ def _tile_scores_t(
     else:
         s_e, s_o = _packed_dot(qs0, qs1, qs2, qs3, kw, PK, LAYOUT.K_BITS, USE_ASM, True, LAYOUT.D)
     kt_e, kt_o = _bf16_pairs(rec + LAYOUT.K_TOK + 4 * ti)  # [GH]
-    if RF:
-        s_e = (s_e + qz[None, :]) * (kt_e[:, None] * rf[None, :])
-        s_o = (s_o + qz[None, :]) * (kt_o[:, None] * rf[None, :])
-    else:
-        s_e = (s_e + qz[None, :]) * kt_e[:, None]
-        s_o = (s_o + qz[None, :]) * kt_o[:, None]
+    s_e = (s_e + qz[None, :]) * kt_e[:, None]
+    s_o = (s_o + qz[None, :]) * kt_o[:, None]
     return s_e, s_o
 
 
