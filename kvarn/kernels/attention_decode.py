@@ -300,33 +300,31 @@ def _quantized_tiles(
     for u in range(u0, u1, STEP):  # PAIR's second tile reads its own scales
         rec, kside, side = rec_n, kside_n, side_n
         rec_n, blk_nn, kside_n = _ahead_step(base, s_cb, bt_row, u, u1, blk_nn, STEP, LAYOUT)
-        if q_model is not None:
-            s_e, s_o = _tile_scores(rec, _smoothed_query(rec, q_model, LAYOUT), LAYOUT, USE_ASM, FOLD, kside)
-        else:
-            s_e, s_o = _tile_scores(rec, query, LAYOUT, USE_ASM, FOLD, kside)  # [BLOCK_M, G // 2] each
+        q_u = query if q_model is None else _smoothed_query(rec, q_model, LAYOUT)
+        rf = q_u[4]  # [BLOCK_M], > 0: the scores' power of two, applied in the exponent
+        s_e, s_o = _tile_scores(rec, q_u, LAYOUT, USE_ASM, FOLD, kside)  # [BLOCK_M, G // 2] each, / rf
         if MULTI_Q:
             s_e, s_o = _causal(s_e, s_o, pos_q, u * G, G // 2)
-        m_new = tl.maximum(m_i, tl.max(tl.maximum(s_e, s_o), axis=1))
+        m_new = tl.maximum(m_i, rf * tl.max(tl.maximum(s_e, s_o), axis=1))
         if PAIR:
             rec2 = cache + tl.load(bt_row + tl.minimum(u + 1, u1 - 1)).to(tl.int64) * s_cb + kvh.to(tl.int64) * s_ch
-            if q_model is not None:
-                s2_e, s2_o = _tile_scores(rec2, _smoothed_query(rec2, q_model, LAYOUT), LAYOUT, USE_ASM, FOLD)
-            else:
-                s2_e, s2_o = _tile_scores(rec2, query, LAYOUT, USE_ASM, FOLD)
+            q2 = query if q_model is None else _smoothed_query(rec2, q_model, LAYOUT)
+            rf2 = q2[4]
+            s2_e, s2_o = _tile_scores(rec2, q2, LAYOUT, USE_ASM, FOLD)
             if MULTI_Q:
                 s2_e, s2_o = _causal(s2_e, s2_o, pos_q, (u + 1) * G, G // 2)
             s2_e = tl.where(u + 1 < u1, s2_e, float("-inf"))
             s2_o = tl.where(u + 1 < u1, s2_o, float("-inf"))
-            m_new = tl.maximum(m_new, tl.max(tl.maximum(s2_e, s2_o), axis=1))
+            m_new = tl.maximum(m_new, rf2 * tl.max(tl.maximum(s2_e, s2_o), axis=1))
         alpha = tl.exp2(m_i - m_new)
-        p_e = tl.exp2(s_e - m_new[:, None])
-        p_o = tl.exp2(s_o - m_new[:, None])
+        p_e = tl.exp2(s_e * rf[:, None] - m_new[:, None])
+        p_o = tl.exp2(s_o * rf[:, None] - m_new[:, None])
         l_e = l_e * alpha[:, None] + (p_e + p_o)
         acc_e, acc_o = _tile_values(rec, p_e, p_o, alpha, acc_e, acc_o, LAYOUT, USE_ASM, side)
         side_n = _value_side(rec_n, LAYOUT)
         if PAIR:
-            p2_e = tl.exp2(s2_e - m_new[:, None])
-            p2_o = tl.exp2(s2_o - m_new[:, None])
+            p2_e = tl.exp2(s2_e * rf2[:, None] - m_new[:, None])
+            p2_o = tl.exp2(s2_o * rf2[:, None] - m_new[:, None])
             l_e += p2_e + p2_o
             acc_e, acc_o = _tile_values(rec2, p2_e, p2_o, None, acc_e, acc_o, LAYOUT, USE_ASM)
         m_i = m_new
@@ -409,7 +407,8 @@ def _quantized_tiles_st(
     Same returns as :func:`_quantized_tiles_t`.
     """
     query_t = _transposed(query)  # [DK, N] each
-    N: tl.constexpr = query_t[4].shape[0]
+    rf = query_t[4]  # [N], > 0: the scores' power of two, applied in the exponent
+    N: tl.constexpr = rf.shape[0]
     G: tl.constexpr = LAYOUT.G
     D: tl.constexpr = LAYOUT.D
     cache, s_cb, s_ch, kvh = records
@@ -442,10 +441,10 @@ def _quantized_tiles_st(
         s_e, s_o = _tile_scores_st(
             base, off_a, off_b, u + 1 < u1, query_t, second, LAYOUT, USE_ASM, FOLD, kside_a, kside_b
         )
-        m_new = tl.maximum(m_i, tl.max(tl.maximum(s_e, s_o), axis=0))
+        m_new = tl.maximum(m_i, rf * tl.max(tl.maximum(s_e, s_o), axis=0))  # the scores are / rf
         alpha = tl.exp2(m_i - m_new)
-        p_e = tl.exp2(s_e - m_new[None, :])
-        p_o = tl.exp2(s_o - m_new[None, :])
+        p_e = tl.exp2(s_e * rf[None, :] - m_new[None, :])
+        p_o = tl.exp2(s_o * rf[None, :] - m_new[None, :])
         l_e = l_e * alpha[None, :] + (p_e + p_o)
         acc = _tile_values_st(base, off_a, off_b, p_e, p_o, alpha, acc, second, LAYOUT, USE_ASM, vside)
         vside_n = _value_side_st(base, off_an, off_bn, LAYOUT)

@@ -269,7 +269,8 @@ def _k_operands(q_f, side, f: tl.constexpr, LAYOUT: tl.constexpr, FOLD: tl.const
 
 @triton.jit
 def _tile_scores(rec, query, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr = False, side=None):
-    """Scores of one quantized tile: ``(even, odd)`` tokens, each ``[BLOCK_M, G // 2]`` fp32.
+    """Scores of one quantized tile, divided by the rows' power of two ``rf``: ``(even, odd)`` tokens, each
+    ``[BLOCK_M, G // 2]`` fp32 (the caller applies ``rf`` in the softmax's max and ``exp2``).
 
     ``query = (q0, q1, q2, q3, rf)``: ``q0 .. q3: [BLOCK_M, DK]`` are the query's channel blocks of
     the K fields, divided by ``rf: [BLOCK_M]`` (a power of two) so ``|q| < 1`` (``q2, q3`` unused
@@ -279,7 +280,7 @@ def _tile_scores(rec, query, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FOLD: 
     subtraction) and take the codes' offsets out of the zero-point term instead. ``side``: the
     tile's :func:`_key_side` if the caller read it ahead (else it is read here).
     """
-    q0, q1, q2, q3, rf = query
+    q0, q1, q2, q3, _ = query
     PK: tl.constexpr = LAYOUT.K_PER_BYTE
     DK: tl.constexpr = LAYOUT.D // PK
     GH: tl.constexpr = LAYOUT.G // 2
@@ -304,8 +305,8 @@ def _tile_scores(rec, query, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FOLD: 
     else:
         s_e, s_o = _packed_dot(qs0, qs1, qs2, qs3, kw, PK, LAYOUT.K_BITS, USE_ASM, False, LAYOUT.D)
     kt_e, kt_o = _bf16_pairs(rec + LAYOUT.K_TOK + 4 * ti)  # [GH] k_tok of even, odd tokens
-    s_e = (s_e + qz[:, None]) * (rf[:, None] * kt_e[None, :])
-    s_o = (s_o + qz[:, None]) * (rf[:, None] * kt_o[None, :])
+    s_e = (s_e + qz[:, None]) * kt_e[None, :]
+    s_o = (s_o + qz[:, None]) * kt_o[None, :]
     return s_e, s_o
 
 
@@ -612,7 +613,8 @@ def _tile_scores_st(
     side_a,
     side_b,
 ):
-    """:func:`_tile_scores_t` on two tiles stacked on the dot's M: ``(even, odd)`` tokens, ``[G, N]`` fp32 each.
+    """:func:`_tile_scores_t` on two tiles stacked on the dot's M: ``(even, odd)`` tokens, ``[G, N]`` fp32 each,
+    divided by the columns' power of two ``rf``.
 
     Rows ``0 .. G/2 - 1`` are the token pairs of the record at ``base + off_a``, the rest those of
     the record at ``base + off_b`` (byte offsets; ``has_b``: it is a real tile). Column ``c``
@@ -625,7 +627,7 @@ def _tile_scores_st(
     and joining two loaded tiles cost ~200 more instructions a step (sm_90, RESULTS.md session 14).
     ``side_a``, ``side_b``: the two tiles' :func:`_key_side`, read a step ahead by the caller.
     """
-    q0, q1, q2, q3, rf = query_t
+    q0, q1, q2, q3, _ = query_t
     PK: tl.constexpr = LAYOUT.K_PER_BYTE
     DK: tl.constexpr = LAYOUT.D // PK
     GH: tl.constexpr = LAYOUT.G // 2
@@ -655,8 +657,8 @@ def _tile_scores_st(
     kt_o = tl.reshape(kt_o, (2 * GH,))
     i = tl.arange(0, 2 * GH)
     mine = ((i >= GH)[:, None] == second[None, :]) & ((i < GH) | has_b)[:, None]
-    s_e = tl.where(mine, (s_e + qz[None, :]) * (kt_e[:, None] * rf[None, :]), float("-inf"))
-    s_o = tl.where(mine, (s_o + qz[None, :]) * (kt_o[:, None] * rf[None, :]), float("-inf"))
+    s_e = tl.where(mine, (s_e + qz[None, :]) * kt_e[:, None], float("-inf"))
+    s_o = tl.where(mine, (s_o + qz[None, :]) * kt_o[:, None], float("-inf"))
     return s_e, s_o
 
 
