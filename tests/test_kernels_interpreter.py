@@ -1005,6 +1005,21 @@ def test_paged_attention_decode_smooth(preset, d, dtype, hq, hkv, sink, splits, 
     check_attention(out, args)
 
 
+def test_paged_attention_decode_smooth_paired_tiles_of_two_scales():
+    """Two tiles a step whose smoothed queries differ in their power of two: each tile's scores take their own
+    ``rf`` in the softmax (``_quantized_tiles``'s ``rf2``)."""
+    cfg = _smooth_cfg("kvarn_k4v2_g64", 64)
+    lengths = [4 * 64 + 5, 3 * 64]
+    state = build_cache(cfg, lengths, 1, torch.float16, seed=3)
+    for b, n in enumerate(n // 64 for n in lengths):  # stored again: even tiles Gaussian, odd ones one large channel
+        k, v = make_kv(n, 64, 1, 64, torch.float16, seed=b, kind="plain")
+        k[1::2, ..., 7] *= 64  # smoothing scales their other channels by ~1/8
+        R.store_tiles(k, v, state["block_table"][b, :n], state["cache"], cfg)
+    query = torch.randn(2, 2, 64, generator=torch.Generator().manual_seed(5))
+    args = attention_args(state, query.to(torch.float16), cfg)
+    check_attention(attention.paged_attention(*args, num_splits=1, pair_tiles=True, empty=poisoned_empty), args)
+
+
 def test_paged_attention_multi_query_smooth():
     cfg = _smooth_cfg("kvarn_k4v2_g64", 64)
     lengths = [190, 70, 5, 130]
