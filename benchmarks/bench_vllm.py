@@ -4,6 +4,7 @@ usage: python benchmarks/bench_vllm.py check OUT.json
        python benchmarks/bench_vllm.py preempt OUT.json   (check's preemption scenario alone: OUT.json.preempt)
        python benchmarks/bench_vllm.py skip OUT.json      (check's skipped-layer scenario alone: OUT.json.skip)
        python benchmarks/bench_vllm.py bench MODEL CACHE_DTYPE OUT.json     (MODEL: llama3-8b | qwen3-8b)
+       python benchmarks/bench_vllm.py steps MODEL CACHE_DTYPE OUT.json     (one decode step's kernels, profiled)
 
 ``check``: a tiny Llama (2 layers, head_dim 128, GQA 8/2) with ``kvarn_k4v2_g128`` (or the cache dtype
 in ``CHECK_DTYPE``, e.g. ``kvarn_k4v2_g128_ks``; ``CHECK_MODEL=tiny-biased``: the same Llama with
@@ -11,7 +12,7 @@ biased q/k/v projections, which KVarN serves in the ``_ks`` form) under vLLM's
 default compilation (decode CUDA graphs) and with ``enforce_eager``, and the bf16 cache: chunk
 boundaries inside tiles (``max_num_batched_tokens`` 200), a prefix hit, ``n = 2`` sampling and 24
 concurrent requests. The graph run must give the eager run's tokens exactly (same kernels; the
-graph path adds the persistent plan buffers and the conditional commit), and every run must finish.
+graph path adds the persistent plan buffers and the commits after replays), and every run must finish.
 ``CHECK_PREEMPT=1`` adds two engines (graphs, eager) whose cache holds ``PREEMPT_BLOCKS`` blocks, so
 the 24 concurrent requests are preempted and recomputed: again the same tokens, and at least one
 preemption. ``CHECK_SKIP=1`` adds engines with layer 0 kept in bf16 (``kv_cache_dtype_skip_layers``),
@@ -43,6 +44,13 @@ prompt's last block is recomputed; vLLM 0.26's counter reads 0 for its own backe
 hits, as its stats lines' prompt throughput shows). ``start_jit`` and ``cap_jit``: Triton's compiles
 (count, seconds, kernels; :class:`JitLog`) during engine start and during the end-to-end capacity run,
 where a machine whose Triton cache lacks kvarn's kernels pays them.
+
+``steps``: one engine (``max_num_seqs`` 8 or the batch, ``max_model_len`` the prompt + 512; ``STEPS_MAX_SEQS`` and
+``STEPS_MAX_LEN`` set them), ``STEPS_BATCH`` prompts of ``STEPS_CTX`` tokens
+(defaults 1 and 4096): TPOT as in ``bench`` (2 pairs), then 33 decode tokens under the torch profiler,
+written as every GPU activity (name, start, duration; kernels replayed from CUDA graphs included) and
+the metadata builders' host time per call (inflated by the profiler), to see what a step launches and
+what each launch costs against bf16's.
 """
 
 from __future__ import annotations
@@ -494,6 +502,73 @@ def bench(shape: str, kv: str, out_path: str) -> int:
     return 0
 
 
+def steps(shape: str, kv: str, out_path: str) -> int:
+    """Where a decode step's time goes: ``STEPS_BATCH`` (default 1) prefix-cached prompts of ``STEPS_CTX``
+    tokens (default 4096) decoded 33 tokens under the torch profiler (CUDA kernels, replayed from vLLM's
+    graphs included). Writes the TPOT (``_tpot``, 2 pairs), the metadata builders' host time per call,
+    and every GPU activity of the profiled run (name, start, duration in µs) for offline analysis."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import SamplingParams
+
+    batch, ctx = int(os.environ.get("STEPS_BATCH", "1")), int(os.environ.get("STEPS_CTX", "4096"))
+    builds: dict[str, list[float]] = {}
+
+    def timed_build(cls):
+        original = cls.build
+
+        def build(self, *args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                builds.setdefault(cls.__name__, []).append((time.perf_counter() - t) * 1e6)
+
+        cls.build = build
+
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder
+
+    from kvarn.integration.vllm.backend import KVarNMetadataBuilder
+
+    timed_build(FlashAttentionMetadataBuilder)
+    timed_build(KVarNMetadataBuilder)
+    rng = random.Random(0)
+    vocab = min(100000, SHAPES[shape]["vocab_size"])
+    prompts = [{"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(ctx)]} for _ in range(batch)]
+    # STEPS_MAX_LEN / STEPS_MAX_SEQS: the engine's limits (defaults: the prompt + 512, the batch or 8)
+    max_len = int(os.environ.get("STEPS_MAX_LEN", ctx + 512))
+    max_seqs = int(os.environ.get("STEPS_MAX_SEQS", max(8, batch)))
+    llm = _llm(shape, kv, max_model_len=max_len, max_num_seqs=max_seqs, gpu_memory_utilization=0.9)
+    cfg = llm.llm_engine.vllm_config
+    res = {"model": shape, "kv_cache_dtype": kv, "batch": batch, "ctx": ctx, "max_len": max_len, "max_seqs": max_seqs}
+    res["async_scheduling"] = cfg.scheduler_config.async_scheduling
+    res["cudagraph_mode"] = str(cfg.compilation_config.cudagraph_mode)
+    greedy = SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True)
+    llm.generate(prompts, greedy, use_tqdm=False)
+    res["tpot_ms"], res["tpot_range"] = _tpot(llm, prompts, 2)
+    builds.clear()
+    greedy = SamplingParams(temperature=0.0, max_tokens=33, ignore_eos=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        llm.generate(prompts, greedy, use_tqdm=False)
+        res["profiled_s"] = round(time.perf_counter() - t, 4)
+    res["build_us"] = {k: [len(v), round(sum(v) / len(v), 1), round(max(v), 1)] for k, v in builds.items()}
+    gpu, api = [], []
+    for e in prof.events():
+        kind = str(e.device_type)
+        if kind.endswith("CUDA"):
+            gpu.append((e.name, round(e.time_range.start, 2), round(e.time_range.elapsed_us(), 2)))
+        elif e.name.startswith("cu"):  # runtime and driver calls
+            api.append((e.name, round(e.time_range.start, 2), round(e.time_range.elapsed_us(), 2)))
+    res["gpu"] = sorted(gpu, key=lambda x: x[1])
+    res["api"] = sorted(api, key=lambda x: x[1])
+    with open(out_path, "w") as f:
+        json.dump(res, f)
+    print(json.dumps({k: v for k, v in res.items() if k not in ("gpu", "api")}), flush=True)
+    return 0
+
+
 def _capacity(llm, res: dict, prompt, plen: int, out: int, save, jit: JitLog | None = None) -> None:
     """Capacity-bound output tokens/s: as many ``plen`` + ``out`` requests as the engine's cache holds, at once.
 
@@ -579,4 +654,6 @@ if __name__ == "__main__":
         sys.exit(0 if ok else 1)
     if sys.argv[1] == "skip":  # the skipped-layer scenario of check alone, against a bf16 engine's tokens
         sys.exit(0 if skip_only(sys.argv[2]) else 1)
+    if sys.argv[1] == "steps":
+        sys.exit(steps(sys.argv[2], sys.argv[3], sys.argv[4]))
     sys.exit(bench(sys.argv[2], sys.argv[3], sys.argv[4]))

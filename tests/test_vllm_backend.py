@@ -10,8 +10,10 @@ equal ``kvarn.reference.paged_attention`` over a cache the reference built from 
 
 from __future__ import annotations
 
+import contextlib
 import random
 from types import SimpleNamespace
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -128,6 +130,7 @@ class Sim:
         self.prefix = {}
         self.next_id = 0
         self.query_scale = 1.0
+        self.replay = False  # decode steps as CUDA-graph replays: the captured forward, no Python forward after
 
     def tokens(self, n):
         k = torch.randn(n, HKV, D, generator=self.gen) * 2
@@ -236,9 +239,13 @@ class Sim:
         meta = self.builder.build(0, cam)
         self.last_meta = meta
         output = torch.full((num_tokens, HQ, D), float("nan"), dtype=self.dtype)
-        self.impl.forward(self.layer, query, key, value, self.kv_cache, meta, output=output)
+        replayed = self.replay and meta.decode
+        with mock.patch.object(backend_mod, "_capturing", lambda q: True) if replayed else contextlib.nullcontext():
+            self.impl.forward(self.layer, query, key, value, self.kv_cache, meta, output=output)
+        if replayed:  # a replay runs what was captured; the forward's Python does not run
+            meta.forward_ran = False
         self.step_kv = (key[: qsl[-1]], value[: qsl[-1]])
-        self.check(order, query[: qsl[-1]], qsl_t, lens_t, table, output[: qsl[-1]])
+        self.check(order, query[: qsl[-1]], qsl_t, lens_t, table, output[: qsl[-1]], replayed)
 
     def held(self, i, order, qsl, dtype=None):
         """The tokens the own-tile rule reads from request ``order[i]``'s slot: its step's first tile, as prepared."""
@@ -249,14 +256,16 @@ class Sim:
         v = torch.stack(req["v"][head : min(req["len"], head + self.g)])
         return reference.prepare(k, dtype), reference.prepare(v, dtype)
 
-    def check(self, order, query, qsl, lens, table, output):
+    def check(self, order, query, qsl, lens, table, output, replayed=False):
+        """The records of every full tile (but one a replayed decode step filled: committed by the next build)
+        and the step's attention output, against the reference."""
         cache = self.kv_cache.view(self.kv_cache.shape[0], HKV, -1)[..., : self.cfg.record_bytes]
         expect = torch.zeros_like(cache)
         tail_k = torch.zeros(len(order), self.g, HKV, D, dtype=self.dtype)
         tail_v = torch.zeros_like(tail_k)
         for i, rid in enumerate(order):
             req = self.reqs[rid]
-            full = req["len"] // self.g
+            full = (req["len"] - replayed) // self.g
             for t in range(len(req["rec"]), full):
                 # tile t alone, after the request's first tile (whose smoothing vector it may need)
                 tiles = [0, t] if t else [0]
@@ -413,8 +422,8 @@ class WideSim(Sim):
         v = -20000 + 2000 * torch.randn(n, HKV, D, generator=self.gen)
         return k.to(self.dtype), v.to(self.dtype)
 
-    def check(self, order, query, qsl, lens, table, output):
-        super().check(order, query, qsl, lens, table, output)  # exact: the reference over the same fp16 pool
+    def check(self, order, query, qsl, lens, table, output, replayed=False):
+        super().check(order, query, qsl, lens, table, output, replayed)  # exact: the reference over the same fp16 pool
         cache = torch.zeros(self.kv_cache.shape[0], HKV, self.cfg.record_bytes, dtype=torch.uint8)
         tail_k = torch.zeros(len(order), self.g, HKV, D)
         tail_v = torch.zeros_like(tail_k)
@@ -553,8 +562,8 @@ def test_customize_spec_pages_hold_one_record_per_kv_head(preset):
 
 @pytest.mark.parametrize("preset", ["kvarn_k4v2_g64", "kvarn_k4v2_g64_ks"])
 def test_request_slots_decode_steps_fill_the_persistent_graph_buffers(preset):
-    """A decode batch's plan lives in fixed buffers; commits are padded with slot -1 (skipped).
-    With per-sequence smoothing each commit's first block rides in a buffer of its own."""
+    """A decode batch's plan lives in fixed buffers; its commit lists (which a graph does not read) are the plan's
+    own, with per-sequence smoothing each commit's first block among them."""
     sim = Sim(preset, torch.bfloat16, seed=11, max_num_seqs=4, request_slots=True)
     sim.pad = False  # a CUDA-graph decode batch has exactly one token per row
     a, b = sim.add(200), sim.add(200)
@@ -564,22 +573,50 @@ def test_request_slots_decode_steps_fill_the_persistent_graph_buffers(preset):
     buf = sim.builder.buffers
     first_a = sim.reqs[a]["blocks"][0]
     assert meta.decode and meta.graph_plan is not None
-    assert meta.graph_plan.commit_slots.data_ptr() == buf.commit_slots.data_ptr()
     assert meta.graph_plan.tail_slot_mapping.data_ptr() == buf.mapping.data_ptr()
-    assert meta.graph_plan.commit_first.data_ptr() == buf.commit_first.data_ptr()
-    assert bool(meta.commit_flag) and meta.plan.commit_slots.tolist() == [sim.index[a]]
-    assert meta.graph_plan.commit_slots.tolist() == [sim.index[a], -1]
-    assert meta.graph_plan.commit_blocks.tolist() == [first_a, 0]
-    assert meta.graph_plan.commit_first.tolist() == [first_a, 0]
+    assert meta.graph_plan.tail_slots.data_ptr() == buf.tail_slots.data_ptr()
+    assert meta.plan.commit_slots.tolist() == [sim.index[a]]
+    assert meta.graph_plan.commit_blocks.tolist() == [first_a]
+    assert meta.graph_plan.commit_first.tolist() == [first_a]
+    assert sim.builder.replay_commit is meta and meta.forward_ran  # ran eagerly: the next build commits nothing
     sim.step({a: 1, b: 1})
-    assert not bool(sim.last_meta.commit_flag) and sim.last_meta.graph_plan.commit_slots.tolist() == [-1, -1]
+    assert sim.builder.replay_commit is None and sim.last_meta.graph_plan.commit_slots.numel() == 0
     sim.step({a: 62, b: 1})  # a: 65 -> 127, a mixed step
     sim.step({a: 1, b: 1})  # a's second tile completes in a decode step: its vector comes from its first block
     graph = sim.last_meta.graph_plan
-    assert graph.commit_blocks.tolist() == [sim.reqs[a]["blocks"][1], 0]
-    assert graph.commit_first.tolist() == [first_a, 0]
+    assert graph.commit_blocks.tolist() == [sim.reqs[a]["blocks"][1]]
+    assert graph.commit_first.tolist() == [first_a]
     sim.step({a: 70})
     assert not sim.last_meta.decode and sim.last_meta.graph_plan is None
+
+
+@pytest.mark.parametrize("preset", ["kvarn_k4v2_g64", "kvarn_k4v2_g64_ks", "kvarn_k4v2_g64_sink"])
+def test_a_tile_a_replayed_decode_step_fills_is_committed_by_the_next_build(preset):
+    """A CUDA graph captures no commit (torch 2.11 has no conditional nodes: it would launch on every replay). A
+    decode step replayed from a graph leaves the tiles it filled in their slots; the builder's next build
+    commits them for every layer that was captured, before it plans anything (``Sim.check``: every other
+    record and every step's attention against the reference). Fails if no build commits after a replay (the
+    record stays zero and the next step's check fails), or if a step whose forward ran is committed again
+    (``replay_commits``)."""
+    sim = Sim(preset, torch.bfloat16, seed=17, max_num_seqs=4, request_slots=True)
+    sim.pad, sim.replay = False, True
+    a, b = sim.add(300), sim.add(300)
+    sim.step({a: 63, b: 20})
+    before = backend_mod.tail_block_steps["replay_commits"]
+    sim.step({a: 1, b: 1})  # replayed: fills a's first tile
+    block = sim.reqs[a]["blocks"][0]
+    cache = sim.kv_cache.view(sim.kv_cache.shape[0], HKV, -1)
+    assert sim.builder.replay_commit is sim.last_meta and not cache[block].any()
+    sim.step({a: 1, b: 1})  # its build commits the tile; the step checks every full tile's record
+    assert backend_mod.tail_block_steps["replay_commits"] == before + 1 and cache[block].any()
+    for _ in range(3):
+        sim.step({a: 1, b: 1})  # a: 68, b: 25
+    sim.step({b: 102, a: 59})  # prompt chunks: a step whose forward runs in Python
+    sim.replay = False
+    sim.step({a: 1, b: 1})  # a and b: 128, both tiles filled and committed by the forward
+    assert sim.builder.replay_commit is sim.last_meta and sim.last_meta.forward_ran
+    sim.step({a: 1, b: 1})
+    assert backend_mod.tail_block_steps["replay_commits"] == before + 1
 
 
 def test_a_chunk_that_completes_a_tile_and_starts_another_reuses_its_slot_after_the_commit():

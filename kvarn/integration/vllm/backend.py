@@ -32,12 +32,18 @@ preempted requests are freed before the step that may hand their blocks to other
 request then holds at most one slot at any time, and ``max_num_seqs`` slots can never run dry.
 
 CUDA graphs (GPU runner): the builder declares ``UNIFORM_SINGLE_TOKEN_DECODE``. For a decode
-batch it writes the plan into persistent device tensors of fixed size: the tail mapping, each
-row's slot (with tails in blocks: each row's tail blocks and its token's block row), and the commit
-lists padded to the batch with slot ``-1`` (skipped by the commit: its programs exit at once).
-The captured forward writes the tail, then commits under a CUDA-graph conditional node that runs
-only when the builder set its flag (a decode step commits a tile in one step of ``G``), then
-attends; nothing in it reads a value on the host.
+batch it writes the plan into persistent device tensors of fixed size: the tail mapping and each
+row's slot (with tails in blocks: each row's tail blocks and its token's block row). The captured
+forward writes the tail and attends; nothing in it reads a value on the host, and it commits
+nothing. A decode step fills a tile in one step of ``G``, and the builder knows which on the host:
+when vLLM replays such a step from its graph (the forward did not run in Python), the builder's
+next :meth:`~KVarNMetadataBuilder.build`, whatever step it builds, first commits those tiles for
+every layer of its group (:meth:`KVarNMetadataBuilder.commit_replayed`), on the stream, after the
+replayed step and before anything of the next step reads the records. The step's own attention
+did not need them (it reads its own tile from the slot or the blocks), and nothing else reads or
+overwrites them in between. A commit captured in the graph would launch on every replay (torch
+2.11 has no conditional graph nodes): two launches a layer a step whose programs exit at once, 1.8 µs
+of kernel time a layer at batch 1 on the H200, more with the batch.
 
 Sink (``--kv-cache-dtype kvarn_..._sink``). The first tile of every sequence is also kept in full
 precision in a sink slot keyed by the block id of that first tile (:class:`kvarn.paged.SinkSlots`),
@@ -665,10 +671,10 @@ class KVarNMetadata(AttentionMetadata):
 
     ``query_start_loc: [B + 1]``, ``seq_lens: [B]``, ``block_table: [B, max_blocks]`` as vLLM
     gives them; ``plan`` from the planner; ``num_slots`` slots in each layer's pool. For a
-    decode batch on the GPU runner also ``graph_plan`` (the same tensors with the commit lists
-    padded to ``B``), ``commit_flag`` (a device bool: some row commits) and ``decode`` (one query
-    per row). ``prefill``: on CUDA, the requests of a step with prompt chunks that attend
-    through pages and one varlen call (:func:`kvarn.paged.split_prefill`).
+    decode batch on the GPU runner also ``graph_plan`` (``plan`` with the persistent tensors a
+    captured graph reads) and ``decode`` (one query per row). ``prefill``: on CUDA, the requests of
+    a step with prompt chunks that attend through pages and one varlen call
+    (:func:`kvarn.paged.split_prefill`).
     """
 
     num_actual_tokens: int
@@ -678,13 +684,17 @@ class KVarNMetadata(AttentionMetadata):
     plan: TilePlan
     num_slots: int
     graph_plan: TilePlan | None = None
-    commit_flag: torch.Tensor | None = None
     decode: bool = False
     prefill: PrefillSplit | None = None
     tails: tuple[TailRows, TailRows] | None = None
     """Tails in blocks: where the partial tiles are before the step and after it (:func:`kvarn.paged.tail_rows`)."""
     block_tails: BlockTails | None = None
     """Tails in blocks, a decode step: the own tiles' blocks and the tokens' rows (:func:`kvarn.paged.block_tails`)."""
+    decode_layers: dict | None = None
+    """The builder's :attr:`KVarNMetadataBuilder.decode_layers`, which a decode step's forward fills."""
+    forward_ran: bool = False
+    """Set by the forward when it runs in Python (an eager step, which commits its own tiles, or a graph
+    capture); a step vLLM replays from a CUDA graph leaves it ``False`` (see the module docstring)."""
 
 
 class _DecodeBuffers:
@@ -699,10 +709,6 @@ class _DecodeBuffers:
         self.sink_slots = torch.full((max_reqs,), -1, dtype=torch.int32, device=device) if sink else None
         # int32: the attention kernel's type, so no cast launch per layer
         self.tail_slots = torch.zeros(max_reqs, dtype=torch.int32, device=device)
-        self.commit_slots = torch.zeros(max_reqs, dtype=torch.int64, device=device)
-        self.commit_blocks = torch.zeros(max_reqs, dtype=torch.int64, device=device)
-        self.commit_first = torch.zeros(max_reqs, dtype=torch.int64, device=device)
-        self.commit_flag = torch.zeros((), dtype=torch.bool, device=device)
 
 
 class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
@@ -764,6 +770,11 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         if self.planner is not None:
             _planners.add(self.planner)
         self.buffers = None
+        self.replay_commit: KVarNMetadata | None = None  # the last decode step that fills tiles (commit_replayed)
+        self.decode_layers: dict[str, tuple] = {}
+        """Layer name -> (impl, layer, vLLM's KV cache tensor, query dtype) of every layer of this group whose
+        forward ran a decode step in Python (a CUDA-graph capture among them): what :meth:`commit_replayed`
+        commits. Held here, so an engine's caches go with its builders."""
         # prompt chunks through pages and flash attention (PagedKV.attend_split) on CUDA; on the CPU the paged
         # reference attention is as fast (tests switch it on to cover the wiring)
         self.prefill_split = torch.device(device).type == "cuda"
@@ -884,6 +895,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         fast_build: bool = False,
     ) -> KVarNMetadata:
         cam = common_attn_metadata
+        self.commit_replayed()
         if self._warm_pending:  # the serving kernels compiled before the first step over the bound cache
             self._warm_pending = False  # first: the rehearsal's own steps come back through this build
             self._warm_pending = not rehearse(self, cam, bookkeeping_paused)
@@ -900,6 +912,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             block_table=block_table,
             plan=None,
             num_slots=self.num_sink_slots + self.num_slots + int(self.per_request),
+            decode_layers=self.decode_layers,
         )
         if self.prefill_split and cam.max_query_len >= PREFILL_MIN_QUERIES:
             # eager prompt chunks: exact lengths (one host sync per such step)
@@ -962,43 +975,51 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         buf.block_mapping[:batch].copy_(tails.mapping)
         meta.block_tails = BlockTails(buf.tables[:batch], buf.block_mapping[:batch], self.tail_rows)
 
+    def commit_replayed(self) -> int:
+        """Commit the tiles the last decode step filled if vLLM replayed that step from a CUDA graph; the
+        number of layers committed (see the module docstring).
+
+        :meth:`build` calls it first, so the commit launches follow the replayed step on the stream
+        and precede the step being built, and read the plan's tensors before the step being built
+        refills any persistent buffer. Only layers whose forward ran in Python (a capture) can have
+        been replayed; each commits with the plan and block tails of that step."""
+        if self.replay_commit is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return 0  # a build inside a capture: not into the graph; the next build outside commits
+        meta, self.replay_commit = self.replay_commit, None
+        if meta is None or meta.forward_ran:
+            return 0
+        done = 0
+        for name in self.layer_names:
+            target = self.decode_layers.get(name)
+            if target is not None:
+                impl, layer, kv_cache, dtype = target
+                impl.commit_step(layer, kv_cache, dtype, meta)
+                done += 1
+        tail_block_steps["replay_commits"] += 1
+        return done
+
     def _decode_shape(self, meta: KVarNMetadata, plan: TilePlan, batch: int) -> None:
         """Copy a decode step's plan into the persistent buffers a captured graph reads."""
         buf = self.buffers
-        nc = plan.commit_slots.numel()
         buf.mapping[:batch].copy_(plan.tail_slot_mapping)
         buf.tail_slots[:batch].copy_(plan.tail_slots)
-        buf.commit_slots[:batch].fill_(-1)  # padding: commit_tiles skips negative slots
-        buf.commit_blocks[:batch].fill_(0)
-        buf.commit_first[:batch].fill_(0)
-        if nc:
-            buf.commit_slots[:nc].copy_(plan.commit_slots)
-            buf.commit_blocks[:nc].copy_(plan.commit_blocks)
-            buf.commit_first[:nc].copy_(plan.commit_first)
-        buf.commit_flag.fill_(nc > 0)
+        if plan.commit_slots.numel():  # committed by the forward, or after a replay (commit_replayed)
+            self.replay_commit = meta
         sink = {}
         if buf.sink_slots is not None:
             buf.sink_mapping[:batch].copy_(plan.sink_slot_mapping)
             buf.sink_slots[:batch].copy_(plan.sink_slots)
             sink = {"sink_slot_mapping": buf.sink_mapping[:batch], "sink_slots": buf.sink_slots[:batch]}
+        # the commit lists stay the plan's own tensors: a graph does not read them, and a commit after a
+        # replay runs before the next step's plan exists
         exact = dataclasses.replace(
             plan,
             **sink,
             tail_slot_mapping=buf.mapping[:batch],
             tail_slots=buf.tail_slots[:batch],
             head_slots=buf.tail_slots[:batch],  # one slot per request: the step's tile is in it
-            commit_slots=buf.commit_slots[:nc],
-            commit_blocks=buf.commit_blocks[:nc],
-            commit_first=buf.commit_first[:nc],
         )
-        meta.plan = exact
-        meta.graph_plan = dataclasses.replace(
-            exact,
-            commit_slots=buf.commit_slots[:batch],
-            commit_blocks=buf.commit_blocks[:batch],
-            commit_first=buf.commit_first[:batch],
-        )
-        meta.commit_flag = buf.commit_flag
+        meta.plan = meta.graph_plan = exact
         meta.decode = True
 
 
@@ -1046,30 +1067,9 @@ def flash_varlen() -> VarlenAttention | None:
     return _flash[0]
 
 
-_warned_unconditional = [False]
-
-
-@contextlib.contextmanager
-def _captured_if(flag: torch.Tensor):
-    """While a CUDA graph is being captured, capture the body as a conditional node on ``flag``.
-
-    Without conditional nodes (older torch) the body is captured unconditionally: the padded
-    commit then launches on every replay, and its padding entries (slot ``-1``) exit at once.
-    """
-    graph_cls = torch.cuda.CUDAGraph
-    get = getattr(graph_cls, "get_currently_capturing_graph", None)
-    graph = get() if get is not None else None
-    if graph is None or not hasattr(graph, "begin_capture_to_if_node"):
-        if not _warned_unconditional[0]:
-            _warned_unconditional[0] = True
-            logger.warning("KVarN: this torch has no CUDA-graph conditional nodes; decode graphs commit every step")
-        yield
-        return
-    graph.begin_capture_to_if_node(flag)
-    try:
-        yield
-    finally:
-        graph.end_capture_to_conditional_node()
+def _capturing(query: torch.Tensor) -> bool:
+    """Whether this forward is being captured into a CUDA graph (tests stand in for a capture on the CPU)."""
+    return query.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
@@ -1175,15 +1175,17 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
             self._pool(layer, self.pool_slots, query.dtype, query.device)
             return output.fill_(0)
         meta = attn_metadata
+        meta.forward_ran = True  # this step commits its own tiles here, or is a capture (commit_replayed)
         n = meta.num_actual_tokens
-        capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
+        capturing = _capturing(query)
         plan = meta.plan
         if capturing:
             if meta.graph_plan is None:
                 raise RuntimeError("the KVarN backend captures CUDA graphs of single-token decode batches only")
             plan = meta.graph_plan
-        tail_k, tail_v = self._pool(layer, meta.num_slots, query.dtype, query.device)
-        paged = PagedKV(self.cfg, self._records(kv_cache), tail_k, tail_v, num_sink_slots=self.num_sink_slots)
+        paged = self._paged(layer, kv_cache, meta.num_slots, query.dtype)
+        if meta.decode and meta.decode_layers is not None:
+            meta.decode_layers[getattr(layer, "layer_name", "")] = (self, layer, kv_cache, query.dtype)
         k = v = None
         if key is not None and value is not None:
             k = key[:n].view(n, self.num_kv_heads, self.head_size)
@@ -1195,10 +1197,7 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
             paged.gather_tails(meta.tails[0])
         if stored:
             paged.write_tail(plan, k, v)
-            if capturing:
-                with _captured_if(meta.commit_flag):
-                    paged.commit(plan)
-            else:
+            if not capturing:  # a captured step's tiles are committed after its replays (commit_replayed)
                 paged.commit(plan)
             paged.store_whole(plan, k, v)
         q = query[:n].view(n, self.num_heads, self.head_size)
@@ -1221,19 +1220,33 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
                 paged.scatter_tails(meta.tails[1])
         return output
 
+    def _paged(self, layer, kv_cache: torch.Tensor, num_slots: int, dtype: torch.dtype) -> PagedKV:
+        """The layer's cache as :class:`kvarn.paged.PagedKV`: vLLM's pages and the layer's (or the step's) pool."""
+        tail_k, tail_v = self._pool(layer, num_slots, dtype, kv_cache.device)
+        return PagedKV(self.cfg, self._records(kv_cache), tail_k, tail_v, num_sink_slots=self.num_sink_slots)
+
+    def commit_step(self, layer, kv_cache: torch.Tensor, dtype: torch.dtype, meta: KVarNMetadata) -> None:
+        """Commit the tiles decode step ``meta`` filled in this layer (``dtype``: its forward's), that forward
+        having been replayed from a CUDA graph (:meth:`KVarNMetadataBuilder.commit_replayed`)."""
+        if not kv_cache.numel():
+            return
+        paged = self._paged(layer, kv_cache, meta.num_slots, dtype)
+        if meta.block_tails is not None:
+            paged.commit_block_tails(meta.plan, meta.block_tails)
+        else:
+            paged.commit(meta.plan)
+
     def _decode_in_blocks(self, layer, paged: PagedKV, meta: KVarNMetadata, plan, query, k, v, output, capturing: bool):
         """:meth:`forward` of a decode step with tails in the blocks (:meth:`KVarNMetadataBuilder._decode_in_blocks`):
-        the token into its block row, the filled tiles committed (a conditional node in a graph), attention
-        reading the own tiles from the blocks; nothing goes through the step pool but a committed tile."""
+        the token into its block row, the filled tiles committed (eagerly; after a graph's replay by the
+        builder's next build), attention reading the own tiles from the blocks; nothing goes through the step
+        pool but a committed tile."""
         n, tails = meta.num_actual_tokens, meta.block_tails
         if not paged.cache.numel():
             return output.fill_(0)
         if k is not None:
             paged.write_block_tails(tails, k, v)
-            if capturing:
-                with _captured_if(meta.commit_flag):
-                    paged.commit_block_tails(plan, tails)
-            elif plan.commit_slots.numel():
+            if not capturing and plan.commit_slots.numel():  # else after a replay (commit_replayed)
                 paged.commit_block_tails(plan, tails)
         q = query[:n].view(n, self.num_heads, self.head_size)
         dst = output[:n].view(q.shape) if output.dtype == q.dtype else None
