@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import weakref
 from types import SimpleNamespace
 from unittest import mock
 
@@ -578,9 +579,9 @@ def test_request_slots_decode_steps_fill_the_persistent_graph_buffers(preset):
     assert meta.plan.commit_slots.tolist() == [sim.index[a]]
     assert meta.graph_plan.commit_blocks.tolist() == [first_a]
     assert meta.graph_plan.commit_first.tolist() == [first_a]
-    assert sim.builder.replay_commit is meta and meta.forward_ran  # ran eagerly: the next build commits nothing
+    assert sim.builder.replay_commits == [meta] and meta.forward_ran  # ran eagerly: the next build commits nothing
     sim.step({a: 1, b: 1})
-    assert sim.builder.replay_commit is None and sim.last_meta.graph_plan.commit_slots.numel() == 0
+    assert not sim.builder.replay_commits and sim.last_meta.graph_plan.commit_slots.numel() == 0
     sim.step({a: 62, b: 1})  # a: 65 -> 127, a mixed step
     sim.step({a: 1, b: 1})  # a's second tile completes in a decode step: its vector comes from its first block
     graph = sim.last_meta.graph_plan
@@ -606,7 +607,7 @@ def test_a_tile_a_replayed_decode_step_fills_is_committed_by_the_next_build(pres
     sim.step({a: 1, b: 1})  # replayed: fills a's first tile
     block = sim.reqs[a]["blocks"][0]
     cache = sim.kv_cache.view(sim.kv_cache.shape[0], HKV, -1)
-    assert sim.builder.replay_commit is sim.last_meta and not cache[block].any()
+    assert sim.builder.replay_commits == [sim.last_meta] and not cache[block].any()
     sim.step({a: 1, b: 1})  # its build commits the tile; the step checks every full tile's record
     assert backend_mod.tail_block_steps["replay_commits"] == before + 1 and cache[block].any()
     for _ in range(3):
@@ -614,9 +615,20 @@ def test_a_tile_a_replayed_decode_step_fills_is_committed_by_the_next_build(pres
     sim.step({b: 102, a: 59})  # prompt chunks: a step whose forward runs in Python
     sim.replay = False
     sim.step({a: 1, b: 1})  # a and b: 128, both tiles filled and committed by the forward
-    assert sim.builder.replay_commit is sim.last_meta and sim.last_meta.forward_ran
-    sim.step({a: 1, b: 1})
+    assert sim.builder.replay_commits == [sim.last_meta] and sim.last_meta.forward_ran
+    sim.replay = True
+    sim.step({a: 1, b: 1})  # its build commits nothing again
     assert backend_mod.tail_block_steps["replay_commits"] == before + 1
+    sim.step({a: 62, b: 62})  # 191
+    sim.step({a: 1, b: 1})  # replayed: fills both rows' third tiles
+    blocks = [sim.reqs[r]["blocks"][2] for r in (a, b)]
+    assert not cache[blocks].any()
+    # the plugin's execute_model wrapper commits first (before vLLM's copy-on-write block copies): here by hand
+    with mock.patch.object(backend_mod, "_graph_builders", weakref.WeakSet([sim.builder])):
+        assert backend_mod.commit_replayed_steps() == 1  # one layer
+    assert cache[blocks[0]].any() and cache[blocks[1]].any() and not sim.builder.replay_commits
+    sim.step({a: 1, b: 1})  # checks those records; nothing left to commit
+    assert backend_mod.tail_block_steps["replay_commits"] == before + 2
 
 
 def test_a_chunk_that_completes_a_tile_and_starts_another_reuses_its_slot_after_the_commit():

@@ -438,6 +438,7 @@ def test_the_gpu_runner_hooks_hand_the_sink_rows_ids_and_scheduler_outputs(monke
     (each real step's scheduler output, before the original runs; dummy runs pass untouched)."""
     import sys
     import types
+    import weakref
 
     import numpy as np
 
@@ -469,6 +470,14 @@ def test_the_gpu_runner_hooks_hand_the_sink_rows_ids_and_scheduler_outputs(monke
     monkeypatch.setitem(backend_mod._step, "hooked", False)
     monkeypatch.setitem(backend_mod._step, "scheduler_hooked", False)
     monkeypatch.setattr(backend_mod, "_sink_book", backend_mod.SinkBook())
+
+    class Builder:  # a graph builder: the tiles its replayed steps filled are committed before the step runs
+        def commit_replayed(self):
+            calls.append(("commit", None))
+            return 0
+
+    builder = Builder()
+    monkeypatch.setattr(backend_mod, "_graph_builders", weakref.WeakSet([builder]))
     sinks = SinkSlots(4, 64)
     backend_mod._sink_book.pools.add(sinks)
     sinks.assign([(0, 9, 0)], 1)  # block 9 held a first tile before; the scheduler now hands it out fresh
@@ -485,6 +494,7 @@ def test_the_gpu_runner_hooks_hand_the_sink_rows_ids_and_scheduler_outputs(monke
         num_scheduled_tokens={"a": 70},
     )
     assert Runner().execute_model(output) == "out"
+    assert calls[-2] == ("commit", None)  # before vLLM's execute_model (its copy-on-write block copies)
     assert calls[-1] == ("execute", {"a": (4,)}) and sinks.live == {}  # block 9 (past the 64-token hit) is fresh
     assert backend_mod._sink_book.group_of == {"l0": 0} and backend_mod._sink_book.scheduled == {"a"}
     Runner().execute_model(SimpleNamespace(), None, True)  # a dummy run: not read

@@ -36,14 +36,17 @@ batch it writes the plan into persistent device tensors of fixed size: the tail 
 row's slot (with tails in blocks: each row's tail blocks and its token's block row). The captured
 forward writes the tail and attends; nothing in it reads a value on the host, and it commits
 nothing. A decode step fills a tile in one step of ``G``, and the builder knows which on the host:
-when vLLM replays such a step from its graph (the forward did not run in Python), the builder's
-next :meth:`~KVarNMetadataBuilder.build`, whatever step it builds, first commits those tiles for
-every layer of its group (:meth:`KVarNMetadataBuilder.commit_replayed`), on the stream, after the
-replayed step and before anything of the next step reads the records. The step's own attention
-did not need them (it reads its own tile from the slot or the blocks), and nothing else reads or
-overwrites them in between. A commit captured in the graph would launch on every replay (torch
-2.11 has no conditional graph nodes): two launches a layer a step whose programs exit at once, 1.8 µs
-of kernel time a layer at batch 1 on the H200, more with the batch.
+when vLLM replays such a step from its graph (the forward did not run in Python), those tiles are
+committed for every layer of the builder's group (:meth:`KVarNMetadataBuilder.commit_replayed`) by
+the next step, first thing: the plugin's wrapper of the GPU runner's ``execute_model``
+(:func:`commit_replayed_steps`, before vLLM applies the step's copy-on-write block copies, which
+may copy such a block), and the builder's next :meth:`~KVarNMetadataBuilder.build` where that
+wrapper is missing. On the stream this is after the replayed step and before anything of the
+next step reads the records. The step's own attention did not need them (it reads its own tile
+from the slot or the blocks), and nothing else reads or overwrites them in between. A commit
+captured in the graph would launch on every replay (torch 2.11 has no conditional graph nodes):
+two launches a layer a step whose programs exit at once, 1.8 µs of kernel time a layer at batch 1
+on the H200, more with the batch.
 
 Sink (``--kv-cache-dtype kvarn_..._sink``). The first tile of every sequence is also kept in full
 precision in a sink slot keyed by the block id of that first tile (:class:`kvarn.paged.SinkSlots`),
@@ -337,6 +340,20 @@ def note_schedule(scheduler_output, runner=None) -> None:
 
 
 _planners: weakref.WeakSet[TilePlanner] = weakref.WeakSet()
+_graph_builders: weakref.WeakSet = weakref.WeakSet()
+"""Metadata builders of CUDA-graph decode steps, whose replayed steps' commits :func:`commit_replayed_steps` runs."""
+
+
+def commit_replayed_steps() -> int:
+    """Run every builder's pending commits of replayed decode steps now (:meth:`KVarNMetadataBuilder.commit_replayed`).
+
+    The plugin calls it first thing in the GPU runner's ``execute_model``: before vLLM applies the step's
+    copy-on-write block copies (a prefix hit that ends inside a block copies that block before the step's
+    metadata is built, so a tile a replayed step filled must be committed by then). Returns the number of
+    layers committed."""
+    return sum(b.commit_replayed() for b in list(_graph_builders))
+
+
 """Every block-keyed planner of this process (one per KV-cache group), for :func:`release_request_tails`."""
 _HOOK_MARK = "_kvarn_releases_tails"
 
@@ -770,7 +787,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         if self.planner is not None:
             _planners.add(self.planner)
         self.buffers = None
-        self.replay_commit: KVarNMetadata | None = None  # the last decode step that fills tiles (commit_replayed)
+        self.replay_commits: list[KVarNMetadata] = []  # decode steps that fill tiles (commit_replayed)
         self.decode_layers: dict[str, tuple] = {}
         """Layer name -> (impl, layer, vLLM's KV cache tensor, query dtype) of every layer of this group whose
         forward ran a decode step in Python (a CUDA-graph capture among them): what :meth:`commit_replayed`
@@ -783,6 +800,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             size = max(int(sched.max_num_batched_tokens), int(sched.max_num_seqs))
             sink = self.sinks is not None
             self.buffers = _DecodeBuffers(size, size, device, sink=sink, tail_blocks=self.tail_blocks)
+            _graph_builders.add(self)
         self._warm_pending = bool(self.tail_rows) and warmup_wanted(device)  # warmup.rehearse before a first step
         self._log_capacity(vllm_config, kv_cache_spec, len(layer_names))
 
@@ -899,6 +917,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         if self._warm_pending:  # the serving kernels compiled before the first step over the bound cache
             self._warm_pending = False  # first: the rehearsal's own steps come back through this build
             self._warm_pending = not rehearse(self, cam, bookkeeping_paused)
+            self.replay_commits.clear()  # the rehearsal's (its forwards ran; a failed one's are of its scratch cache)
         batch = cam.num_reqs
         decode_probe.note_build(self.layer_names)
         lens_cpu = cam.seq_lens_cpu_upper_bound
@@ -979,23 +998,24 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         """Commit the tiles the last decode step filled if vLLM replayed that step from a CUDA graph; the
         number of layers committed (see the module docstring).
 
-        :meth:`build` calls it first, so the commit launches follow the replayed step on the stream
-        and precede the step being built, and read the plan's tensors before the step being built
-        refills any persistent buffer. Only layers whose forward ran in Python (a capture) can have
-        been replayed; each commits with the plan and block tails of that step."""
-        if self.replay_commit is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return 0  # a build inside a capture: not into the graph; the next build outside commits
-        meta, self.replay_commit = self.replay_commit, None
-        if meta is None or meta.forward_ran:
-            return 0
+        :func:`commit_replayed_steps` (the plugin's ``execute_model`` wrapper) and :meth:`build` call it
+        first, so the commit launches follow the replayed step on the stream and precede the next
+        step's work, and read the plan's tensors before the step being built refills any persistent
+        buffer. Only layers whose forward ran in Python (a capture) can have been replayed; each
+        commits with the plan and block tails of that step."""
+        if not self.replay_commits or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            return 0  # nothing pending, or a build inside a capture: not into the graph; a later call commits
+        pending = [m for m in self.replay_commits if not m.forward_ran]
+        self.replay_commits.clear()
         done = 0
-        for name in self.layer_names:
-            target = self.decode_layers.get(name)
-            if target is not None:
-                impl, layer, kv_cache, dtype = target
-                impl.commit_step(layer, kv_cache, dtype, meta)
-                done += 1
-        tail_block_steps["replay_commits"] += 1
+        for meta in pending:
+            for name in self.layer_names:
+                target = self.decode_layers.get(name)
+                if target is not None:
+                    impl, layer, kv_cache, dtype = target
+                    impl.commit_step(layer, kv_cache, dtype, meta)
+                    done += 1
+            tail_block_steps["replay_commits"] += 1
         return done
 
     def _decode_shape(self, meta: KVarNMetadata, plan: TilePlan, batch: int) -> None:
@@ -1004,7 +1024,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         buf.mapping[:batch].copy_(plan.tail_slot_mapping)
         buf.tail_slots[:batch].copy_(plan.tail_slots)
         if plan.commit_slots.numel():  # committed by the forward, or after a replay (commit_replayed)
-            self.replay_commit = meta
+            self.replay_commits.append(meta)
         sink = {}
         if buf.sink_slots is not None:
             buf.sink_mapping[:batch].copy_(plan.sink_slot_mapping)
@@ -1184,8 +1204,11 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
                 raise RuntimeError("the KVarN backend captures CUDA graphs of single-token decode batches only")
             plan = meta.graph_plan
         paged = self._paged(layer, kv_cache, meta.num_slots, query.dtype)
-        if meta.decode and meta.decode_layers is not None:
-            meta.decode_layers[getattr(layer, "layer_name", "")] = (self, layer, kv_cache, query.dtype)
+        name = getattr(layer, "layer_name", None)
+        if capturing and not name:
+            raise RuntimeError("the KVarN backend captures decode steps of layers with a layer_name only")
+        if meta.decode and meta.decode_layers is not None and name:  # (the rehearsal's stub layer has none)
+            meta.decode_layers[name] = (self, layer, kv_cache, query.dtype)
         k = v = None
         if key is not None and value is not None:
             k = key[:n].view(n, self.num_kv_heads, self.head_size)

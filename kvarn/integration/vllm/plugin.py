@@ -233,14 +233,16 @@ def install_runner_hook() -> bool:
 
 
 def install_scheduler_hook() -> bool:
-    """Wrap the GPU model runner's (V2) ``execute_model`` to hand each real step's scheduler output to the sink.
+    """Wrap the GPU model runner's (V2) ``execute_model``: commit the tiles replayed decode steps filled
+    (:func:`kvarn.integration.vllm.backend.commit_replayed_steps`, before the step's copy-on-write block
+    copies, which vLLM applies first), then hand each real step's scheduler output to the sink.
 
     Returns whether the hook is in place. Dummy runs (``dummy_run=True``: profiling, CUDA-graph
-    capture) are not real steps and pass untouched.
+    capture) are not real steps and pass untouched, but for those commits.
     """
     import importlib
 
-    from kvarn.integration.vllm.backend import mark_scheduler_hooked, note_schedule
+    from kvarn.integration.vllm.backend import commit_replayed_steps, mark_scheduler_hooked, note_schedule
 
     try:
         cls = importlib.import_module("vllm.v1.worker.gpu.model_runner").GPUModelRunner
@@ -252,6 +254,7 @@ def install_scheduler_hook() -> bool:
     if not getattr(original, _HOOK_MARK, False):
 
         def execute_model(self, scheduler_output, *args, _original=original, **kwargs):
+            commit_replayed_steps()
             dummy = kwargs.get("dummy_run", args[1] if len(args) > 1 else False)
             if not dummy and scheduler_output is not None:
                 note_schedule(scheduler_output, self)
