@@ -340,6 +340,7 @@ def note_schedule(scheduler_output, runner=None) -> None:
 
 
 _planners: weakref.WeakSet[TilePlanner] = weakref.WeakSet()
+"""Every block-keyed planner of this process (one per KV-cache group), for :func:`release_request_tails`."""
 _graph_builders: weakref.WeakSet = weakref.WeakSet()
 """Metadata builders of CUDA-graph decode steps, whose replayed steps' commits :func:`commit_replayed_steps` runs."""
 
@@ -350,11 +351,10 @@ def commit_replayed_steps() -> int:
     The plugin calls it first thing in the GPU runner's ``execute_model``: before vLLM applies the step's
     copy-on-write block copies (a prefix hit that ends inside a block copies that block before the step's
     metadata is built, so a tile a replayed step filled must be committed by then). Returns the number of
-    layers committed."""
+    layer commits."""
     return sum(b.commit_replayed() for b in list(_graph_builders))
 
 
-"""Every block-keyed planner of this process (one per KV-cache group), for :func:`release_request_tails`."""
 _HOOK_MARK = "_kvarn_releases_tails"
 
 
@@ -995,8 +995,8 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         meta.block_tails = BlockTails(buf.tables[:batch], buf.block_mapping[:batch], self.tail_rows)
 
     def commit_replayed(self) -> int:
-        """Commit the tiles the last decode step filled if vLLM replayed that step from a CUDA graph; the
-        number of layers committed (see the module docstring).
+        """Commit the tiles that the pending decode steps filled, those vLLM replayed from a CUDA graph; the
+        number of layer commits (see the module docstring).
 
         :func:`commit_replayed_steps` (the plugin's ``execute_model`` wrapper) and :meth:`build` call it
         first, so the commit launches follow the replayed step on the stream and precede the next
