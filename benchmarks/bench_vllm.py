@@ -424,16 +424,20 @@ class JitLog:
         return {"compiles": len(new), "seconds": round(sum(t for _, t in new), 1), "kernels": kernels}
 
 
+def _random_prompt(rng: random.Random, shape: str, n: int) -> dict:
+    """``n`` random token ids of ``shape``'s vocabulary (below 100,000, above the first 100) as a prompt."""
+    vocab = min(100000, SHAPES[shape]["vocab_size"])
+    return {"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(n)]}
+
+
 def bench(shape: str, kv: str, out_path: str) -> int:
     from vllm import SamplingParams
 
     rng = random.Random(0)
     res = {"model": shape, "kv_cache_dtype": kv}
 
-    vocab = min(100000, SHAPES[shape]["vocab_size"])
-
     def prompt(n):
-        return {"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(n)]}
+        return _random_prompt(rng, shape, n)
 
     def save():
         print(json.dumps(res), flush=True)
@@ -533,8 +537,7 @@ def steps(shape: str, kv: str, out_path: str) -> int:
     timed_build(FlashAttentionMetadataBuilder)
     timed_build(KVarNMetadataBuilder)
     rng = random.Random(0)
-    vocab = min(100000, SHAPES[shape]["vocab_size"])
-    prompts = [{"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(ctx)]} for _ in range(batch)]
+    prompts = [_random_prompt(rng, shape, ctx) for _ in range(batch)]
     # STEPS_MAX_LEN / STEPS_MAX_SEQS: the engine's limits (defaults: the prompt + 512, the batch or 8)
     max_len = int(os.environ.get("STEPS_MAX_LEN", ctx + 512))
     max_seqs = int(os.environ.get("STEPS_MAX_SEQS", max(8, batch)))

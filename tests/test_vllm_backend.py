@@ -573,22 +573,22 @@ def test_request_slots_decode_steps_fill_the_persistent_graph_buffers(preset):
     meta = sim.last_meta
     buf = sim.builder.buffers
     first_a = sim.reqs[a]["blocks"][0]
-    assert meta.decode and meta.graph_plan is not None
-    assert meta.graph_plan.tail_slot_mapping.data_ptr() == buf.mapping.data_ptr()
-    assert meta.graph_plan.tail_slots.data_ptr() == buf.tail_slots.data_ptr()
+    assert meta.decode and meta.graph_ready
+    assert meta.plan.tail_slot_mapping.data_ptr() == buf.mapping.data_ptr()
+    assert meta.plan.tail_slots.data_ptr() == buf.tail_slots.data_ptr()
     assert meta.plan.commit_slots.tolist() == [sim.index[a]]
-    assert meta.graph_plan.commit_blocks.tolist() == [first_a]
-    assert meta.graph_plan.commit_first.tolist() == [first_a]
+    assert meta.plan.commit_blocks.tolist() == [first_a]
+    assert meta.plan.commit_first.tolist() == [first_a]
     assert sim.builder.replay_commits == [meta] and meta.forward_ran  # ran eagerly: the next build commits nothing
     sim.step({a: 1, b: 1})
-    assert not sim.builder.replay_commits and sim.last_meta.graph_plan.commit_slots.numel() == 0
+    assert not sim.builder.replay_commits and sim.last_meta.plan.commit_slots.numel() == 0
     sim.step({a: 62, b: 1})  # a: 65 -> 127, a mixed step
     sim.step({a: 1, b: 1})  # a's second tile completes in a decode step: its vector comes from its first block
-    graph = sim.last_meta.graph_plan
+    graph = sim.last_meta.plan
     assert graph.commit_blocks.tolist() == [sim.reqs[a]["blocks"][1]]
     assert graph.commit_first.tolist() == [first_a]
     sim.step({a: 70})
-    assert not sim.last_meta.decode and sim.last_meta.graph_plan is None
+    assert not sim.last_meta.decode and not sim.last_meta.graph_ready
 
 
 @pytest.mark.parametrize("preset", ["kvarn_k4v2_g64", "kvarn_k4v2_g64_ks", "kvarn_k4v2_g64_sink"])
@@ -608,6 +608,11 @@ def test_a_tile_a_replayed_decode_step_fills_is_committed_by_the_next_build(pres
     block = sim.reqs[a]["blocks"][0]
     cache = sim.kv_cache.view(sim.kv_cache.shape[0], HKV, -1)
     assert sim.builder.replay_commits == [sim.last_meta] and not cache[block].any()
+    with (  # a build inside a graph capture commits nothing (it would go into the graph) and keeps the step
+        mock.patch.object(torch.cuda, "is_available", lambda: True),
+        mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: True),
+    ):
+        assert sim.builder.commit_replayed() == 0 and sim.builder.replay_commits == [sim.last_meta]
     sim.step({a: 1, b: 1})  # its build commits the tile; the step checks every full tile's record
     assert backend_mod.tail_block_steps["replay_commits"] == before + 1 and cache[block].any()
     for _ in range(3):
@@ -629,6 +634,18 @@ def test_a_tile_a_replayed_decode_step_fills_is_committed_by_the_next_build(pres
     assert cache[blocks[0]].any() and cache[blocks[1]].any() and not sim.builder.replay_commits
     sim.step({a: 1, b: 1})  # checks those records; nothing left to commit
     assert backend_mod.tail_block_steps["replay_commits"] == before + 2
+
+
+def test_a_captured_layer_without_a_name_is_refused():
+    """Tiles a replayed step filled are committed per layer name: a capture of a layer without one would leave
+    them uncommitted, so it raises."""
+    sim = Sim("kvarn_k4v2_g64", torch.bfloat16, seed=19, max_num_seqs=4, request_slots=True)
+    sim.pad, sim.replay = False, True
+    a = sim.add(100)
+    sim.step({a: 10})
+    sim.layer.layer_name = None
+    with pytest.raises(RuntimeError, match="layer_name"):
+        sim.step({a: 1})
 
 
 def test_a_chunk_that_completes_a_tile_and_starts_another_reuses_its_slot_after_the_commit():
@@ -776,8 +793,8 @@ def test_request_slots_sink_decode_steps_fill_the_persistent_graph_buffers():
     sim.step({a: 63, b: 10})
     sim.step({a: 1, b: 1})  # a's token 63 completes its first tile: written to its sink too
     meta, buf = sim.last_meta, sim.builder.buffers
-    assert meta.decode and meta.graph_plan.sink_slots.data_ptr() == buf.sink_slots.data_ptr()
-    assert meta.graph_plan.sink_slot_mapping.data_ptr() == buf.sink_mapping.data_ptr()
+    assert meta.decode and meta.plan.sink_slots.data_ptr() == buf.sink_slots.data_ptr()
+    assert meta.plan.sink_slot_mapping.data_ptr() == buf.sink_mapping.data_ptr()
     live = sim.builder.sinks.live
     sink_a, sink_b = live[sim.reqs[a]["blocks"][0]], live[sim.reqs[b]["blocks"][0]]
     assert sink_a != sink_b and max(sink_a, sink_b) < sim.builder.num_sink_slots
@@ -808,7 +825,7 @@ def test_request_slots_sink_decode_steps_fill_the_persistent_graph_buffers():
         seq_lens_cpu_upper_bound=lens,
     )
     dummy = sim.builder.build(0, cam)
-    assert dummy.graph_plan.sink_slots.tolist() == [-1, -1] and dummy.plan.sink_slot_mapping.tolist() == [-1, -1]
+    assert dummy.plan.sink_slots.tolist() == [-1, -1] and dummy.plan.sink_slot_mapping.tolist() == [-1, -1]
     # a real request the scheduler output named but whose first block was never recorded
     backend_mod._sink_book.scheduled.add("req_0_unknown")
     set_step_rows(np.array([0, 1]), qsl.numpy(), ["req_0_unknown", "req_1_dummy"])

@@ -530,7 +530,7 @@ def commit_tiles(
 ) -> None:
     """Quantize full pool tiles ``tail_*[tail_slots[i]]`` (``[num_slots, G, Hkv, D]``) into ``cache[block_ids[i]]``.
 
-    Entries with a negative slot are skipped: their programs exit at once (padded commit lists).
+    Entries with a negative slot are skipped: their programs exit at once (a fixed-size list's padding).
     ``smooth_src: [N]`` as in :func:`kvarn.reference.commit_tiles` (per-sequence smoothing only).
     """
     check_cache(cache, cfg)

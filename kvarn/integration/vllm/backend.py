@@ -688,7 +688,7 @@ class KVarNMetadata(AttentionMetadata):
 
     ``query_start_loc: [B + 1]``, ``seq_lens: [B]``, ``block_table: [B, max_blocks]`` as vLLM
     gives them; ``plan`` from the planner; ``num_slots`` slots in each layer's pool. For a
-    decode batch on the GPU runner also ``graph_plan`` (``plan`` with the persistent tensors a
+    decode batch on the GPU runner also ``graph_ready`` (``plan`` holds the persistent tensors a
     captured graph reads) and ``decode`` (one query per row). ``prefill``: on CUDA, the requests of
     a step with prompt chunks that attend through pages and one varlen call
     (:func:`kvarn.paged.split_prefill`).
@@ -700,7 +700,7 @@ class KVarNMetadata(AttentionMetadata):
     block_table: torch.Tensor
     plan: TilePlan
     num_slots: int
-    graph_plan: TilePlan | None = None
+    graph_ready: bool = False
     decode: bool = False
     prefill: PrefillSplit | None = None
     tails: tuple[TailRows, TailRows] | None = None
@@ -1039,7 +1039,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             tail_slots=buf.tail_slots[:batch],
             head_slots=buf.tail_slots[:batch],  # one slot per request: the step's tile is in it
         )
-        meta.plan = meta.graph_plan = exact
+        meta.plan, meta.graph_ready = exact, True
         meta.decode = True
 
 
@@ -1199,14 +1199,12 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
         n = meta.num_actual_tokens
         capturing = _capturing(query)
         plan = meta.plan
-        if capturing:
-            if meta.graph_plan is None:
-                raise RuntimeError("the KVarN backend captures CUDA graphs of single-token decode batches only")
-            plan = meta.graph_plan
-        paged = self._paged(layer, kv_cache, meta.num_slots, query.dtype)
         name = getattr(layer, "layer_name", None)
-        if capturing and not name:
+        if capturing and not meta.graph_ready:
+            raise RuntimeError("the KVarN backend captures CUDA graphs of single-token decode batches only")
+        if capturing and not name:  # its tiles are committed after replays by name (commit_replayed)
             raise RuntimeError("the KVarN backend captures decode steps of layers with a layer_name only")
+        paged = self._paged(layer, kv_cache, meta.num_slots, query.dtype)
         if meta.decode and meta.decode_layers is not None and name:  # (the rehearsal's stub layer has none)
             meta.decode_layers[name] = (self, layer, kv_cache, query.dtype)
         k = v = None
