@@ -137,7 +137,10 @@ def _tokens(outs):
 
 
 CHECK_ENGINE = dict(gpu_memory_utilization=0.15, max_model_len=4096, max_num_seqs=32, max_num_batched_tokens=200)
-"""Engine settings of ``check``: chunks of 200 tokens end inside tiles."""
+"""Engine settings of ``check``: chunks of 200 tokens end inside tiles. ``CHECK_ENGINE_JSON`` (a JSON object) adds
+or overrides engine arguments for every engine of ``check``, e.g. ``{"block_size": 256, "prefix_match_unit": 128}``:
+prefix hits that end inside a block of two tiles, so vLLM copies the block on write."""
+CHECK_ENGINE |= json.loads(os.environ.get("CHECK_ENGINE_JSON", "{}"))
 
 
 def agree(a, b) -> float:
