@@ -6,7 +6,7 @@ PY ?= $(VENV)/bin/python
 BENCH_OUT ?= bench-out
 BENCH_ARGS ?=
 
-.PHONY: setup demo report test lint format clean gpu-test bench
+.PHONY: setup demo report test lint format clean gpu-test bench gpu-triton
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	VENV=$(VENV) bash scripts/setup.sh
@@ -39,5 +39,14 @@ bench:
 	PYTHONPATH=. $(PY) benchmarks/bench_decode.py --out $(BENCH_OUT)/decode.json $(BENCH_ARGS)
 	PYTHONPATH=. $(PY) benchmarks/bench_store.py --out $(BENCH_OUT)/store.json
 
+# The GPU machine's Triton (3.6; CI and .venv have 3.9) in its own venv, for offline SASS reads with no GPU:
+# `PYTHONPATH=. $(GPU_TRITON_VENV)/bin/python benchmarks/sass_decode.py ...`. The two compilers' register
+# allocation differs (benchmarks/RESULTS.md, session 31), so read what the H200 will run.
+GPU_TRITON ?= 3.6.0
+GPU_TRITON_VENV ?= .venv-gpu-triton
+gpu-triton:
+	python3 -m venv $(GPU_TRITON_VENV)
+	$(GPU_TRITON_VENV)/bin/python -m pip install -q "torch==2.13.0" "triton==$(GPU_TRITON)" numpy einops
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(GPU_TRITON_VENV) .pytest_cache .ruff_cache .hypothesis
