@@ -96,9 +96,10 @@ def test_unservable_layers_are_refused_with_what_to_change(overrides, advice):
     assert advice in str(err.value)
 
 
-def _run(block_size=128, user_block=False, unit=None, spec=None, dbo=False):
+def _run(block_size=128, user_block=False, unit=None, spec=None, dbo=False, dp=1):
     cache = SimpleNamespace(block_size=block_size, user_specified_block_size=user_block, prefix_match_unit=unit)
-    return SimpleNamespace(cache_config=cache, speculative_config=spec, parallel_config=SimpleNamespace(enable_dbo=dbo))
+    parallel = SimpleNamespace(enable_dbo=dbo, data_parallel_size=dp)
+    return SimpleNamespace(cache_config=cache, speculative_config=spec, parallel_config=parallel)
 
 
 @pytest.mark.parametrize(
@@ -108,6 +109,7 @@ def _run(block_size=128, user_block=False, unit=None, spec=None, dbo=False):
         (_run(unit=64), "multiple of 128"),
         (_run(spec=object()), "drop --speculative-config"),
         (_run(dbo=True), "drop --enable-dbo"),
+        (_run(dp=2), "drop --data-parallel-size"),  # idle ranks' dummy batches would write into cached blocks
     ],
 )
 def test_unservable_runs_are_refused_with_what_to_change(run, advice):

@@ -255,6 +255,14 @@ def run_problems(vllm_config, preset: str) -> list[str]:
         )
     if getattr(vllm_config.parallel_config, "enable_dbo", False):
         problems.append("dual-batch overlap splits one step over two metadata builders; drop --enable-dbo")
+    dp = getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1
+    if dp > 1:
+        problems.append(
+            f"data parallelism (--data-parallel-size {dp}) runs dummy batches on idle ranks over the block tables "
+            "of earlier steps, and KVarN places a step's tokens by the sequence lengths and block tables, not by "
+            "vLLM's padding slot mapping, so it would write into blocks of the prefix cache; drop "
+            "--data-parallel-size (one server a device)"
+        )
     scheduler = getattr(vllm_config, "scheduler_config", None)
     if scheduler is not None and getattr(scheduler, "max_num_seqs", None) is not None:
         try:
