@@ -503,3 +503,102 @@ def test_the_gpu_runner_hooks_hand_the_sink_rows_ids_and_scheduler_outputs(monke
     output.finished_req_ids, output.scheduled_new_reqs = {"a"}, []
     Runner().execute_model(output)
     assert calls[-1] == ("execute", {})
+
+
+def test_a_decode_batch_admitting_a_prefix_hit_is_not_replayed_from_the_full_graph(monkeypatch, caplog):
+    """vLLM caches a block in the step that computes it, so a request admitted through a prefix hit into a
+    single-token batch may read a tile that another row fills in that step; replayed from the full graph,
+    the step commits that tile only at the next step. The plugin has vLLM dispatch such a step (and only
+    such a step) as one of mixed query lengths: piecewise graphs or eager, whose forward commits first."""
+    import sys
+    import types
+    import weakref
+
+    from kvarn.integration.vllm import backend as backend_mod
+    from kvarn.integration.vllm import plugin
+
+    class Manager:  # vLLM 0.26's ModelCudaGraphManager.dispatch: a full graph only for uniform batches
+        def dispatch(self, num_reqs, num_tokens, uniform_token_count, num_active_loras):
+            return "FULL" if uniform_token_count == 1 else "PIECEWISE"
+
+    class Runner:
+        def __init__(self, manager):
+            self.cudagraph_manager = manager
+
+        def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False):
+            n = len(scheduler_output.num_scheduled_tokens)  # every step here has one token a request
+            return self.cudagraph_manager.dispatch(n, n, 1, num_active_loras=0)
+
+    runner_mod = types.ModuleType("vllm.v1.worker.gpu.model_runner")
+    runner_mod.GPUModelRunner = Runner
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu.model_runner", runner_mod)
+    monkeypatch.setitem(backend_mod._step, "scheduler_hooked", False)
+    monkeypatch.setattr(backend_mod, "_sink_book", backend_mod.SinkBook())
+
+    class Builder:  # a CUDA-graph decode builder with nothing to commit
+        def commit_replayed(self):
+            return 0
+
+    builder = Builder()
+    monkeypatch.setattr(backend_mod, "_graph_builders", weakref.WeakSet())
+    assert plugin.install_scheduler_hook()
+
+    def step(new=(), cached=(), resumed=(), tokens=1):
+        """``new``, ``cached``: (request id, tokens computed before the step)."""
+        return SimpleNamespace(
+            finished_req_ids=set(),
+            preempted_req_ids=set(),
+            scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=([1],), num_computed_tokens=c) for r, c in new],
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=[r for r, _ in cached],
+                num_computed_tokens=[c for _, c in cached],
+                resumed_req_ids=set(resumed),
+                new_block_ids=[],
+            ),
+            num_scheduled_tokens={r: tokens for r, _ in (*new, *cached)},
+        )
+
+    runner = Runner(Manager())
+    hit = step(new=[("b", 128)], cached=[("a", 255)])  # b: 128 tokens hit, its last prompt token; a fills a tile
+    assert runner.execute_model(hit) == "FULL", "no CUDA-graph decode builder: nothing to steer"
+    monkeypatch.setattr(backend_mod, "_graph_builders", weakref.WeakSet([builder]))
+    assert runner.execute_model(hit) == "PIECEWISE"
+    assert "dispatch" not in vars(runner.cudagraph_manager), "the step's dispatch is put back after it"
+    assert runner.execute_model(step(cached=[("a", 256)])) == "FULL"  # decode steps keep the full graph
+    assert runner.execute_model(step(new=[("c", 0)], cached=[("a", 257)])) == "FULL"  # admitted without a hit
+    assert runner.execute_model(step(cached=[("a", 258), ("d", 128)], resumed={"d"})) == "PIECEWISE"
+    assert runner.execute_model(step(cached=[("a", 259), ("d", 128)])) == "FULL"  # d running, not resumed
+    assert runner.execute_model(step(new=[("e", 128)], tokens=2)) == "FULL"  # not a single-token batch
+
+    class OtherManager:  # a dispatch without the argument: the step runs as vLLM picks, and that is logged
+        def dispatch(self, *args, **kwargs):
+            return "FULL"
+
+    monkeypatch.setattr(backend_mod, "_warned", set())
+    with caplog.at_level("WARNING", logger="vllm.kvarn"):
+        assert Runner(OtherManager()).execute_model(hit) == "FULL"
+    assert "offers no CUDA-graph dispatch to steer" in caplog.text
+
+
+def test_decode_graphs_need_the_execute_model_wrapper(monkeypatch, caplog):
+    """The builder offers single-token decode CUDA graphs on the GPU runner only where the plugin wraps its
+    ``execute_model`` (replayed steps' commits before vLLM's block copies, prefix-hit steps kept out of the
+    full graph); without the wrapper it offers none, and says so."""
+    from kvarn.integration.vllm import backend as backend_mod
+    from kvarn.integration.vllm.checks import TAIL_BLOCKS_ENV
+
+    support = backend_mod.AttentionCGSupport
+    builder = BACKENDS["kvarn_k4v2_g128"].get_builder_cls()
+    gpu = SimpleNamespace(use_v2_model_runner=True, device_config=SimpleNamespace(device_type="cuda"))
+    monkeypatch.setenv(TAIL_BLOCKS_ENV, "0")  # request-index slots: the tail pool's graph path
+    monkeypatch.setitem(backend_mod._step, "hooked", True)
+    monkeypatch.setitem(backend_mod._step, "scheduler_hooked", True)
+    assert builder.get_cudagraph_support(gpu, None) == support.UNIFORM_SINGLE_TOKEN_DECODE
+    monkeypatch.setitem(backend_mod._step, "scheduler_hooked", False)
+    monkeypatch.setattr(backend_mod, "_warned", set())
+    with caplog.at_level("WARNING", logger="vllm.kvarn"):
+        assert builder.get_cudagraph_support(gpu, None) == support.NEVER
+    assert "without full CUDA graphs" in caplog.text
+    monkeypatch.setitem(backend_mod._step, "scheduler_hooked", True)
+    cpu = SimpleNamespace(use_v2_model_runner=False, device_config=SimpleNamespace(device_type="cpu"))
+    assert builder.get_cudagraph_support(cpu, None) == support.NEVER

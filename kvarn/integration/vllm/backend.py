@@ -43,7 +43,9 @@ the next step, first thing: the plugin's wrapper of the GPU runner's ``execute_m
 may copy such a block), and the builder's next :meth:`~KVarNMetadataBuilder.build` where that
 wrapper is missing. On the stream this is after the replayed step and before anything of the
 next step reads the records. The step's own attention did not need them (it reads its own tile
-from the slot or the blocks), and nothing else reads or overwrites them in between. A commit
+from the slot or the blocks), and nothing else reads or overwrites them in between, but for one
+case: a request admitted through a prefix hit in that very step may hit the tile being filled, so
+such a step is not replayed (:func:`graph_unsafe_step`). A commit
 captured in the graph would launch on every replay (torch 2.11 has no conditional graph nodes):
 two launches a layer a step whose programs exit at once, 1.8 µs of kernel time a layer at batch 1
 on the H200, more with the batch.
@@ -124,6 +126,15 @@ from kvarn.paged import (
 )
 
 logger = logging.getLogger("vllm.kvarn")
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """Log ``message`` as a warning the first time this process meets it."""
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
+
 
 tail_block_steps: collections.Counter = collections.Counter()
 """Steps built with tails in blocks, by route (``decode`` through the blocks, ``commits`` of them that commit
@@ -353,6 +364,32 @@ def commit_replayed_steps() -> int:
     metadata is built, so a tile a replayed step filled must be committed by then). Returns the number of
     layer commits."""
     return sum(b.commit_replayed() for b in list(_graph_builders))
+
+
+def graph_unsafe_step(scheduler_output) -> bool:
+    """Whether a real step must run outside vLLM's full decode graph: a batch of single-token requests that
+    admits one through a prefix hit (new, or resumed after preemption, with ``num_computed_tokens > 0``).
+
+    vLLM caches a block in the step that computes it, so such a request can hit a tile that another row
+    of the same step fills (with a decode token, or with a one-token prompt chunk). Replayed from the
+    graph, that step commits the tile only at the next step (:meth:`KVarNMetadataBuilder.commit_replayed`),
+    after its own attention read the block as a record; a forward that runs in Python commits before it
+    attends. The plugin has vLLM dispatch such a step as one of mixed query lengths (piecewise graphs or
+    eager), which costs one step's graph replay now and then. Only where a builder runs CUDA-graph decode
+    steps (:data:`_graph_builders`)."""
+    if not _graph_builders:
+        return False
+    counts = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+    if not counts or any(n != 1 for n in counts.values()):
+        return False
+    if any(int(new.num_computed_tokens) > 0 for new in scheduler_output.scheduled_new_reqs or ()):
+        return True
+    cached = scheduler_output.scheduled_cached_reqs
+    resumed = getattr(cached, "resumed_req_ids", None) or ()
+    return any(
+        rid in resumed and int(done) > 0
+        for rid, done in zip(getattr(cached, "req_ids", ()), getattr(cached, "num_computed_tokens", ()), strict=False)
+    )
 
 
 _HOOK_MARK = "_kvarn_releases_tails"
@@ -736,11 +773,22 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        """Single-token decode graphs where the builder plans them (request-index slots, or tails in blocks on
+        the GPU runner) and the plugin wraps the runner's ``execute_model``: that wrapper commits replayed
+        steps before vLLM's copy-on-write block copies and keeps a step that admits a prefix hit out of the
+        full graph (:func:`commit_replayed_steps`, :func:`graph_unsafe_step`). Without it, none: attention runs
+        in Python every step, which commits before it attends (slower, logged)."""
         device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
         in_blocks = device == "cuda" and tail_blocks_enabled(vllm_config, cls.backend.preset)
-        if per_request_slots(vllm_config) or in_blocks:
-            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-        return AttentionCGSupport.NEVER
+        if not (per_request_slots(vllm_config) or in_blocks):
+            return AttentionCGSupport.NEVER
+        if not _step["scheduler_hooked"]:
+            warn_once(
+                "KVarN: vLLM's GPU model runner has no execute_model the plugin could wrap; decode steps run "
+                "without full CUDA graphs"
+            )
+            return AttentionCGSupport.NEVER
+        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -1000,7 +1048,8 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
 
         :func:`commit_replayed_steps` (the plugin's ``execute_model`` wrapper) and :meth:`build` call it
         first, so the commit launches follow the replayed step on the stream and precede the next
-        step's work, and read the plan's tensors before the step being built refills any persistent
+        step's work, and read the step's plan and block tails (with tails in blocks, the tables are the
+        persistent buffer ``tables`` the graph read) before the step being built refills any persistent
         buffer. Only layers whose forward ran in Python (a capture) can have been replayed; each
         commits with the plan and block tails of that step."""
         if not self.replay_commits or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):

@@ -24,7 +24,9 @@ Five things, each detected by feature, never by version number:
 5. **Where vLLM lacks them (0.26):** a page-size hook (``Attention.get_kv_cache_spec`` asks the
    KVarN backend's ``customize_spec``, as 0.32 does itself) and, on CUDA, the request indices and
    ids of each step of the GPU model runner for the tail slots, plus each real step's scheduler
-   output for the sink (see :mod:`kvarn.integration.vllm.backend`). They act on KVarN layers and
+   output for the sink (see :mod:`kvarn.integration.vllm.backend`), and a step that admits a request
+   through a prefix hit into a single-token batch is dispatched outside the full decode graph
+   (:func:`~kvarn.integration.vllm.backend.graph_unsafe_step`). They act on KVarN layers and
    ``_sink`` caches only.
 
 The checks shared with the backend live in :mod:`kvarn.integration.vllm.checks`.
@@ -32,6 +34,8 @@ The checks shared with the backend live in :mod:`kvarn.integration.vllm.checks`.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
 import typing
 
@@ -235,14 +239,21 @@ def install_runner_hook() -> bool:
 def install_scheduler_hook() -> bool:
     """Wrap the GPU model runner's (V2) ``execute_model``: commit the tiles replayed decode steps filled
     (:func:`kvarn.integration.vllm.backend.commit_replayed_steps`, before the step's copy-on-write block
-    copies, which vLLM applies first), then hand each real step's scheduler output to the sink.
+    copies, which vLLM applies first), then hand each real step's scheduler output to the sink, and run a
+    step that admits a request through a prefix hit into a single-token batch outside the full decode graph
+    (:func:`kvarn.integration.vllm.backend.graph_unsafe_step`, :func:`_mixed_dispatch`).
 
     Returns whether the hook is in place. Dummy runs (``dummy_run=True``: profiling, CUDA-graph
     capture) are not real steps and pass untouched, but for those commits.
     """
     import importlib
 
-    from kvarn.integration.vllm.backend import commit_replayed_steps, mark_scheduler_hooked, note_schedule
+    from kvarn.integration.vllm.backend import (
+        commit_replayed_steps,
+        graph_unsafe_step,
+        mark_scheduler_hooked,
+        note_schedule,
+    )
 
     try:
         cls = importlib.import_module("vllm.v1.worker.gpu.model_runner").GPUModelRunner
@@ -258,6 +269,9 @@ def install_scheduler_hook() -> bool:
             dummy = kwargs.get("dummy_run", args[1] if len(args) > 1 else False)
             if not dummy and scheduler_output is not None:
                 note_schedule(scheduler_output, self)
+                if graph_unsafe_step(scheduler_output):
+                    with _mixed_dispatch(self):
+                        return _original(self, scheduler_output, *args, **kwargs)
             return _original(self, scheduler_output, *args, **kwargs)
 
         setattr(execute_model, _HOOK_MARK, True)
@@ -265,6 +279,47 @@ def install_scheduler_hook() -> bool:
         cls.execute_model = execute_model
     mark_scheduler_hooked()
     return True
+
+
+@contextlib.contextmanager
+def _mixed_dispatch(runner):
+    """Within it, the runner's CUDA-graph dispatch treats the step as one of mixed query lengths
+    (``uniform_token_count=None``): vLLM picks a piecewise graph, whose attention runs in Python, or eager,
+    never the full decode graph. Where the runner's manager takes no such argument, nothing changes and
+    that is logged once."""
+    manager = getattr(runner, "cudagraph_manager", None)
+    dispatch = getattr(manager, "dispatch", None)
+    try:
+        names = list(inspect.signature(dispatch).parameters) if dispatch is not None else []
+    except (TypeError, ValueError):
+        names = []
+    if "uniform_token_count" not in names:
+        from kvarn.integration.vllm.backend import warn_once
+
+        warn_once(
+            "KVarN: this vLLM's model runner offers no CUDA-graph dispatch to steer; a decode step that "
+            "admits a request through a prefix hit is replayed from its graph"
+        )
+        yield
+        return
+    at = names.index("uniform_token_count")
+
+    def mixed(*args, **kwargs):
+        if len(args) > at:
+            args = (*args[:at], None, *args[at + 1 :])
+        else:
+            kwargs["uniform_token_count"] = None
+        return dispatch(*args, **kwargs)
+
+    before = vars(manager).get("dispatch")  # an instance attribute over the class's method, for this step only
+    manager.dispatch = mixed
+    try:
+        yield
+    finally:
+        if before is None:
+            del manager.dispatch
+        else:
+            manager.dispatch = before
 
 
 def install_selection_hook(platform=None) -> bool:
