@@ -562,7 +562,9 @@ def test_a_decode_batch_admitting_a_prefix_hit_is_not_replayed_from_the_full_gra
     hit = step(new=[("b", 128)], cached=[("a", 255)])  # b: 128 tokens hit, its last prompt token; a fills a tile
     assert runner.execute_model(hit) == "FULL", "no CUDA-graph decode builder: nothing to steer"
     monkeypatch.setattr(backend_mod, "_graph_builders", weakref.WeakSet([builder]))
+    steered = backend_mod.tail_block_steps["mixed_dispatch"]
     assert runner.execute_model(hit) == "PIECEWISE"
+    assert backend_mod.tail_block_steps["mixed_dispatch"] == steered + 1
     assert "dispatch" not in vars(runner.cudagraph_manager), "the step's dispatch is put back after it"
     assert runner.execute_model(step(cached=[("a", 256)])) == "FULL"  # decode steps keep the full graph
     assert runner.execute_model(step(new=[("c", 0)], cached=[("a", 257)])) == "FULL"  # admitted without a hit

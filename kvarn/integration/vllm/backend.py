@@ -138,7 +138,9 @@ def warn_once(message: str) -> None:
 
 tail_block_steps: collections.Counter = collections.Counter()
 """Steps built with tails in blocks, by route (``decode`` through the blocks, ``commits`` of them that commit
-a tile, ``gathered`` through the step pool): what a run took, for tests and logs."""
+a tile, ``gathered`` through the step pool), decode steps committed after their replay (``replay_commits``) and
+steps kept out of the full decode graph (``mixed_dispatch``, :func:`graph_unsafe_step`): what a run took, for
+tests and logs."""
 
 BACKEND_NAME = "KVARN"
 _logged_capacity: set[tuple] = set()

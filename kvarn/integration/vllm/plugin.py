@@ -253,6 +253,7 @@ def install_scheduler_hook() -> bool:
         graph_unsafe_step,
         mark_scheduler_hooked,
         note_schedule,
+        tail_block_steps,
     )
 
     try:
@@ -270,6 +271,7 @@ def install_scheduler_hook() -> bool:
             if not dummy and scheduler_output is not None:
                 note_schedule(scheduler_output, self)
                 if graph_unsafe_step(scheduler_output):
+                    tail_block_steps["mixed_dispatch"] += 1
                     with _mixed_dispatch(self):
                         return _original(self, scheduler_output, *args, **kwargs)
             return _original(self, scheduler_output, *args, **kwargs)
