@@ -40,13 +40,13 @@ when vLLM replays such a step from its graph (the forward did not run in Python)
 committed for every layer of the builder's group (:meth:`KVarNMetadataBuilder.commit_replayed`) by
 the next step, first thing: the plugin's wrapper of the GPU runner's ``execute_model``
 (:func:`commit_replayed_steps`, before vLLM applies the step's copy-on-write block copies, which
-may copy such a block), and the builder's next :meth:`~KVarNMetadataBuilder.build` where that
-wrapper is missing. On the stream this is after the replayed step and before anything of the
-next step reads the records. The step's own attention did not need them (it reads its own tile
-from the slot or the blocks), and nothing else reads or overwrites them in between, but for one
-case: a request admitted through a prefix hit in that very step may hit the tile being filled, so
-such a step is not replayed (:func:`graph_unsafe_step`). A commit
-captured in the graph would launch on every replay (torch 2.11 has no conditional graph nodes):
+may copy such a block; without that wrapper the builder declares no graphs), and again, a
+fallback, the builder's next :meth:`~KVarNMetadataBuilder.build`. On the stream this is after the
+replayed step and before anything of the next step reads the records. The step's own attention did
+not need them (it reads its own tile from the slot or the blocks), and nothing else reads or
+overwrites them in between, but for one case: a request admitted through a prefix hit in that very
+step may hit the tile being filled, so such a step is not replayed (:func:`graph_unsafe_step`). A
+commit captured in the graph would launch on every replay (torch 2.11 has no conditional graph nodes):
 two launches a layer a step whose programs exit at once, 1.8 µs of kernel time a layer at batch 1
 on the H200, more with the batch.
 
@@ -373,7 +373,8 @@ def graph_unsafe_step(scheduler_output) -> bool:
     admits one through a prefix hit (new, or resumed after preemption, with ``num_computed_tokens > 0``).
 
     vLLM caches a block in the step that computes it, so such a request can hit a tile that another row
-    of the same step fills (with a decode token, or with a one-token prompt chunk). Replayed from the
+    of the same step fills (with a one-token prompt chunk, or, with async scheduling off, with a decode
+    token; vLLM 0.26's V2 runner lists resumed requests among the new ones). Replayed from the
     graph, that step commits the tile only at the next step (:meth:`KVarNMetadataBuilder.commit_replayed`),
     after its own attention read the block as a record; a forward that runs in Python commits before it
     attends. The plugin has vLLM dispatch such a step as one of mixed query lengths (piecewise graphs or

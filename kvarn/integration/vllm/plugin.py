@@ -253,7 +253,6 @@ def install_scheduler_hook() -> bool:
         graph_unsafe_step,
         mark_scheduler_hooked,
         note_schedule,
-        tail_block_steps,
     )
 
     try:
@@ -271,7 +270,6 @@ def install_scheduler_hook() -> bool:
             if not dummy and scheduler_output is not None:
                 note_schedule(scheduler_output, self)
                 if graph_unsafe_step(scheduler_output):
-                    tail_block_steps["mixed_dispatch"] += 1
                     with _mixed_dispatch(self):
                         return _original(self, scheduler_output, *args, **kwargs)
             return _original(self, scheduler_output, *args, **kwargs)
@@ -289,6 +287,8 @@ def _mixed_dispatch(runner):
     (``uniform_token_count=None``): vLLM picks a piecewise graph, whose attention runs in Python, or eager,
     never the full decode graph. Where the runner's manager takes no such argument, nothing changes and
     that is logged once."""
+    from kvarn.integration.vllm.backend import tail_block_steps, warn_once
+
     manager = getattr(runner, "cudagraph_manager", None)
     dispatch = getattr(manager, "dispatch", None)
     try:
@@ -296,8 +296,6 @@ def _mixed_dispatch(runner):
     except (TypeError, ValueError):
         names = []
     if "uniform_token_count" not in names:
-        from kvarn.integration.vllm.backend import warn_once
-
         warn_once(
             "KVarN: this vLLM's model runner offers no CUDA-graph dispatch to steer; a decode step that "
             "admits a request through a prefix hit is replayed from its graph"
@@ -315,6 +313,7 @@ def _mixed_dispatch(runner):
 
     before = vars(manager).get("dispatch")  # an instance attribute over the class's method, for this step only
     manager.dispatch = mixed
+    tail_block_steps["mixed_dispatch"] += 1
     try:
         yield
     finally:
