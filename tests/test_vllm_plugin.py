@@ -576,9 +576,16 @@ def test_a_decode_batch_admitting_a_prefix_hit_is_not_replayed_from_the_full_gra
         def dispatch(self, *args, **kwargs):
             return "FULL"
 
+    class SlotManager:  # takes the argument but no instance attribute: the step is not broken either
+        __slots__ = ()
+
+        def dispatch(self, num_reqs, num_tokens, uniform_token_count, num_active_loras):
+            return "FULL"
+
     monkeypatch.setattr(backend_mod, "_warned", set())
     with caplog.at_level("WARNING", logger="vllm.kvarn"):
         assert Runner(OtherManager()).execute_model(hit) == "FULL"
+        assert Runner(SlotManager()).execute_model(hit) == "FULL"
     assert "offers no CUDA-graph dispatch to steer" in caplog.text
 
 

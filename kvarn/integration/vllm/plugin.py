@@ -295,14 +295,7 @@ def _mixed_dispatch(runner):
         names = list(inspect.signature(dispatch).parameters) if dispatch is not None else []
     except (TypeError, ValueError):
         names = []
-    if "uniform_token_count" not in names:
-        warn_once(
-            "KVarN: this vLLM's model runner offers no CUDA-graph dispatch to steer; a decode step that "
-            "admits a request through a prefix hit is replayed from its graph"
-        )
-        yield
-        return
-    at = names.index("uniform_token_count")
+    at = names.index("uniform_token_count") if "uniform_token_count" in names else -1
 
     def mixed(*args, **kwargs):
         if len(args) > at:
@@ -311,8 +304,18 @@ def _mixed_dispatch(runner):
             kwargs["uniform_token_count"] = None
         return dispatch(*args, **kwargs)
 
-    before = vars(manager).get("dispatch")  # an instance attribute over the class's method, for this step only
-    manager.dispatch = mixed
+    try:
+        if at < 0:
+            raise AttributeError("uniform_token_count")
+        before = vars(manager).get("dispatch")  # an instance attribute over the class's method, for this step
+        manager.dispatch = mixed
+    except (TypeError, AttributeError):  # no such argument, or a manager that takes no attribute
+        warn_once(
+            "KVarN: this vLLM's model runner offers no CUDA-graph dispatch to steer; a decode step that "
+            "admits a request through a prefix hit is replayed from its graph"
+        )
+        yield
+        return
     tail_block_steps["mixed_dispatch"] += 1
     try:
         yield
