@@ -582,7 +582,7 @@ def test_a_decode_batch_admitting_a_prefix_hit_is_not_replayed_from_the_full_gra
         def dispatch(self, num_reqs, num_tokens, uniform_token_count, num_active_loras):
             return "FULL"
 
-    monkeypatch.setattr(backend_mod, "_warned", set())
+    monkeypatch.setattr(checks, "_logged", set())
     with caplog.at_level("WARNING", logger="vllm.kvarn"):
         assert Runner(OtherManager()).execute_model(hit) == "FULL"
         assert Runner(SlotManager()).execute_model(hit) == "FULL"
@@ -604,7 +604,7 @@ def test_decode_graphs_need_the_execute_model_wrapper(monkeypatch, caplog):
     monkeypatch.setitem(backend_mod._step, "scheduler_hooked", True)
     assert builder.get_cudagraph_support(gpu, None) == support.UNIFORM_SINGLE_TOKEN_DECODE
     monkeypatch.setitem(backend_mod._step, "scheduler_hooked", False)
-    monkeypatch.setattr(backend_mod, "_warned", set())
+    monkeypatch.setattr(checks, "_logged", set())
     with caplog.at_level("WARNING", logger="vllm.kvarn"):
         assert builder.get_cudagraph_support(gpu, None) == support.NEVER
     assert "without full CUDA graphs" in caplog.text

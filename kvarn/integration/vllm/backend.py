@@ -106,6 +106,7 @@ from kvarn.integration.vllm.checks import (
     preset_config,
     sink_slot_count,
     tail_slot_count,
+    warn_once,
 )
 from kvarn.integration.vllm.warmup import rehearse, warmup_wanted
 from kvarn.paged import (
@@ -126,15 +127,6 @@ from kvarn.paged import (
 )
 
 logger = logging.getLogger("vllm.kvarn")
-_warned: set[str] = set()
-
-
-def warn_once(message: str) -> None:
-    """Log ``message`` as a warning the first time this process meets it."""
-    if message not in _warned:
-        _warned.add(message)
-        logger.warning(message)
-
 
 tail_block_steps: collections.Counter = collections.Counter()
 """Steps built with tails in blocks, by route (``decode`` through the blocks, ``commits`` of them that commit

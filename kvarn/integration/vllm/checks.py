@@ -1,4 +1,5 @@
-"""What KVarN refuses inside vLLM, and the run-wide numbers both the plugin and the backend need.
+"""What KVarN refuses inside vLLM, and the run-wide numbers (and the once-only warnings) both the plugin
+and the backend need.
 
 The plugin's selection hook (:mod:`kvarn.integration.vllm.plugin`) and the backend
 (:mod:`kvarn.integration.vllm.backend`) both import this module; neither imports the other's
@@ -8,11 +9,24 @@ checks. It imports nothing from vLLM: every argument is read by attribute.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
 
 from kvarn.config import KEY_SMOOTH_SUFFIX, PRESETS, SUPPORTED_HEAD_DIMS, KVarNConfig, key_bias_reason
+
+_logged: set[str] = set()
+"""Warnings already logged by this process (:func:`warn_once`)."""
+
+
+def warn_once(message: str) -> None:
+    """Log ``message`` as a warning the first time this process meets it (vLLM builds configs, backends and
+    runners more than once)."""
+    if message not in _logged:
+        _logged.add(message)
+        logging.getLogger("vllm.kvarn").warning(message)
+
 
 KEY_SMOOTHING_ENV = "KVARN_KEY_SMOOTHING"
 KEY_SMOOTHING_MODES = ("auto", "off")

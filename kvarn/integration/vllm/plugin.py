@@ -41,15 +41,20 @@ import typing
 
 import torch
 
-from kvarn.integration.vllm.checks import CACHE_DTYPES, check_layer, check_run, run_problems, serve_key_smoothing
+from kvarn.integration.vllm.checks import (
+    CACHE_DTYPES,
+    check_layer,
+    check_run,
+    run_problems,
+    serve_key_smoothing,
+    warn_once,
+)
 
 __all__ = ["check_layer", "check_run", "install", "run_problems"]
 
 logger = logging.getLogger("vllm.kvarn")
 
 _HOOK_MARK = "_kvarn_wrapped"
-_logged: set[str] = set()
-"""Key smoothing lines already logged by this process (once each, however many configs vLLM builds)."""
 
 
 def _quant_mode():
@@ -287,7 +292,7 @@ def _mixed_dispatch(runner):
     (``uniform_token_count=None``): vLLM picks a piecewise graph, whose attention runs in Python, or eager,
     never the full decode graph. Where the runner's manager takes no such argument, nothing changes and
     that is logged once."""
-    from kvarn.integration.vllm.backend import tail_block_steps, warn_once
+    from kvarn.integration.vllm.backend import tail_block_steps
 
     manager = getattr(runner, "cudagraph_manager", None)
     dispatch = getattr(manager, "dispatch", None)
@@ -295,7 +300,14 @@ def _mixed_dispatch(runner):
         names = list(inspect.signature(dispatch).parameters) if dispatch is not None else []
     except (TypeError, ValueError):
         names = []
-    at = names.index("uniform_token_count") if "uniform_token_count" in names else -1
+    if "uniform_token_count" not in names or not hasattr(manager, "__dict__"):  # no argument, or no attribute
+        warn_once(
+            "KVarN: this vLLM's model runner offers no CUDA-graph dispatch to steer; a decode step that "
+            "admits a request through a prefix hit is replayed from its graph"
+        )
+        yield
+        return
+    at = names.index("uniform_token_count")
 
     def mixed(*args, **kwargs):
         if len(args) > at:
@@ -304,18 +316,8 @@ def _mixed_dispatch(runner):
             kwargs["uniform_token_count"] = None
         return dispatch(*args, **kwargs)
 
-    try:
-        if at < 0:
-            raise AttributeError("uniform_token_count")
-        before = vars(manager).get("dispatch")  # an instance attribute over the class's method, for this step
-        manager.dispatch = mixed
-    except (TypeError, AttributeError):  # no such argument, or a manager that takes no attribute
-        warn_once(
-            "KVarN: this vLLM's model runner offers no CUDA-graph dispatch to steer; a decode step that "
-            "admits a request through a prefix hit is replayed from its graph"
-        )
-        yield
-        return
+    before = vars(manager).get("dispatch")  # an instance attribute over the class's method, for this step only
+    manager.dispatch = mixed
     tail_block_steps["mixed_dispatch"] += 1
     try:
         yield
@@ -368,9 +370,8 @@ def install_config_hook(platform=None) -> bool:
 
     def check_and_update_config(cls, vllm_config, *args, **kwargs):
         note = serve_key_smoothing(vllm_config)  # first: the platform may read the cache dtype
-        if note is not None and note not in _logged:
-            _logged.add(note)
-            logger.warning("KVarN: %s", note)
+        if note is not None:
+            warn_once(f"KVarN: {note}")
         return original(vllm_config, *args, **kwargs)
 
     _wrap(platform_cls, "check_and_update_config", check_and_update_config, original)
