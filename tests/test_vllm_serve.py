@@ -30,6 +30,8 @@ import pytest
 PRESET = "kvarn_k4v2_g128"
 SERVED_NAME = "tiny"
 MAX_MODEL_LEN = 512
+GPU_SHARE = 0.3
+"""On a CUDA machine, the fraction of GPU memory each engine (the server, the offline one) takes."""
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
@@ -62,6 +64,8 @@ def _serve_args(model_dir: pathlib.Path, template: pathlib.Path) -> list[str]:
     args += ["--served-model-name", SERVED_NAME, "--chat-template", str(template), "--seed", "0"]
     if not _cuda():
         args += ["--enforce-eager", "--kv-cache-memory-bytes", str(16 * 2**20)]
+    else:  # the offline engine runs beside the server
+        args += ["--gpu-memory-utilization", str(GPU_SHARE)]
     return args
 
 
@@ -322,6 +326,8 @@ def _offline(model_dir: str, requests_path: str, out_path: str) -> None:
     kw = dict(kv_cache_dtype=PRESET, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, seed=0)
     if not _cuda():
         kw |= dict(enforce_eager=True, kv_cache_memory_bytes=16 * 2**20)
+    else:
+        kw |= dict(gpu_memory_utilization=GPU_SHARE)
     llm = LLM(model=model_dir, **kw)
     out = {}
     for name, reqs in requests.items():
