@@ -10,8 +10,9 @@ calls, so their schemas differ. The page reads them by the shape of their record
 ``bench_vllm.py bench`` records (``model``, ``kv_cache_dtype``, ``kv_tokens``) and a ``bench_e2e_generate.py``
 run (``meta`` and ``rows``), wherever they sit in a file. For each area it takes the newest file that holds
 that area's records (files sort by the date their name starts with, then by name, numbers as numbers), and
-says which file, GPU, versions and commit each table comes from. A file it cannot parse or holds none of
-these records is listed at the end, never an error. Standard library only: it runs anywhere.
+says which file, GPU, versions and commit each table comes from. A file it cannot parse, a record whose values
+are not what the benchmark writes (the next older one is shown) and a file with none of these records are listed
+at the end, never an error. Standard library only: it runs anywhere.
 """
 
 from __future__ import annotations
