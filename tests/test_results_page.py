@@ -1,0 +1,81 @@
+"""``benchmarks/results_page.py``: RESULTS.md is what the script makes of ``benchmarks/results/``, and the script
+reads every schema it knows, takes the newest file per area and skips what it does not know (no GPU, stdlib only)."""
+
+import json
+
+from benchmarks import results_page as rp
+
+
+def test_committed_page_is_the_generated_page():
+    # Regenerate with `python benchmarks/results_page.py --write` after adding or changing a results file.
+    assert rp.PAGE.read_text() == rp.render(rp.RESULTS)
+
+
+def _decode_run(commit, us):
+    env = {"gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0", "commit": commit}
+    row = {"preset": "kvarn_k4v2_g128", "d": 128, "hq": 32, "hkv": 8, "batch": 16, "ctx": 32768}
+    return {"env": env, "grid": [row | {"dtype": "float16", "kvarn_us": us, "sdpa_us": 3 * us}]}
+
+
+def _vllm(dtype, kv_tokens, tpot, **extra):
+    rec = {"model": "llama3-8b", "kv_cache_dtype": dtype, "kv_budget": "gpu_memory_utilization 0.9"}
+    return rec | {"kv_tokens": kv_tokens, "prefill_16k_tok_s": 30000, "tpot_ms_b8_ctx4096": tpot} | extra
+
+
+def _write(tmp_path, name, data):
+    (tmp_path / name).write_text(data if isinstance(data, str) else json.dumps(data))
+
+
+def test_a_synthetic_results_dir(tmp_path):
+    _write(tmp_path, "2026-01-02-h100-decode.json", _decode_run("aaaaaaa", 100.0))
+    # Newer by the number in its name (10 sorts after 9), nested one level deep as device-call records are.
+    _write(tmp_path, "2026-01-03-h100-run10.json", {"call1": _decode_run("bbbbbbb", 50.0)})
+    _write(tmp_path, "2026-01-03-h100-run9.json", {"call1": _decode_run("ccccccc", 80.0)})
+    store_row = {"preset": "kvarn_k2v2_g128", "d": 128, "dtype": "float16", "store_GBps": 95.5, "store_us": 5000.0}
+    _write(tmp_path, "2026-01-03-h100-store.json", {"env": {"gpu": "NVIDIA H100"}, "rows": [store_row]})
+    serving = {
+        "gpu": "NVIDIA H100",
+        "vllm": "0.26.0",
+        "calls": {
+            "bf16": _vllm("auto", 1000, 10.0),
+            "kvarn": _vllm("kvarn_k4v2_g128", 4720, 5.0, cap_requests=40, cap_decode_tok_s=900, cap_out_tok_s=90),
+            "other_budget": _vllm("kvarn_k4v2_g128", 10, 1.0) | {"kv_budget": "20 GiB"},
+        },
+    }
+    _write(tmp_path, "2026-01-04-h100-serving.json", serving)
+    _write(tmp_path, "2026-01-05-h100-serving.json", {"bf16": _vllm("auto", 1000, 10.0, cap_decode_tok_s=300)})
+    e2e = {"meta": {"gpu": "NVIDIA H100", "transformers": "5.17.0", "date": "2026-01-06"}, "rows": []}
+    e2e["rows"] = [{"cache": "kvarn", "batch": 70, "context": 16384, "tokens_per_s": 749.1, "vs_fp16": 5.3}]
+    _write(tmp_path, "2026-01-06-h100-e2e.json", e2e)
+    _write(tmp_path, "2026-01-07-h100-broken.json", "{not json")
+    _write(tmp_path, "2026-01-07-h100-unknown.json", [{"rows": [1, 2]}, {"grid": "x", "env": 3}, None])
+    _write(tmp_path, "notes.json", {})
+    bad = _decode_run("ddddddd", 1.0)
+    bad["grid"][0]["kvarn_us"] = "fast"
+    _write(tmp_path, "2026-01-08-h100-bad-grid.json", bad)
+
+    page = rp.render(tmp_path)
+
+    assert "50.0 µs, 3.00x" in page and "commit bbbbbbb" in page  # the newest decode grid, run10 after run9
+    assert "80.0 µs" not in page and "100.0 µs" not in page
+    assert "| k2v2_g128 | 128 | float16 | no |" in page and "95.5" in page
+    assert "4,720 (4.72x)" in page and "5.00 (0.50x)" in page  # capacity and TPOT against bf16's
+    assert "| requests held at once |  | 40 |" in page  # bf16 has no such figure: no ratio
+    assert "900 (3.00x)" in page and "2026-01-05 [1]" in page
+    assert "20 GiB: no bf16 run" in page
+    assert "| kvarn | 70 | 16K |" in page and "5.30x" in page and "2026-01-06: NVIDIA H100" in page
+    assert "`2026-01-07-h100-broken.json`: not JSON" in page
+    assert "`notes.json`: no date" in page
+    assert "`2026-01-07-h100-unknown.json`" in page.split("## Files not shown")[1]
+    assert "`2026-01-08-h100-bad-grid.json`, the whole file: not read as a decode run" in page  # run10 shown instead
+
+
+def test_an_empty_dir_gives_a_page_without_tables(tmp_path):
+    page = rp.render(tmp_path)
+    assert page.startswith("# Benchmark results") and "|" not in page
+
+
+def test_the_script_writes_to_stdout(tmp_path, capsys):
+    _write(tmp_path, "2026-01-02-h100-decode.json", _decode_run("aaaaaaa", 100.0))
+    assert rp.main(["--results", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == rp.render(tmp_path)
