@@ -198,7 +198,7 @@ def test_a_first_tile_continued_without_its_sink_is_refused():
 
 
 def test_dense_batch_rows_start_their_tiles_at_their_first_real_token():
-    from kvarn.paged import DenseBatch
+    from kvarn.integration.hf import DenseBatch
 
     rows = DenseBatch(sink=True)
     step = rows.begin(0, 20, 2, G, "cpu", lambda before: [20, 13])  # row 1: 7 positions of left padding
@@ -213,7 +213,7 @@ def test_dense_batch_rows_start_their_tiles_at_their_first_real_token():
 
 
 def test_dense_batch_replays_older_steps_with_the_same_decisions():
-    from kvarn.paged import DenseBatch
+    from kvarn.integration.hf import DenseBatch
 
     rows = DenseBatch()
     lead = [rows.begin(t, 1, 3, G, "cpu", lambda before: [1, 1, 1]) for t in range(2 * G + 3)]
@@ -229,7 +229,7 @@ def test_dense_batch_replays_older_steps_with_the_same_decisions():
 
 
 def test_dense_batch_reorder_moves_tails_and_sinks():
-    from kvarn.paged import DenseBatch
+    from kvarn.integration.hf import DenseBatch
 
     rows = DenseBatch(sink=True)
     rows.begin(0, G + 3, 2, G, "cpu", lambda before: [G + 3, G + 3])
@@ -388,13 +388,13 @@ def test_prefill_split_packs_chunks_around_a_decode_row():
     assert calls == [(220, 10, [0, 28, 90, 154, 218, 220], [128, 190, 128, 192, 194], table_rows)]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     calls.clear()
-    import kvarn.paged
+    import kvarn.paged.prefill
 
-    old, kvarn.paged.PREFILL_READ_TOKENS = kvarn.paged.PREFILL_READ_TOKENS, 200  # one request per read-back
+    old, kvarn.paged.prefill.PREFILL_READ_TOKENS = kvarn.paged.prefill.PREFILL_READ_TOKENS, 200  # one request per read
     try:
         got = kv.attend_split(step_plan, q, table, lens, split, varlen=spy, key=k, value=v)
     finally:
-        kvarn.paged.PREFILL_READ_TOKENS = old
+        kvarn.paged.prefill.PREFILL_READ_TOKENS = old
     assert [c[:2] for c in calls] == [(90, 4), (130, 6)]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
