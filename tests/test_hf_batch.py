@@ -154,3 +154,43 @@ def test_beam_search_reorders_records_and_pools(tiny):
     finally:
         tiny.set_attn_implementation("sdpa")
     assert torch.equal(plain, paged)
+
+
+def _left_padded(prompts):
+    """``prompts`` (1-D token ids) left-padded into one batch: ``ids, mask: [B, width]``."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = p, 1
+    return ids, mask
+
+
+def test_a_mask_of_one_row_per_prompt_is_repeated_for_each_beam():
+    """generate repeats each prompt's row once per beam (``repeat_interleave``): a ``[B, T]`` mask serves ``B * k``
+    rows; a batch it does not divide is refused."""
+    mask = torch.ones(2, 100, dtype=torch.long)
+    mask[1, :30] = 0
+    k = torch.randn(4, 2, 100, 64)
+    cache = KVarNCache(PRESET, attention_mask=mask)
+    cache.update(k, k, 0)
+    assert cache._sequences.rows.real == [100, 100, 70, 70]
+    with pytest.raises(ValueError, match="one row per prompt"):
+        KVarNCache(PRESET, attention_mask=mask).update(k[:3], k[:3], 0)
+
+
+@pytest.mark.parametrize("num_beams", [1, 2])
+def test_a_padded_batch_generates_each_prompts_own_output(tiny, num_beams):
+    """Greedy and beam search over a left-padded batch with KVarNCache(attention_mask=mask), the mask generate is
+    given: each row generates what its prompt generates alone, and the mask repeated per beam gives the same."""
+    prompts = [prompt_ids(150, seed=4)[0], prompt_ids(37, seed=5)[0]]
+    ids, mask = _left_padded(prompts)
+    args = {"max_new_tokens": 30, "min_new_tokens": 30, "num_beams": num_beams, "do_sample": False}
+    with torch.no_grad():
+        out = tiny.generate(ids, attention_mask=mask, past_key_values=KVarNCache(PRESET, attention_mask=mask), **args)
+        repeated = KVarNCache(PRESET, attention_mask=mask.repeat_interleave(num_beams, dim=0))
+        per_beam = tiny.generate(ids, attention_mask=mask, past_key_values=repeated, **args)
+        alone = [tiny.generate(p[None], past_key_values=KVarNCache(PRESET), **args) for p in prompts]
+    assert torch.equal(out, per_beam)
+    for row, single in zip(out, alone, strict=True):
+        assert torch.equal(row[ids.shape[1] :], single[0, -30:])

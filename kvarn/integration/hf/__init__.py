@@ -30,7 +30,8 @@ depend on how much padding it got. Where the padding comes from, first found win
 
 1. ``position_ids`` passed down to ``update`` (newer transformers pass the attention's keyword
    arguments to the cache; a row's real length is its last position + 1);
-2. ``KVarNCache(..., attention_mask=mask)``, the prompt's ``[B, T]`` mask as given to ``generate``;
+2. ``KVarNCache(..., attention_mask=mask)``, the prompt's ``[B, T]`` mask as given to ``generate``
+   (with ``num_beams`` it is repeated for each beam, as ``generate`` repeats the inputs);
 3. with ``attn_implementation="kvarn"``, the padding mask transformers builds the attention mask
    from (the ``kvarn`` mask function records it).
 

@@ -202,6 +202,20 @@ def _left_padding_mask(mask: torch.Tensor) -> torch.Tensor:
     return mask
 
 
+def _per_row(mask: torch.Tensor, batch: int) -> torch.Tensor:
+    """The prompt's ``[B, T]`` mask with one row per cache row: ``generate`` repeats each prompt's row once per
+    beam (and per returned sequence) with ``repeat_interleave``, so a mask of ``B`` rows serves ``B * k`` rows."""
+    rows = mask.shape[0]
+    if rows == batch:
+        return mask
+    if rows and batch % rows == 0:
+        return mask.repeat_interleave(batch // rows, dim=0)
+    raise ValueError(
+        f"KVarNCache(attention_mask=...) has {rows} rows but the batch has {batch}; pass the mask given to generate "
+        "(one row per prompt, repeated here for each beam) or one row per batch row"
+    )
+
+
 class Sequences:
     """The rows of one :class:`~kvarn.integration.hf.KVarNCache` (a :class:`DenseBatch`) and where their padding
     comes from."""
@@ -245,7 +259,7 @@ class Sequences:
                         stacklevel=6,
                     )
                 return [n] * batch
-            real = mask[:, start : start + n].sum(1).tolist()
+            real = _per_row(mask, batch)[:, start : start + n].sum(1).tolist()
             past_mask = max(0, start + n - max(mask.shape[1], start))  # positions past the mask are real
             return [int(r) + past_mask for r in real]
         pos = position_ids.detach().cpu()

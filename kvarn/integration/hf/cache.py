@@ -30,9 +30,10 @@ class KVarNCache(Cache):
             decoded copy costs fp16-cache memory; it is counted under ``"decoded"`` in
             :meth:`nbytes`).
         attention_mask: the prompt's ``[B, T]`` attention mask (as given to ``generate``) for a
-            left-padded batch, so that each row's tiles start at its first real token. Needed only
-            where transformers passes no position ids to the cache and the attention is not
-            ``"kvarn"`` (see the module docstring).
+            left-padded batch, so that each row's tiles start at its first real token. With
+            ``num_beams`` (or ``num_return_sequences``) each row serves its prompt's beams, as
+            ``generate`` repeats the inputs. Needed only where transformers passes no position ids
+            to the cache and the attention is not ``"kvarn"`` (see :mod:`kvarn.integration.hf`).
         layer_policy: a :class:`~kvarn.config.LayerPolicy` keeping some layers (e.g. the first and
             the last) unquantized in ``dtype`` or at another preset of the same tile length.
         num_layers: the model's attention layer count (``model.config.num_hidden_layers``); needed
