@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from hf_models import prompt_ids, tiny_llama
@@ -141,7 +143,7 @@ def test_padded_generate_matches_each_rows_own_run(tiny, paged):
 def test_beam_search_reorders_records_and_pools(tiny):
     """Beam search moves rows: the dequantizing and the paged paths must still agree token for token."""
     ids = prompt_ids(100)
-    with torch.no_grad(), pytest.warns(UserWarning, match="padding"):
+    with torch.no_grad():
         plain = tiny.generate(
             ids, max_new_tokens=40, num_beams=3, do_sample=False, past_key_values=KVarNCache(PRESET, sink=True)
         )
@@ -194,3 +196,43 @@ def test_a_padded_batch_generates_each_prompts_own_output(tiny, num_beams):
     assert torch.equal(out, per_beam)
     for row, single in zip(out, alone, strict=True):
         assert torch.equal(row[ids.shape[1] :], single[0, -30:])
+
+
+def _padding_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if "cannot see this batch's padding" in str(w.message)]
+
+
+def test_no_padding_warning_where_no_padding_can_hide(tiny):
+    """Beams of one prompt (rows that are copies of one row), a batch whose position ids the cache sees (one row of
+    positions for every row, as a model may pass them), an unpadded batch with its mask, and the kvarn attention's
+    padding mask: nothing is hidden, nothing is said."""
+    two = torch.cat([prompt_ids(40, seed=6), prompt_ids(40, seed=7)])
+    k = torch.randn(2, 2, 10, 64)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        tiny.generate(
+            prompt_ids(40), num_beams=3, max_new_tokens=4, do_sample=False, past_key_values=KVarNCache(PRESET)
+        )
+        KVarNCache(PRESET).update(k, k, 0, kwargs={"position_ids": torch.arange(10)[None]})
+        ones = torch.ones_like(two)
+        cache = KVarNCache(PRESET, attention_mask=ones)
+        tiny.generate(two, attention_mask=ones, num_beams=2, max_new_tokens=4, do_sample=False, past_key_values=cache)
+        register_kvarn_attention()
+        tiny.set_attn_implementation("kvarn")
+        try:
+            cache = KVarNCache(PRESET, paged=True)
+            tiny.generate(two, attention_mask=ones, max_new_tokens=4, do_sample=False, past_key_values=cache)
+        finally:
+            tiny.set_attn_implementation("sdpa")
+    assert not _padding_warnings(caught)
+
+
+def test_the_padding_warning_fires_where_padding_may_hide(tiny):
+    """Rows of different prompts and no position ids, mask or kvarn attention: the cache cannot tell padding from
+    tokens, and says so once."""
+    prompts = [prompt_ids(40, seed=6)[0], prompt_ids(25, seed=7)[0]]
+    ids, mask = _left_padded(prompts)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        tiny.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, past_key_values=KVarNCache(PRESET))
+    assert len(_padding_warnings(caught)) == 1

@@ -36,7 +36,8 @@ depend on how much padding it got. Where the padding comes from, first found win
    from (the ``kvarn`` mask function records it).
 
 Padding must be on the left, as transformers requires for generation. A batch of more than one
-row with none of these is taken as unpadded, with a warning.
+row with none of these is taken as unpadded, with a warning unless padding cannot hide in it: rows
+that are copies of one prompt (its beams), or one row of position ids shared by every row.
 """
 
 from kvarn.integration.hf.attention import ATTENTION_NAME, kvarn_attention, register_kvarn_attention

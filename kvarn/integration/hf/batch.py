@@ -202,6 +202,12 @@ def _left_padding_mask(mask: torch.Tensor) -> torch.Tensor:
     return mask
 
 
+def _copies_of_one_row(x: torch.Tensor) -> bool:
+    """Whether every row of ``x: [B, ...]`` equals the first: the beams (or samples) of one prompt, which padding
+    cannot tell apart."""
+    return bool((x == x[:1]).all())
+
+
 def _per_row(mask: torch.Tensor, batch: int) -> torch.Tensor:
     """The prompt's ``[B, T]`` mask with one row per cache row: ``generate`` repeats each prompt's row once per
     beam (and per returned sequence) with ``repeat_interleave``, so a mask of ``B`` rows serves ``B * k`` rows."""
@@ -239,11 +245,12 @@ class Sequences:
             batch,
             cfg.group_size,
             key_states.device,
-            lambda before: self._new_tokens(batch, start, n, position_ids, before),
+            lambda before: self._new_tokens(key_states, start, position_ids, before),
         )
 
-    def _new_tokens(self, batch: int, start: int, n: int, position_ids, before: list[int]) -> list[int]:
+    def _new_tokens(self, key_states: torch.Tensor, start: int, position_ids, before: list[int]) -> list[int]:
         """Real tokens of each row in the chunk of positions ``start .. start + n`` (the rest is left padding)."""
+        batch, _, n, _ = key_states.shape
         if position_ids is None or position_ids.shape[0] != batch:
             mask = self.prompt_mask
             seen = MASKED.get()
@@ -252,7 +259,9 @@ class Sequences:
             if mask is None and fits:
                 mask = _left_padding_mask(seen)
             if mask is None:
-                if batch > 1 and start == 0 and seen is not UNPADDED:
+                shared = position_ids is not None and position_ids.shape[0] == 1  # the same positions in every row
+                unseen = seen is not UNPADDED and not shared and not _copies_of_one_row(key_states)
+                if batch > 1 and start == 0 and unseen:
                     warnings.warn(
                         "KVarNCache cannot see this batch's padding; if it is padded, pass "
                         "KVarNCache(..., attention_mask=mask) or each row's records will depend on its padding",
