@@ -180,6 +180,24 @@ def test_bad_arguments():
         KVarNCache(PRESET).update(torch.randn(1, 2, 8, 96), torch.randn(1, 2, 8, 96), 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int8, torch.float8_e4m3fn])
+def test_a_store_dtype_the_pool_cannot_hold_is_refused_at_construction(dtype):
+    with pytest.raises(ValueError, match=r"dtype must be torch\.float16, torch\.bfloat16 or torch\.float32"):
+        KVarNCache(PRESET, dtype=dtype)
+
+
+def test_a_float64_model_stores_in_a_dtype_it_names():
+    """The store dtype defaults to the model's: a float64 model is told to name one, and then works."""
+    k = torch.randn(1, 2, 70, 64, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"KVarNCache\(dtype=torch\.float32\)"):
+        KVarNCache(PRESET).update(k, k, 0)
+    cache = KVarNCache(PRESET, dtype=torch.float32)
+    cache.update(k, k, 0)
+    hist_k, _ = cache.update(k[:, :, :1], k[:, :, :1], 0)
+    assert hist_k.dtype == torch.float64 and cache.layers[0].tail_k.dtype == torch.float32
+    torch.testing.assert_close(hist_k[:, :, 64:70], k[:, :, 64:], atol=1e-5, rtol=1e-5)  # the tail, stored in fp32
+
+
 def test_kvarn_attention_without_a_paged_cache_says_so(tiny):
     register_kvarn_attention()
     tiny.set_attn_implementation("kvarn")

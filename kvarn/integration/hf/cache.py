@@ -8,7 +8,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvarn import ops
 from kvarn.config import DEFAULT_PRESET, KVarNConfig, LayerPolicy, check_preset
 from kvarn.integration.hf.batch import Sequences
-from kvarn.integration.hf.layers import FullPrecisionLayer, KVarNLayer
+from kvarn.integration.hf.layers import STORE_DTYPE_NAMES, STORE_DTYPES, FullPrecisionLayer, KVarNLayer
 
 
 class KVarNCache(Cache):
@@ -19,8 +19,8 @@ class KVarNCache(Cache):
             (its ``head_dim`` is replaced by the model's).
         sink: keep a full-precision copy of each sequence's first tile and attend over it.
         dtype: dtype K/V are rounded to before storing (tail pool, and the input of the
-            quantizer); default the model's. ``torch.float16`` on an fp32 CPU model mirrors an
-            fp16 deployment.
+            quantizer): ``torch.float16``, ``torch.bfloat16`` or ``torch.float32``; default the
+            model's. ``torch.float16`` on an fp32 CPU model mirrors an fp16 deployment.
         max_cache_len: preallocate records for this many tokens (otherwise they grow tile by tile).
         paged: attend through :meth:`kvarn.paged.PagedKV.attend`; needs
             ``attn_implementation="kvarn"`` (:func:`register_kvarn_attention`).
@@ -63,6 +63,11 @@ class KVarNCache(Cache):
     ):
         if impl not in ops.IMPLS:
             raise ValueError(f"impl must be one of {ops.IMPLS}, got {impl!r}")
+        if dtype is not None and dtype not in STORE_DTYPES:
+            raise ValueError(
+                f"dtype must be {STORE_DTYPE_NAMES} (what the full-precision pool holds), or None for the "
+                f"model's dtype; got {dtype}"
+            )
         check_preset(preset)
         if layer_policy is not None and not isinstance(layer_policy, LayerPolicy):
             raise TypeError(f"layer_policy must be a kvarn.config.LayerPolicy, got {type(layer_policy).__name__}")

@@ -14,6 +14,10 @@ from kvarn.integration.hf.attention import ATTENDING
 from kvarn.integration.hf.batch import Sequences, passed_position_ids
 from kvarn.paged import PagedKV
 
+STORE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""The dtypes K/V may be stored in: the full-precision pool's, and the quantizer's input."""
+STORE_DTYPE_NAMES = "torch.float16, torch.bfloat16 or torch.float32"
+
 
 class KVarNLayer(CacheLayerMixin):
     """The KVarN cache of one attention layer: a :class:`~kvarn.paged.PagedKV` and its view of the batch."""
@@ -62,6 +66,11 @@ class KVarNLayer(CacheLayerMixin):
         self.cfg = KVarNConfig.from_preset(self.preset, head_dim=d)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.store_dtype = self.store_dtype or key_states.dtype
+        if self.store_dtype not in STORE_DTYPES:
+            raise ValueError(
+                f"KVarNCache stores K/V in {STORE_DTYPE_NAMES}, and by default in the model's dtype, which is "
+                f"{key_states.dtype} here; name one, e.g. KVarNCache(dtype=torch.float32)"
+            )
         self.batch_size, self.num_heads = batch, hkv
         tiles = math.ceil(self.max_cache_len / self.cfg.group_size) if self.max_cache_len else 0
         sinks = batch if self.sequences.sink else 0
