@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from hf_models import prompt_ids, tiny_llama
 
 import kvarn
 from kvarn.config import KVarNConfig
@@ -22,25 +23,7 @@ G = 64
 @pytest.fixture(scope="module")
 def tiny():
     """A 2-layer random Llama (GQA 4:2, head_dim 64) in fp32; no download."""
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=256,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=1024,
-    )
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    model.set_attn_implementation("sdpa")
-    return model
-
-
-def _ids(n: int, seed: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 128, (1, n), generator=g)
+    return tiny_llama()
 
 
 def _exact_kv(model, ids):
@@ -69,7 +52,7 @@ SMOOTHING = {"plain": {}, "tile": {"smooth_keys": True}, "sequence": {"smooth_ke
 @pytest.mark.parametrize("smoothing", list(SMOOTHING))
 def test_records_are_the_reference_bytes(tiny, smoothing):
     """A prompt of 2 full tiles + 22 tokens: uint8 records byte-equal to kvarn.quantize, tail exact."""
-    ids = _ids(150)
+    ids = prompt_ids(150)
     cfg = KVarNConfig.from_preset(PRESET, head_dim=64, **SMOOTHING[smoothing])
     cache = KVarNCache(PRESET + "_ks" if smoothing == "sequence" else cfg)  # the _ks name is the sequence scope
     with torch.no_grad():
@@ -90,7 +73,7 @@ def test_records_are_the_reference_bytes(tiny, smoothing):
 @pytest.mark.parametrize("smoothing", ["plain", "sequence"])
 def test_token_by_token_gives_the_same_bytes(tiny, smoothing):
     """write_tail + commit_tiles (one token at a time) store the bytes store_tiles stores."""
-    ids = _ids(140 if smoothing == "plain" else 300)
+    ids = prompt_ids(140 if smoothing == "plain" else 300)
     exact = _exact_kv(tiny, ids)
     cfg = KVarNConfig.from_preset(PRESET, head_dim=64, **SMOOTHING[smoothing])
     whole, steps = KVarNCache(cfg), KVarNCache(cfg)
@@ -108,7 +91,7 @@ def test_token_by_token_gives_the_same_bytes(tiny, smoothing):
 @pytest.mark.parametrize("sink", [False, True])
 def test_decode_logits_match_the_reference(tiny, sink):
     """Next-token logits after a 128-token prompt equal those over reference-dequantized K/V."""
-    ids = _ids(129)
+    ids = prompt_ids(129)
     prompt, nxt = ids[:, :128], ids[:, 128:]
     cfg = KVarNConfig.from_preset(PRESET, head_dim=64)
     cache = KVarNCache(PRESET, sink=sink)
@@ -127,7 +110,7 @@ def test_decode_logits_match_the_reference(tiny, sink):
 @pytest.mark.parametrize("smoothing", list(SMOOTHING))
 def test_paged_attention_mode_matches_dequantize_mode(tiny, smoothing):
     """attn_implementation='kvarn' (kvarn.ops.paged_attention) generates what the dequantizing path does."""
-    ids = _ids(100)
+    ids = prompt_ids(100)
     cfg = KVarNConfig.from_preset(PRESET, head_dim=64, **SMOOTHING[smoothing])
     with torch.no_grad():
         plain = tiny.generate(ids, max_new_tokens=40, do_sample=False, past_key_values=KVarNCache(cfg, sink=True))
@@ -144,7 +127,7 @@ def test_paged_attention_mode_matches_dequantize_mode(tiny, smoothing):
 
 
 def test_generate_crosses_tiles_and_reports_memory(tiny):
-    ids = _ids(60)
+    ids = prompt_ids(60)
     cache = KVarNCache(PRESET)
     with torch.no_grad():
         out = tiny.generate(ids, min_new_tokens=200, max_new_tokens=200, do_sample=False, past_key_values=cache)
@@ -161,7 +144,7 @@ def test_generate_crosses_tiles_and_reports_memory(tiny):
 
 
 def test_keep_decoded_changes_nothing_but_memory(tiny):
-    ids = _ids(70)
+    ids = prompt_ids(70)
     with torch.no_grad():
         a = tiny.generate(ids, max_new_tokens=80, do_sample=False, past_key_values=KVarNCache(PRESET))
         cache = KVarNCache(PRESET, keep_decoded=True)
@@ -171,7 +154,7 @@ def test_keep_decoded_changes_nothing_but_memory(tiny):
 
 
 def test_fp16_store_dtype_rounds_before_quantizing(tiny):
-    ids = _ids(64)
+    ids = prompt_ids(64)
     cache = KVarNCache(PRESET, dtype=torch.float16)
     with torch.no_grad():
         tiny(ids, past_key_values=cache, use_cache=True)
@@ -197,12 +180,30 @@ def test_bad_arguments():
         KVarNCache(PRESET).update(torch.randn(1, 2, 8, 96), torch.randn(1, 2, 8, 96), 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int8, torch.float8_e4m3fn])
+def test_a_store_dtype_the_pool_cannot_hold_is_refused_at_construction(dtype):
+    with pytest.raises(ValueError, match=r"dtype must be torch\.float16, torch\.bfloat16 or torch\.float32"):
+        KVarNCache(PRESET, dtype=dtype)
+
+
+def test_a_float64_model_stores_in_a_dtype_it_names():
+    """The store dtype defaults to the model's: a float64 model is told to name one, and then works."""
+    k = torch.randn(1, 2, 70, 64, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"KVarNCache\(dtype=torch\.float32\)"):
+        KVarNCache(PRESET).update(k, k, 0)
+    cache = KVarNCache(PRESET, dtype=torch.float32)
+    cache.update(k, k, 0)
+    hist_k, _ = cache.update(k[:, :, :1], k[:, :, :1], 0)
+    assert hist_k.dtype == torch.float64 and cache.layers[0].tail_k.dtype == torch.float32
+    torch.testing.assert_close(hist_k[:, :, 64:70], k[:, :, 64:], atol=1e-5, rtol=1e-5)  # the tail, stored in fp32
+
+
 def test_kvarn_attention_without_a_paged_cache_says_so(tiny):
     register_kvarn_attention()
     tiny.set_attn_implementation("kvarn")
     try:
         with pytest.raises(RuntimeError, match="paged=True"), torch.no_grad():
-            tiny(_ids(8), past_key_values=transformers.DynamicCache(), use_cache=True)
+            tiny(prompt_ids(8), past_key_values=transformers.DynamicCache(), use_cache=True)
     finally:
         tiny.set_attn_implementation("sdpa")
 
@@ -236,9 +237,9 @@ def test_smollm2_decode_matches_the_reference():
 
 
 def test_a_paged_cache_under_another_attention_raises_instead_of_garbage(tiny):
-    """Issue 12.1: paged=True with sdpa attention read only the newest token and generated garbage."""
+    """paged=True under sdpa attention would read only the newest token: it raises instead."""
     with pytest.raises(RuntimeError, match="attn_implementation='kvarn'"), torch.no_grad():
-        tiny.generate(_ids(20), max_new_tokens=4, do_sample=False, past_key_values=KVarNCache(PRESET, paged=True))
+        tiny.generate(prompt_ids(20), max_new_tokens=4, do_sample=False, past_key_values=KVarNCache(PRESET, paged=True))
 
 
 def test_bad_preset_types_fail_at_construction():
@@ -246,90 +247,10 @@ def test_bad_preset_types_fail_at_construction():
         KVarNCache(4)
 
 
-def _padded(k, v, pad):
-    """Row 1 of a 2-row batch gets ``pad`` garbage positions on the left; position ids as generate makes them."""
-    n = k.shape[2]
-    kp, vp = k.clone(), v.clone()
-    kp[1, :, :pad], vp[1, :, :pad] = 1e4, -1e4
-    pos = torch.arange(n).repeat(2, 1)
-    pos[1] = (torch.arange(n) - pad).clamp(min=0)
-    return kp, vp, pos
-
-
-@pytest.mark.parametrize("sink", [False, True])
-def test_left_padding_leaves_a_rows_records_and_history_unchanged(sink):
-    """Issue 12.2/12.7: padding shared tiles with real tokens, so a row's bytes depended on its padding."""
-    gen = torch.Generator().manual_seed(3)
-    pad, n, steps = 40, 150, 30
-    k, v = torch.randn(2, 2, 2, n, 64, generator=gen).unbind(0)
-    kp, vp, pos = _padded(k, v, pad)
-    batch, single = KVarNCache(PRESET, sink=sink), KVarNCache(PRESET, sink=sink)
-    batch.update(kp, vp, 0, kwargs={"position_ids": pos})
-    single.update(k[1:, :, pad:], v[1:, :, pad:], 0, kwargs={"position_ids": pos[1:, pad:]})
-    for t in range(steps):
-        k1, v1 = torch.randn(2, 2, 2, 1, 64, generator=gen).unbind(0)
-        p = pos[:, -1:] + 1 + t
-        batch.update(k1, v1, 0, kwargs={"position_ids": p})
-        single.update(k1[1:], v1[1:], 0, kwargs={"position_ids": p[1:]})
-    a, b = batch.layers[0], single.layers[0]
-    real = n - pad + steps
-    assert batch._sequences.rows.real == [n + steps, real] and b.length == real and a.length == n + steps
-    tiles = real // G
-    assert torch.equal(a.records[1, :tiles], b.records[0, :tiles])
-    hk, hv = a.history()
-    sk, sv = b.history()
-    assert torch.equal(hk[1, :, pad:], sk[0]) and torch.equal(hv[1, :, pad:], sv[0])
-    assert not hk[1, :, :pad].any()  # padding positions read back as zeros (the mask hides them)
-    mem = batch.memory_report()
-    assert mem["tail_used"] == 2 * ((n + steps) % G + real % G) * 2 * 64 * 4
-
-
-def test_right_padding_is_refused():
-    k = torch.randn(2, 2, 10, 64)
-    pos = torch.tensor([list(range(10)), [0, 1, 2, 3, 4, 5, 0, 0, 0, 0]])
-    cache = KVarNCache(PRESET)
-    cache.update(k, k, 0, kwargs={"position_ids": pos})  # read as 9 pads + 1 real token: legal so far
-    with pytest.raises(ValueError, match="left"):
-        cache.update(k[:, :, :2], k[:, :, :2], 0, kwargs={"position_ids": torch.tensor([[10, 11], [1, 7]])})
-
-
-@pytest.mark.parametrize("paged", [False, True])
-def test_padded_generate_matches_each_rows_own_run(tiny, paged):
-    """A left-padded batch generates, row by row, what each prompt generates alone."""
-    prompts = [_ids(150, seed=4)[0], _ids(37, seed=5)[0]]
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(2, width, dtype=torch.long)
-    mask = torch.zeros(2, width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :], mask[i, width - len(p) :] = p, 1
-    if paged:
-        register_kvarn_attention()
-        tiny.set_attn_implementation("kvarn")
-    try:
-        with torch.no_grad():
-            out = tiny.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=30,
-                do_sample=False,
-                past_key_values=KVarNCache(PRESET, paged=paged, attention_mask=None if paged else mask),
-            )
-            alone = [
-                tiny.generate(
-                    p[None], max_new_tokens=30, do_sample=False, past_key_values=KVarNCache(PRESET, paged=paged)
-                )
-                for p in prompts
-            ]
-    finally:
-        tiny.set_attn_implementation("sdpa")
-    for row, single in zip(out, alone, strict=True):
-        assert torch.equal(row[width:], single[0, -30:])
-
-
 def test_memory_report_separates_the_pool_from_the_records(tiny):
     cache = KVarNCache(PRESET)
     with torch.no_grad():
-        tiny(_ids(300), past_key_values=cache, use_cache=True)
+        tiny(prompt_ids(300), past_key_values=cache, use_cache=True)
     mem = cache.memory_report()
     cfg = KVarNConfig.from_preset(PRESET, head_dim=64)
     assert mem["tail_used"] == 2 * (300 % G) * 2 * 2 * 64 * 4  # layers * tokens * (K, V) * Hkv * D * fp32
@@ -337,27 +258,9 @@ def test_memory_report_separates_the_pool_from_the_records(tiny):
     assert mem["capacity_vs_fp16"] < mem["records_vs_fp16"]
 
 
-def test_beam_search_reorders_records_and_pools(tiny):
-    """Beam search moves rows: the dequantizing and the paged paths must still agree token for token."""
-    ids = _ids(100)
-    with torch.no_grad(), pytest.warns(UserWarning, match="padding"):
-        plain = tiny.generate(
-            ids, max_new_tokens=40, num_beams=3, do_sample=False, past_key_values=KVarNCache(PRESET, sink=True)
-        )
-    register_kvarn_attention()
-    tiny.set_attn_implementation("kvarn")
-    try:
-        with torch.no_grad():
-            cache = KVarNCache(PRESET, sink=True, paged=True)
-            paged = tiny.generate(ids, max_new_tokens=40, num_beams=3, do_sample=False, past_key_values=cache)
-    finally:
-        tiny.set_attn_implementation("sdpa")
-    assert torch.equal(plain, paged)
-
-
 @pytest.mark.parametrize("paged", [False, True])
 def test_fp16_values_whose_rotation_leaves_fp16_range_are_stored_whole(paged):
-    """Issue 12.4: 20000 + noise in fp16 rotates to ~1.6e5, past fp16's range; the fp16 pool holds it.
+    """20000 + noise in fp16 rotates to ~1.6e5, past fp16's range; the fp16 pool holds it.
 
     No warning, nothing non-finite stored, and the history and attention match a cache that stores
     the same values in fp32 (only fp16 rounding of the rotated values differs).
@@ -405,7 +308,7 @@ def test_layer_policy_keeps_layer_0_exact_and_quantizes_the_rest(tiny):
     from kvarn.config import LayerPolicy
     from kvarn.integration.hf import FullPrecisionLayer
 
-    ids = _ids(150)
+    ids = prompt_ids(150)
     prompt, nxt = ids[:, :149], ids[:, 149:]
     cfg = KVarNConfig.from_preset(PRESET, head_dim=64)
     cache = KVarNCache(PRESET, layer_policy=LayerPolicy(first=1), dtype=torch.float16)
@@ -440,7 +343,7 @@ def test_layer_policy_keeps_layer_0_exact_and_quantizes_the_rest(tiny):
 def test_layer_policy_at_a_higher_preset_stores_that_presets_records(tiny):
     from kvarn.config import LayerPolicy
 
-    ids = _ids(130)
+    ids = prompt_ids(130)
     policy = LayerPolicy(last=1, keep="kvarn_k4v4_g64")
     cache = KVarNCache(PRESET, layer_policy=policy, num_layers=2)
     with torch.no_grad():
@@ -455,7 +358,7 @@ def test_layer_policy_at_a_higher_preset_stores_that_presets_records(tiny):
 def test_layer_policy_paged_mode_generates_what_the_dequantizing_path_does(tiny, keep):
     from kvarn.config import LayerPolicy
 
-    ids = _ids(100)
+    ids = prompt_ids(100)
     policy = LayerPolicy(first=1, keep=keep)
     with torch.no_grad():
         plain = tiny.generate(

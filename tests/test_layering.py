@@ -4,6 +4,8 @@ Ground floor up: ``config`` -> ``reference`` and ``kernels`` side by side (neith
 other) -> ``ops`` (the one dispatch point) -> ``paged`` and the public API -> ``integration`` ->
 evaluation and the CLI. Imports only point down or stay inside their own floor's package; no
 module imports in a circle; only ``ops`` (and the reference itself) imports ``kvarn.reference``.
+``paged`` stands on ``config`` and ``ops`` alone and imports no serving or modelling library; the
+packages split by responsibility keep every module under :data:`MAX_LINES`.
 """
 
 from __future__ import annotations
@@ -94,3 +96,55 @@ def test_no_import_circles():
     for module in GRAPH:
         if module not in state:
             visit(module, [module])
+
+
+PAGED_MAY_IMPORT = {"kvarn.config", "kvarn.ops"}
+"""What ``kvarn.paged``'s modules may import besides each other: the adapters above build on it, not it on them."""
+
+MAX_LINES = 600
+"""Most lines a module of the packages split by responsibility may have (:data:`SPLIT_PACKAGES`)."""
+
+SPLIT_PACKAGES = ("kvarn.paged", "kvarn.integration.hf")
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """The top-level package of every import in ``path``, at any depth of the file."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+PATHS = {_module(p): p for p in ROOT.rglob("*.py")}
+PAGED = sorted(m for m in GRAPH if m == "kvarn.paged" or m.startswith("kvarn.paged."))
+
+
+def test_paged_is_a_package_of_several_modules():
+    assert "kvarn.paged" in GRAPH and len(PAGED) > 2, PAGED
+    assert PATHS["kvarn.paged"].name == "__init__.py"
+
+
+@pytest.mark.parametrize("module", PAGED)
+def test_paged_imports_only_config_ops_and_itself(module):
+    above = {t for t in GRAPH[module] if t not in PAGED_MAY_IMPORT and not t.startswith("kvarn.paged.")}
+    assert not above, f"{module} imports {sorted(above)}; kvarn.paged stands on kvarn.config and kvarn.ops only"
+
+
+@pytest.mark.parametrize("module", PAGED)
+def test_paged_imports_neither_vllm_nor_transformers(module):
+    reached = _top_level_imports(PATHS[module]) & {"vllm", "transformers"}
+    assert not reached, f"{module} imports {sorted(reached)}; the integrations adapt kvarn.paged, not the reverse"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in GRAPH if m.startswith("kvarn.paged.")))
+def test_paged_modules_import_their_siblings_not_the_package(module):
+    assert "kvarn.paged" not in GRAPH[module], f"{module} imports kvarn.paged; import the sibling module instead"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in GRAPH if m.startswith(SPLIT_PACKAGES)))
+def test_split_packages_keep_modules_short(module):
+    lines = len(PATHS[module].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{module} has {lines} lines; split it by responsibility (at most {MAX_LINES})"

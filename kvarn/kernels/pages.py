@@ -27,7 +27,7 @@ the reference (an fp32 matmul with ``H``) only the fp32 summation order differs,
 the hi/lo split's truncation (relative ``2^-22`` of each value): a page element can be one ulp of
 the page dtype off where its fp32 value lies near a rounding boundary, or an element much smaller
 than its row (cancellation) off by a small multiple of ``2^-24`` of the row's magnitude
-(``tests/test_pages.py`` allows ``2^-16``). ``cfg.rotate=False`` formats skip the rotations; their
+(``tests/test_kernels_pages.py`` allows ``2^-16``). ``cfg.rotate=False`` formats skip the rotations; their
 record pages then equal the reference's bit for bit.
 """
 

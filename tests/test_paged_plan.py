@@ -1,0 +1,182 @@
+"""kvarn.paged.plan: where each token of a step goes (TilePlanner), and how tail and sink slots live.
+
+The planner imports torch only; these tests run without vLLM.
+"""
+
+import pytest
+import torch
+
+from kvarn.paged import SinkLostError, TailLostError, TilePlanner
+
+G = 8
+
+
+def plan(planner, chunks, tables, pad=0):
+    """``chunks``: list of (new tokens, length after the step); ``tables``: block ids per request."""
+    qsl = [0]
+    for n, _ in chunks:
+        qsl.append(qsl[-1] + n)
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    lens = torch.tensor([length for _, length in chunks])
+    return planner.plan(torch.tensor(qsl), lens, table, qsl[-1] + pad)
+
+
+def test_whole_tiles_are_stored_and_the_rest_goes_to_the_tail():
+    p = TilePlanner(4, G)
+    out = plan(p, [(20, 20)], [[7, 3, 9]], pad=2)
+    assert out.store_blocks.tolist() == [7, 3]
+    assert out.store_token_idx.tolist() == [list(range(8)), list(range(8, 16))]
+    slot = p.live_slots[9]
+    assert out.tail_slot_mapping.tolist() == [-1] * 16 + [slot * G + i for i in range(4)] + [-1, -1]
+    assert out.tail_slots.tolist() == [slot]
+    assert out.head_slots.tolist() == [0], "the step starts a tile it stores whole: no slot to read"
+    assert out.commit_blocks.numel() == 0
+
+
+def test_a_tile_completed_by_decode_is_committed_from_its_slot_and_the_slot_released():
+    p = TilePlanner(4, G)
+    plan(p, [(7, 7)], [[5]])
+    slot = p.live_slots[5]
+    out = plan(p, [(1, 8)], [[5]])
+    assert out.commit_slots.tolist() == [slot] and out.commit_blocks.tolist() == [5]
+    assert out.tail_slot_mapping.tolist() == [slot * G + 7]
+    assert out.tail_slots.tolist() == [0]
+    assert out.head_slots.tolist() == [slot], "attention reads the completed tile from its slot"
+    assert p.live_slots == {}
+
+
+def test_a_chunk_that_starts_and_ends_inside_tiles():
+    p = TilePlanner(4, G)
+    plan(p, [(3, 3)], [[4, 6, 2]])
+    s4 = p.live_slots[4]
+    out = plan(p, [(15, 18)], [[4, 6, 2]])
+    s2 = p.live_slots[2]
+    assert out.commit_blocks.tolist() == [4] and out.commit_slots.tolist() == [s4]
+    assert out.store_blocks.tolist() == [6]
+    assert out.store_token_idx.tolist() == [list(range(5, 13))]
+    mapping = out.tail_slot_mapping.tolist()
+    assert mapping[:5] == [s4 * G + i for i in range(3, 8)] and mapping[13:] == [-1, -1]
+    assert s2 == s4 and 4 not in p.live_slots, "the committed tile's slot passes to the request's next tile"
+    late = out.late_tail_slot_mapping.tolist()
+    assert late[:13] == [-1] * 13 and late[13:] == [s4 * G + i for i in range(2)], "written after attention"
+    assert out.head_slots.tolist() == [s4], "the tile the step started in, read by attention"
+
+
+def test_an_unscheduled_request_keeps_its_tail_and_prefix_hits_start_on_tile_boundaries():
+    p = TilePlanner(4, G)
+    plan(p, [(5, 5), (3, 3)], [[1], [2]])
+    s1 = p.live_slots[1]
+    for length in range(4, 8):
+        plan(p, [(1, length)], [[2]])
+    out = plan(p, [(2, 7)], [[1]])
+    assert out.tail_slot_mapping.tolist() == [s1 * G + 5, s1 * G + 6]
+    hit = plan(p, [(3, 19)], [[1, 8, 11]])
+    assert hit.tail_slot_mapping.tolist() == [p.live_slots[11] * G + i for i in range(3)]
+
+
+def test_a_recycled_block_frees_the_stale_tail_of_its_previous_owner():
+    p = TilePlanner(4, G)
+    plan(p, [(5, 5)], [[3]])
+    assert 3 in p.live_slots
+    plan(p, [(16, 16)], [[9, 3]])
+    assert 3 not in p.live_slots
+
+
+def test_the_pool_evicts_the_least_recently_used_idle_slot_and_refuses_a_lost_tail():
+    p = TilePlanner(2, G)
+    plan(p, [(1, 1)], [[1]])
+    plan(p, [(1, 1)], [[2]])
+    plan(p, [(1, 2)], [[2]])
+    plan(p, [(1, 1)], [[3]])
+    assert set(p.live_slots) == {2, 3}
+    with pytest.raises(TailLostError, match="block 1"):
+        plan(p, [(1, 2)], [[1]])
+    with pytest.raises(TailLostError, match="incomplete tiles in one step"):
+        plan(TilePlanner(1, G), [(1, 1), (1, 1)], [[1], [2]])
+
+
+def test_a_prefix_hit_reads_the_sink_of_the_first_tile_it_shares():
+    p = TilePlanner(4, G, num_sink_slots=2, sink_pinned=lambda block: False)
+    a = plan(p, [(20, 20)], [[5, 6, 7]])
+    sink = p.live_sinks[5]
+    assert a.sink_slots.tolist() == [sink]
+    assert a.sink_slot_mapping.tolist() == [sink * G + i for i in range(G)] + [-1] * 12
+    assert sorted(a.store_blocks.tolist()) == [5, 6], "the first tile's record is written all the same"
+    hit = plan(p, [(3, 19)], [[5, 6, 9]])  # tiles 0 and 1 from the prefix cache
+    assert hit.sink_slots.tolist() == [sink]
+    assert hit.sink_slot_mapping.tolist() == [-1] * 3, "a hit reads the sink and never writes it"
+    assert p.stats["new_sinks"] == 1
+
+
+@pytest.mark.parametrize("hit_first", [False, True])
+def test_a_hit_on_a_first_tile_written_in_the_same_step_reads_its_sink_in_either_row_order(hit_first):
+    """vLLM caches a block as it schedules it, so ``n > 1`` children (or equal prompts) admitted in one
+    step can hit the first tile another row of that step writes, and the runner may put that row first."""
+    p = TilePlanner(4, G, num_sink_slots=2, sink_pinned=lambda block: True)
+    writer, hit = ((2 * G + 3, 2 * G + 3), [5, 6, 7]), ((3, 2 * G + 3), [5, 6, 9])
+    rows = [hit, writer] if hit_first else [writer, hit]
+    out = plan(p, [c for c, _ in rows], [t for _, t in rows])
+    sink = p.live_sinks[5]
+    assert out.sink_slots.tolist() == [sink, sink]
+    written = out.sink_slot_mapping.tolist()
+    assert sorted(x for x in written if x >= 0) == [sink * G + i for i in range(G)], "the writer fills the sink once"
+    assert p.stats["new_sinks"] == 1
+
+
+def test_a_first_block_written_as_another_tile_loses_its_sink_and_cannot_be_read_as_a_first_tile():
+    p = TilePlanner(4, G, num_sink_slots=2, sink_pinned=lambda block: False)
+    plan(p, [(G, G)], [[5]])
+    plan(p, [(G + 2, G + 2)], [[3, 5]])  # block 5 recycled as tile 1
+    assert 5 not in p.live_sinks and p.stats["recycled_sinks"] == 1
+    with pytest.raises(SinkLostError, match="block 5"):
+        plan(p, [(1, G + 1)], [[5, 4]])
+    fresh = plan(p, [(3, 3)], [[5]])  # a new first tile in block 5 starts from offset 0: a new sink
+    assert fresh.sink_slots.tolist() == [p.live_sinks[5]]
+
+
+def test_sink_eviction_takes_only_unheld_blocks_and_reports_them():
+    held = {1, 2}
+    evicted = []
+    p = TilePlanner(4, G, num_sink_slots=2, sink_pinned=held.__contains__, on_sink_evicted=evicted.append)
+    plan(p, [(G, G), (3, 3)], [[1], [2]])
+    with pytest.raises(SinkLostError, match="KVARN_SINK_SLOTS"):
+        plan(p, [(2, 2)], [[3]])  # both sinks belong to blocks that requests hold
+    held.discard(1)
+    plan(p, [(2, 2)], [[3]])
+    assert evicted == [1] and set(p.live_sinks) == {2, 3} and p.stats["evicted_sinks"] == 1
+    with pytest.raises(SinkLostError, match="block 1"):
+        plan(p, [(1, G + 1)], [[1, 8]])  # a hit on the evicted first tile is refused, not read
+
+
+def test_a_first_tile_continued_without_its_sink_is_refused():
+    p = TilePlanner(4, G, num_sink_slots=1)
+    plan(p, [(3, 3)], [[1]])
+    with pytest.raises(SinkLostError):
+        plan(p, [(2, 2)], [[2]])  # no predicate: nothing is evictable
+    p = TilePlanner(4, G, num_sink_slots=1, sink_pinned=lambda block: False)
+    with pytest.raises(SinkLostError, match="slots"):
+        plan(p, [(3, 3), (2, 2)], [[1], [2]])  # a sink this step writes is never evicted in that step
+    with pytest.raises(SinkLostError, match="block 7"):
+        plan(p, [(2, 5)], [[7]])
+
+
+def test_sink_slots_serve_a_prefix_hit_scheduled_before_its_claim():
+    """vLLM's GPU runner orders rows decode -> short -> long, so a prefix hit on a first tile (start >= G)
+    can come before the row that writes that tile from 0 in the same step: both get one slot."""
+    from kvarn.paged import SinkLostError, SinkSlots
+
+    sinks = SinkSlots(2, G)
+    slots = sinks.assign([(0, 7, G), (1, 7, 0), (2, 9, 0)], 4)
+    assert slots[0] == slots[1] >= 0 and slots[2] not in (-1, slots[0]) and slots[3] == -1
+    assert sinks.live == {7: slots[0], 9: slots[2]}
+    assert sinks.drop(9) and not sinks.drop(9) and sinks.stats["recycled_sinks"] == 1
+    with pytest.raises(SinkLostError, match="not held"):
+        sinks.assign([(0, 9, 5)], 1)
+    sinks.assign([(0, 11, 0)], 1)
+    with pytest.raises(SinkLostError, match="live requests"):  # no pinned(): nothing may be evicted
+        sinks.assign([(0, 12, 0)], 1)
+    evicted = []
+    held = SinkSlots(1, G, pinned=lambda block: block == 3, on_evicted=evicted.append)
+    held.assign([(0, 4, 0)], 1)
+    assert held.assign([(0, 5, 0)], 1) == [0] and evicted == [4] and held.live == {5: 0}
