@@ -339,6 +339,101 @@ def test_rejects_bad_role_and_bits():
         kvarn.quantize(_kv(128, 1, 64), 4)
 
 
+def test_refuses_inputs_that_require_grad():
+    """Rounding has no useful gradient: an input needing one is refused, not given zeros for every quantized token."""
+    k, v = (x.float().requires_grad_() for x in _kv(300, 2, 64))
+    with pytest.raises(ValueError, match=r"k requires grad.*k\.detach\(\).*torch\.no_grad\(\)"):
+        kvarn.quantize((k, v))
+    with pytest.raises(ValueError, match=r"kv requires grad"):
+        kvarn.quantize(torch.stack([k, v]))
+    with pytest.raises(ValueError, match=r"kv requires grad"):
+        kvarn.quantize(k, role="key")
+    with torch.no_grad():
+        q = kvarn.quantize((k, v))
+    assert not q.dequantize()[0].requires_grad
+    assert kvarn.quantize((k.detach(), v.detach())) == q
+
+
+def test_rejects_meta_tensors():
+    k = torch.empty(256, 2, 64, device="meta")
+    with pytest.raises(ValueError, match=r"k is a meta tensor.*no values to quantize"):
+        kvarn.quantize((k, k))
+
+
+def test_impl_triton_on_cpu_tensors_says_what_to_change(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    k, v = _kv(256, 2, 64)
+    with pytest.raises(ValueError, match=r"impl='triton' runs the Triton kernels on CUDA tensors.*cpu.*impl='auto'"):
+        kvarn.quantize((k, v), impl="triton")
+    q = kvarn.quantize((k, v))
+    with pytest.raises(ValueError, match=r"impl='triton' runs the Triton kernels on CUDA tensors"):
+        q.dequantize(impl="triton")
+
+
+def test_head_dim_error_names_the_supported_head_dims():
+    for d in (96, 32, 512):
+        with pytest.raises(ValueError, match=rf"head_dim must be .*got {d} \(the last dim of k\)") as e:
+            kvarn.quantize(_kv(128, 1, d))
+        assert "64, 128 or 256" in str(e.value)
+
+
+def test_a_single_unstacked_tensor_says_what_to_pass():
+    with pytest.raises(ValueError, match=r"a single tensor must be a stacked \[2, T, H, D\] K/V pair.*\(k, v\) tuple"):
+        kvarn.quantize(torch.zeros(256, 2, 64))
+
+
+def test_to_a_dtype_fails_at_once():
+    q = kvarn.quantize(_kv(256, 2, 64))
+    t = kvarn.quantize(_kv(256, 2, 64)[0], role="key")
+    for obj in (q, t):
+        with pytest.raises(TypeError, match=r"\.to\(\) moves .* between devices only.*dequantize\(\)"):
+            obj.to(torch.float16)
+        with pytest.raises(ValueError, match="not a device"):
+            obj.to("float16")
+
+
+@pytest.mark.parametrize("field", ["shape", "records", "k_rest", "dtype"])
+def test_fields_that_disagree_are_refused_when_built_and_loaded(field):
+    k, v = _kv(300, 2, 64)
+    q = kvarn.quantize((k, v))
+    bad = {
+        "shape": torch.Size([100, 2, 64]),
+        "records": q.records[:1],
+        "k_rest": q.k_rest[:3],
+        "dtype": torch.float32,
+    }[field]
+    with pytest.raises(ValueError, match="QuantizedKV fields disagree"):
+        dataclasses.replace(q, **{field: bad})
+    edited = object.__new__(kvarn.QuantizedKV)
+    edited.__dict__.update({**q.__dict__, field: bad})
+    buf = io.BytesIO()
+    torch.save(edited, buf)
+    buf.seek(0)
+    with pytest.raises(ValueError, match="QuantizedKV fields disagree"):
+        torch.load(buf, weights_only=True)
+
+
+@pytest.mark.parametrize("field", ["shape", "packed", "scale", "col", "rest"])
+def test_tensor_fields_that_disagree_are_refused_when_built_and_loaded(field):
+    t = kvarn.quantize(_kv(300, 2, 64)[0], role="key")
+    bad = {
+        "shape": torch.Size([100, 2, 64]),
+        "packed": t.packed[..., :-1],
+        "scale": t.scale.float(),
+        "col": t.col[:1],
+        "rest": t.rest[:3],
+    }[field]
+    with pytest.raises(ValueError, match="QuantizedTensor fields disagree"):
+        dataclasses.replace(t, **{field: bad})
+    edited = object.__new__(kvarn.QuantizedTensor)
+    edited.__dict__.update({**t.__dict__, field: bad})
+    buf = io.BytesIO()
+    torch.save(edited, buf)
+    buf.seek(0)
+    with pytest.raises(ValueError, match="QuantizedTensor fields disagree"):
+        torch.load(buf, weights_only=True)
+
+
 def test_dequantize_rejects_other_objects():
     with pytest.raises(TypeError, match=r"dequantize takes what kvarn\.quantize returned"):
         kvarn.dequantize(torch.zeros(3))

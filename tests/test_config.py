@@ -163,6 +163,16 @@ def test_layer_policy_kept_layers_and_vllm_skip_list():
         LayerPolicy(first=1, keep="kvarn_k4v4_g128").skip_layers(30)
 
 
+def test_layer_policy_counts_are_checked_against_the_model_like_indices():
+    from kvarn.config import LayerPolicy
+
+    with pytest.raises(ValueError, match=r"LayerPolicy\.first=5 keeps more layers than the model's 2"):
+        LayerPolicy(first=5).kept(2)
+    with pytest.raises(ValueError, match=r"LayerPolicy\.last=3 keeps more layers than the model's 2"):
+        LayerPolicy(last=3).kept(2)
+    assert LayerPolicy(first=2, last=2).kept(2) == (0, 1)  # every layer, named by both ends
+
+
 def test_layer_policy_formats_and_bits():
     from kvarn.config import LayerPolicy
 
