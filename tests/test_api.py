@@ -233,6 +233,12 @@ def test_empty_input():
     assert q3.records.shape == (3, 0, 2, q3.config.record_bytes) and q3.dequantize()[0].shape == (3, 0, 2, 64)
 
 
+def test_empty_key_with_key_smoothing():
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=64, smooth_keys=True)
+    t = kvarn.quantize(torch.randn(3, 0, 2, 64), cfg, role="key")
+    assert t.smooth.shape == (3, 0, 2, 64) and t.dequantize().shape == (3, 0, 2, 64)
+
+
 def test_equality_copies_and_devices():
     # issue 12 item 10: == raised on equal copies
     k, v = _kv(200, 2, 64)
