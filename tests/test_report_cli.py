@@ -178,3 +178,18 @@ def test_attention_plot_leaves_exact_zeros_out_of_the_log_axis():
             assert all(math.isnan(y) or y > 0 for y in ys)
     finally:
         plt.close(fig)
+
+
+def test_harness_refuses_a_negative_greedy_count():
+    from kvarn.eval.harness import evaluate
+
+    with pytest.raises(ValueError, match="greedy must be 0"):
+        evaluate(None, None, ["fp16"], ["tail"], prefix=128, continuation=8, greedy=-1)
+
+
+def test_kvarn_without_a_command_prints_usage_on_stderr(capsys):
+    assert main([]) == 2
+    captured = capsys.readouterr()
+    assert "usage: kvarn {demo,report}" in captured.err and captured.out == ""
+    assert main(["--help"]) == 0
+    assert "usage: kvarn {demo,report}" in capsys.readouterr().out
