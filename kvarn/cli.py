@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 COMMANDS = {
-    "demo": "quantize a synthetic KV cache and compare every preset with plain RTN",
+    "demo": "quantize a synthetic KV cache shaped like a real one, compare every preset with RTN baselines",
     "report": "measure fidelity on a real small model against baselines (writes report.md and plots)",
 }
 
