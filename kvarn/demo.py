@@ -175,9 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvarn demo", description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1024, help="tokens in the synthetic cache (default 1024)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads, 1 or more (default 1)")
     args = parser.parse_args(argv)
     if args.tokens < 1:
         parser.error(f"--tokens must be at least 1, got {args.tokens}")
+    if args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
+    # tensors this small gain nothing from more threads, and spinning ones lose much on a busy machine
+    torch.set_num_threads(args.threads)
     rows = run(args.tokens, args.seed)
     print(f"synthetic KV cache: {args.tokens} tokens, 8 KV heads, head_dim 128, fp16, shaped like a real model's:")
     print("  K: 4 outlier channels per head (offset 5x, spread 2.5x), V: 4 wider channels with offsets and")

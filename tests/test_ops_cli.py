@@ -49,6 +49,28 @@ def test_demo_table_bears_out_what_it_prints():
     assert lines[3].startswith("  vs rtn      attn") and lines[3].endswith("KVarN lower for every preset")
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [(["--tokens", "0"], "--tokens must be at least 1"), (["--threads", "0"], "--threads must be at least 1")],
+)
+def test_demo_misuse_exits_2(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", *args])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_demo_runs_on_one_thread_unless_told(monkeypatch):
+    import kvarn.demo
+
+    threads = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    monkeypatch.setattr(kvarn.demo, "run", lambda tokens, seed: [])
+    monkeypatch.setattr(kvarn.demo, "summary", lambda rows: [])
+    monkeypatch.setattr(kvarn.demo, "ablation", lambda tokens, seed: [])
+    assert main(["demo"]) == 0 and main(["demo", "--threads", "2"]) == 0
+    assert threads == [1, 2]
+
+
 def test_cli_unknown_command(capsys):
     assert main(["frobnicate"]) == 2
     assert "unknown command 'frobnicate'" in capsys.readouterr().err
