@@ -119,7 +119,7 @@ def _errors(k, v, preset="kvarn_k4v2_g128"):
 
 
 UNIT = torch.randn(256, 2, 128, generator=torch.Generator().manual_seed(5))
-"""Unit-scale data: the error every other scale is held to (at most 2x, issue 12's goal)."""
+"""Unit-scale data: the error every other scale is held to (at most 2x)."""
 
 
 def _unit_errors(dtype):
@@ -141,7 +141,7 @@ def test_records_are_the_cache_bytes():
 
 
 def test_fp16_rotation_past_fp16_range_is_not_clipped():
-    # issue 12 item 4: fp16 values whose rotation leaves fp16's range were saturated (error 0.707).
+    # fp16 values whose rotation leaves fp16's range were saturated (error 0.707).
     # The caches' fp16 pool form holds them (rotated values times 2^-POOL_EXP): kvarn.quantize
     # stores them as a cache does, and no tile of them needs rescaling.
     g = torch.Generator().manual_seed(0)
@@ -169,7 +169,7 @@ def test_fp16_rotation_past_fp16_range_is_not_clipped():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scale", [1e8, 1e10, 1e20, 1e29])
 def test_values_past_2_to_24_are_scaled_not_clipped(dtype, scale):
-    # issue 12 item 6: fp32/bf16 values past 2^24 were clipped silently (randn * 1e10: error 0.9987)
+    # fp32/bf16 values past 2^24 were clipped silently (randn * 1e10: error 0.9987)
     x = (UNIT * scale).to(dtype)
     ek, ev = _errors(x, x)
     uk, uv = _unit_errors(dtype)
@@ -204,7 +204,7 @@ def test_values_past_2_to_100_are_refused(dtype):
     + [(torch.float16, s) for s in (1e-5, 1e-6)],
 )
 def test_tiny_values_keep_their_precision(dtype, scale):
-    # issue 12 item 5: randn * 1e-20 came back as zeros, randn * 1e-10 with 3x the unit-scale error.
+    # randn * 1e-20 came back as zeros, randn * 1e-10 with 3x the unit-scale error.
     x = (UNIT * scale).to(dtype)
     ek, ev = _errors(x, x)
     uk, uv = _unit_errors(dtype)
@@ -220,7 +220,7 @@ def test_values_below_2_to_minus_120_warn(dtype):
 
 
 def test_empty_input():
-    # issue 12 item 9: T = 0 raised ZeroDivisionError in bits_per_element / capacity_vs_fp16
+    # T = 0 raised ZeroDivisionError in bits_per_element / capacity_vs_fp16
     k, v = _kv(0, 2, 128)
     q = kvarn.quantize((k, v))
     assert q.records.shape == (0, 2, 13824) and q.nbytes == 0
@@ -240,7 +240,7 @@ def test_empty_key_with_key_smoothing():
 
 
 def test_equality_copies_and_devices():
-    # issue 12 item 10: == raised on equal copies
+    # == raised on equal copies
     k, v = _kv(200, 2, 64)
     q = kvarn.quantize((k, v))
     same = kvarn.quantize((k.clone(), v.clone()))
@@ -256,7 +256,7 @@ def test_equality_copies_and_devices():
 
 
 def test_torch_load_weights_only():
-    # issue 12 item 10: torch.load's default weights_only=True refused a saved QuantizedKV
+    # torch.load's default weights_only=True refused a saved QuantizedKV
     k, v = _kv(150, 2, 64, dtype=torch.bfloat16)
     for obj in (
         kvarn.quantize((k, v), "kvarn_k2v2_g128"),
