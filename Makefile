@@ -5,8 +5,10 @@ STAMP := $(VENV)/.kvarn-installed
 PY ?= $(VENV)/bin/python
 BENCH_OUT ?= bench-out
 BENCH_ARGS ?=
+# Bundled models converted from GGUF by `kvarn report` and the tests (about 260 MB for SmolLM2-135M).
+KVARN_CACHE ?= $(HOME)/.cache/kvarn
 
-.PHONY: setup demo report test lint format clean gpu-test bench gpu-triton
+.PHONY: setup demo report test check-wheel lint format clean clean-cache gpu-test bench gpu-triton
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	VENV=$(VENV) bash scripts/setup.sh
@@ -22,6 +24,10 @@ report: $(STAMP)
 
 test: $(STAMP)
 	VENV=$(VENV) bash scripts/test.sh
+
+# Build the sdist and wheel, install the wheel into a fresh venv and run `kvarn demo` from it (CI runs it too).
+check-wheel: $(STAMP)
+	VENV=$(VENV) bash scripts/check_wheel.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
@@ -41,7 +47,7 @@ bench:
 
 # The GPU machine's Triton (3.6; CI and .venv have 3.9) in its own venv, for offline SASS reads with no GPU:
 # `PYTHONPATH=. $(GPU_TRITON_VENV)/bin/python benchmarks/sass_decode.py ...`. The two compilers' register
-# allocation differs (benchmarks/RESULTS.md, session 31), so read what the H200 will run.
+# allocation differs (benchmarks/RESULTS.md), so read what the H200 will run.
 GPU_TRITON ?= 3.6.0
 GPU_TRITON_VENV ?= .venv-gpu-triton
 gpu-triton:
@@ -49,4 +55,9 @@ gpu-triton:
 	$(GPU_TRITON_VENV)/bin/python -m pip install -q "torch==2.13.0" "triton==$(GPU_TRITON)" numpy einops
 
 clean:
-	rm -rf $(VENV) $(GPU_TRITON_VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(GPU_TRITON_VENV) .pytest_cache .ruff_cache .hypothesis build dist kvarn.egg-info
+	@echo "kept the converted models in $(KVARN_CACHE)/models: 'make clean-cache' removes them"
+
+clean-cache:
+	rm -rf "$(KVARN_CACHE)/models"
+	@rmdir "$(KVARN_CACHE)" 2>/dev/null || true

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kvarn import ops
-from kvarn.config import DEFAULT_PRESET, KVarNConfig
+from kvarn.config import DEFAULT_PRESET, SUPPORTED_HEAD_DIMS, KVarNConfig
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ROLES = ("key", "value")
@@ -52,6 +52,73 @@ class _ValueEquality:
             return NotImplemented
         return all(_same(getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self))
 
+    def __post_init__(self) -> None:
+        self._check_fields()
+
+    def __setstate__(self, state) -> None:
+        # torch.load / pickle bypass __init__: check what was loaded as __post_init__ checks what is built
+        if isinstance(state, tuple):
+            state = state[0]
+        self.__dict__.update(state)
+        self._check_fields()
+
+    def _expected(self) -> dict[str, tuple[tuple[int, ...], torch.dtype] | None]:
+        raise NotImplementedError
+
+    def _check_fields(self) -> None:
+        """Raise a ``ValueError`` unless every tensor has the shape and dtype ``config`` and ``shape`` give it."""
+        name = type(self).__name__
+        problems = []
+        if not isinstance(self.config, KVarNConfig):
+            problems.append(f"config must be a KVarNConfig, got {type(self.config).__name__}")
+        elif not isinstance(self.shape, torch.Size) or len(self.shape) < 3:
+            problems.append(f"shape must be a torch.Size [..., T, H, D], got {self.shape!r}")
+        elif self.shape[-1] != self.config.head_dim:
+            d, want = self.shape[-1], self.config.head_dim
+            problems.append(f"shape {tuple(self.shape)} ends in D={d}, config has head_dim {want}")
+        elif self.dtype not in FLOAT_DTYPES:
+            problems.append(f"dtype must be float16, bfloat16 or float32, got {self.dtype!r}")
+        else:
+            devices = set()
+            for field, want in self._expected().items():
+                got = getattr(self, field)
+                if want is None:
+                    if got is not None:
+                        problems.append(f"{field} must be None for this config and role")
+                    continue
+                if not isinstance(got, torch.Tensor):
+                    problems.append(f"{field} must be a tensor, got {type(got).__name__}")
+                    continue
+                devices.add(got.device)
+                shape, dtype = want
+                if tuple(got.shape) != shape or got.dtype != dtype:
+                    problems.append(f"{field} is {tuple(got.shape)} {got.dtype}, the shape needs {shape} {dtype}")
+            if len(devices) > 1:
+                problems.append(f"tensors lie on several devices ({', '.join(sorted(map(str, devices)))})")
+        if problems:
+            raise ValueError(
+                f"{name} fields disagree: {'; '.join(problems)}. kvarn.quantize builds them consistent with "
+                f"{self.config.name if isinstance(self.config, KVarNConfig) else 'its config'} and shape: "
+                "quantize the tensors again instead of editing a quantized object"
+            )
+
+    def _to_device(self, device) -> torch.device:
+        """``device`` as a ``torch.device``; a dtype or anything else that names no device is refused."""
+        name = type(self).__name__
+        if isinstance(device, torch.dtype):
+            raise TypeError(
+                f"{name}.to() moves the quantized data between devices only; its packed bytes and its dtype "
+                f"({self.dtype}) are fixed by kvarn.quantize: call dequantize() and convert what it returns "
+                f"(k.to({device}))"
+            )
+        try:
+            return torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(
+                f"{name}.to() takes a device ('cpu', 'cuda', 'cuda:1' or a torch.device), got {device!r}, "
+                "which is not a device"
+            ) from None
+
 
 def _ratio(nbytes: int, elements: int) -> float:
     """Stored bits per element; ``nan`` for no elements (0 / 0, as ``torch.tensor([]).mean()``)."""
@@ -65,6 +132,8 @@ class QuantizedKV(_ValueEquality):
     Compares by value (``==`` is true for equal copies on one device) and is not hashable.
     ``torch.save`` / ``torch.load`` work with the default ``weights_only=True``: ``import kvarn``
     registers this class, :class:`QuantizedTensor` and :class:`~kvarn.KVarNConfig` as safe globals.
+    Building or loading one checks that every tensor has the shape and dtype ``config`` and
+    ``shape`` give it (a ``ValueError`` otherwise); :meth:`to` moves it between devices only.
 
     Attributes:
         config: the format.
@@ -91,10 +160,17 @@ class QuantizedKV(_ValueEquality):
         return torch.stack([k, v]) if self.stacked else (k, v)
 
     def to(self, device: torch.device | str) -> QuantizedKV:
-        """A copy with every tensor on ``device``."""
+        """A copy with every tensor on ``device`` (a device only: the dtype is fixed at quantize time)."""
+        device = self._to_device(device)
         return dataclasses.replace(
             self, records=self.records.to(device), k_rest=self.k_rest.to(device), v_rest=self.v_rest.to(device)
         )
+
+    def _expected(self):
+        cfg, lead, (t, h, d) = self.config, tuple(self.shape[:-3]), tuple(self.shape[-3:])
+        n = t // cfg.group_size
+        rest = ((*lead, t - n * cfg.group_size, h, d), self.dtype)
+        return {"records": ((*lead, n, h, cfg.record_bytes), torch.uint8), "k_rest": rest, "v_rest": rest}
 
     @property
     def nbytes(self) -> int:
@@ -151,10 +227,29 @@ class QuantizedTensor(_ValueEquality):
         return _from_tiles(tiles, self.rest, self.dtype, self.config.rotate)
 
     def to(self, device: torch.device | str) -> QuantizedTensor:
-        """A copy with every tensor on ``device``."""
+        """A copy with every tensor on ``device`` (a device only: the dtype is fixed at quantize time)."""
+        device = self._to_device(device)
         names = ("packed", "scale", "zero", "col", "rest", "smooth")
         moved = {name: getattr(self, name).to(device) for name in names if getattr(self, name) is not None}
         return dataclasses.replace(self, **moved)
+
+    def _expected(self):
+        if self.role not in ROLES:
+            raise ValueError(f"QuantizedTensor fields disagree: role must be 'key' or 'value', got {self.role!r}")
+        cfg, lead, (t, h, d) = self.config, tuple(self.shape[:-3]), tuple(self.shape[-3:])
+        g = cfg.group_size
+        n = t // g
+        rows, cols = (d, g) if self.role == "key" else (g, d)  # K tiles [D, G], V tiles [G, D]
+        tile = (*lead, n, h)
+        smooth = ((*tile, d), torch.float8_e4m3fn) if cfg.smooth_keys and self.role == "key" else None
+        return {
+            "packed": ((*tile, rows * self.bits // 8, cols), torch.uint8),
+            "scale": ((*tile, rows), torch.float16),
+            "zero": ((*tile, rows), torch.float16),
+            "col": ((*tile, cols), torch.bfloat16),
+            "rest": ((*lead, t - n * g, h, d), self.dtype),
+            "smooth": smooth,
+        }
 
     @property
     def nbytes(self) -> int:
@@ -178,6 +273,16 @@ def _check_tensor(name: str, x: object, min_rank: int = 3) -> torch.Tensor:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+    if x.is_meta:
+        raise ValueError(
+            f"{name} is a meta tensor (device='meta'), which holds no values to quantize: create it on a real device"
+        )
+    if x.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            f"{name} requires grad, but kvarn.quantize passes no gradient: its codes are rounded integers, and only "
+            f"the last T % G tokens (kept in full precision) would get one. Quantize {name}.detach(), or call "
+            "kvarn.quantize under torch.no_grad()"
+        )
     if x.dim() < min_rank:
         raise ValueError(f"{name} must have shape [..., T, H, D] (rank >= {min_rank}), got {tuple(x.shape)}")
     bad = int((~torch.isfinite(x)).sum())
@@ -193,6 +298,20 @@ def _check_tensor(name: str, x: object, min_rank: int = 3) -> torch.Tensor:
             f"(~{INPUT_LIMIT:.3g}), past which the stored column scales could overflow: scale the input down"
         )
     return x
+
+
+def _check_head_dim(name: str, x: torch.Tensor) -> None:
+    """Raise a ``ValueError`` naming the supported head dims unless ``x``'s last dim is one."""
+    d = x.shape[-1]
+    if d in SUPPORTED_HEAD_DIMS:
+        return
+    dims = f"{', '.join(map(str, SUPPORTED_HEAD_DIMS[:-1]))} or {SUPPORTED_HEAD_DIMS[-1]}"
+    if d <= 0 or d & (d - 1):
+        raise ValueError(
+            f"head_dim must be a power of two for the Hadamard stage, got {d} (the last dim of {name}); "
+            f"kvarn supports head_dim {dims}"
+        )
+    raise ValueError(f"head_dim must be {dims}, got {d} (the last dim of {name})")
 
 
 def _config(preset: str | KVarNConfig, head_dim: int, **overrides) -> KVarNConfig:
@@ -263,10 +382,17 @@ def quantize(
     Returns:
         :class:`QuantizedKV` for a pair, :class:`QuantizedTensor` for a single tensor.
 
+    Gradients: none. The codes are rounded integers, so an input that requires grad is refused
+    while grad mode is on (a ``ValueError`` saying so) rather than given a gradient that is zero for
+    every quantized token: quantize ``k.detach()``, or call it under ``torch.no_grad()``.
+
     Raises:
-        TypeError / ValueError naming the argument for non-float tensors, a wrong rank, a k/v
-        shape mismatch, an unsupported head_dim, an unknown preset, NaN/inf values, or values
-        past ``2^100``. Warns (``RuntimeWarning``) for tiles whose values all lie below ``2^-120``.
+        TypeError / ValueError naming the argument for non-float tensors, a wrong rank, a single
+        tensor that is not a stacked ``[2, ..., T, H, D]`` pair, a k/v shape mismatch, an
+        unsupported head_dim (naming the supported ones), an unknown preset, NaN/inf values,
+        values past ``2^100``, meta tensors, inputs that require grad (see above), and
+        ``impl="triton"`` for tensors off CUDA. Warns (``RuntimeWarning``) for tiles whose values
+        all lie below ``2^-120``.
 
     Example:
         >>> import torch, kvarn
@@ -280,6 +406,7 @@ def quantize(
         if role not in ROLES:
             raise ValueError(f"role must be 'key' or 'value', got {role!r}")
         x = _check_tensor("kv", kv)
+        _check_head_dim("kv", x)
         bits_key = "k_bits" if role == "key" else "v_bits"
         cfg = _config(preset, x.shape[-1], sinkhorn_iters=sinkhorn_iters, **{bits_key: bits})
         return _quantize_one(x, role, cfg, impl)
@@ -287,6 +414,11 @@ def quantize(
         raise ValueError("bits= applies to the single-tensor form only; pass role='key' or 'value'")
     stacked = isinstance(kv, torch.Tensor)
     if stacked:
+        if kv.dim() < 4:
+            raise ValueError(
+                f"a single tensor must be a stacked [2, T, H, D] K/V pair (or [2, ..., T, H, D]), got shape "
+                f"{tuple(kv.shape)}: pass a (k, v) tuple, or role='key' or role='value' to quantize one tensor"
+            )
         x = _check_tensor("kv", kv, min_rank=4)
         if x.shape[0] != 2:
             raise ValueError(f"a stacked kv must have shape [2, ..., T, H, D], got {tuple(x.shape)}")
@@ -300,6 +432,7 @@ def quantize(
             f"k and v must match in shape, dtype and device, got k {tuple(k.shape)} {k.dtype} "
             f"{k.device} and v {tuple(v.shape)} {v.dtype} {v.device}"
         )
+    _check_head_dim("kv" if stacked else "k", k)
     cfg = _config(preset, k.shape[-1], sinkhorn_iters=sinkhorn_iters)
     k_tiles, k_rest = _tiles(k, cfg)  # [M, G, H, D]
     v_tiles, v_rest = _tiles(v, cfg)
@@ -335,7 +468,7 @@ def _quantize_one(x: torch.Tensor, role: str, cfg: KVarNConfig, impl: str) -> Qu
     lead = (*x.shape[:-3], x.shape[-3] // cfg.group_size, x.shape[-2])
     packed = ops.pack_codes(half.codes, bits)
     parts = [t.reshape(*lead, *t.shape[2:]) for t in (packed, half.scale, half.zero, half.col)]
-    smooth = None if half.smooth is None else half.smooth.reshape(*lead, -1)
+    smooth = None if half.smooth is None else half.smooth.reshape(*lead, cfg.head_dim)
     return QuantizedTensor(cfg, role, *parts, rest, x.shape, x.dtype, smooth)
 
 

@@ -373,7 +373,10 @@ class LayerPolicy:
         return self.last > 0 or any(i < 0 for i in self.layers)
 
     def kept(self, num_layers: int | None = None) -> tuple[int, ...]:
-        """The kept layer indices, sorted; ``num_layers`` may be None only without ``last`` and negative indices."""
+        """The kept layer indices, sorted; ``num_layers`` may be None only without ``last`` and negative indices.
+
+        With ``num_layers``, indices outside the model and ``first`` or ``last`` above it raise ``ValueError``.
+        """
         if num_layers is None:
             if self.needs_num_layers:
                 raise ValueError(
@@ -386,6 +389,13 @@ class LayerPolicy:
         bad = [i for i in self.layers if not -num_layers <= i < num_layers]
         if bad:
             raise ValueError(f"LayerPolicy.layers {bad} are outside a model of {num_layers} layers")
+        for name in ("first", "last"):
+            count = getattr(self, name)
+            if count > num_layers:
+                raise ValueError(
+                    f"LayerPolicy.{name}={count} keeps more layers than the model's {num_layers}: "
+                    f"give at most {num_layers}"
+                )
         out = set(range(min(self.first, num_layers))) | set(range(max(num_layers - self.last, 0), num_layers))
         return tuple(sorted(out | {i % num_layers for i in self.layers}))
 

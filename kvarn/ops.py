@@ -13,6 +13,7 @@ for any format; the other ops run the reference for a smoothed format and refuse
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 
 import torch
@@ -45,6 +46,11 @@ def triton_available() -> bool:
     return _triton_ops() is not None
 
 
+def _interpreting() -> bool:
+    """Whether Triton interprets kernels on the CPU (``TRITON_INTERPRET``, read as Triton reads it)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
 def _smoothed(cfg) -> bool:
     """Whether ``cfg`` is a ``smooth_keys`` format (see :data:`SMOOTH_KERNEL_OPS`)."""
     return getattr(cfg, "smooth_keys", False)
@@ -70,6 +76,12 @@ def _pick(name: str, impl: str, like: torch.Tensor, smoothed: bool = False) -> C
             return getattr(reference, name)
         raise ValueError(f"impl='triton' asked for {name}, but its kernel does not implement smooth_keys")
     if impl == "triton":
+        if like.device.type != "cuda" and not _interpreting():
+            raise ValueError(
+                f"impl='triton' runs the Triton kernels on CUDA tensors, got {like.device.type} tensors for {name}: "
+                "move them to a CUDA device, or pass impl='auto' (the reference off CUDA) or impl='reference' "
+                "(TRITON_INTERPRET=1, set before triton is imported, interprets the kernels on the CPU)"
+            )
         ops = _triton_ops()
         if ops is None or name not in ops:
             raise RuntimeError(f"impl='triton' asked for {name}, but no Triton kernel for it imports")

@@ -9,10 +9,14 @@ PY="$VENV/bin/python"
 "$PY" -m ruff check .
 "$PY" -m ruff format --check .
 
+# Progress: each file's line ends with its time, tests/conftest.py names a test every 60 s it runs (a module
+# fixture may take minutes before the first result), and the slowest tests are listed at the end.
+PROGRESS=(-o console_output_style=times --durations=15)
+
 # Triton kernels on tiny shapes through TRITON_INTERPRET=1 (it must be set before triton imports,
 # hence a separate process). Exit code 5 means no such test was collected.
 set +e
-TRITON_INTERPRET=1 "$PY" -m pytest -m "interpreter and not gpu" "$@"
+TRITON_INTERPRET=1 "$PY" -m pytest -m "interpreter and not gpu" "${PROGRESS[@]}" "$@"
 rc=$?
 set -e
 if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then
@@ -20,4 +24,4 @@ if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then
 fi
 
 # Everything that runs on the CPU as it is; GPU tests run on a CUDA machine with `pytest -m gpu`.
-"$PY" -m pytest -m "not gpu and not interpreter" "$@"
+"$PY" -m pytest -m "not gpu and not interpreter" "${PROGRESS[@]}" "$@"

@@ -119,7 +119,7 @@ def _errors(k, v, preset="kvarn_k4v2_g128"):
 
 
 UNIT = torch.randn(256, 2, 128, generator=torch.Generator().manual_seed(5))
-"""Unit-scale data: the error every other scale is held to (at most 2x, issue 12's goal)."""
+"""Unit-scale data: the error every other scale is held to (at most 2x)."""
 
 
 def _unit_errors(dtype):
@@ -141,7 +141,7 @@ def test_records_are_the_cache_bytes():
 
 
 def test_fp16_rotation_past_fp16_range_is_not_clipped():
-    # issue 12 item 4: fp16 values whose rotation leaves fp16's range were saturated (error 0.707).
+    # fp16 values whose rotation leaves fp16's range were saturated (error 0.707).
     # The caches' fp16 pool form holds them (rotated values times 2^-POOL_EXP): kvarn.quantize
     # stores them as a cache does, and no tile of them needs rescaling.
     g = torch.Generator().manual_seed(0)
@@ -169,7 +169,7 @@ def test_fp16_rotation_past_fp16_range_is_not_clipped():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scale", [1e8, 1e10, 1e20, 1e29])
 def test_values_past_2_to_24_are_scaled_not_clipped(dtype, scale):
-    # issue 12 item 6: fp32/bf16 values past 2^24 were clipped silently (randn * 1e10: error 0.9987)
+    # fp32/bf16 values past 2^24 were clipped silently (randn * 1e10: error 0.9987)
     x = (UNIT * scale).to(dtype)
     ek, ev = _errors(x, x)
     uk, uv = _unit_errors(dtype)
@@ -204,7 +204,7 @@ def test_values_past_2_to_100_are_refused(dtype):
     + [(torch.float16, s) for s in (1e-5, 1e-6)],
 )
 def test_tiny_values_keep_their_precision(dtype, scale):
-    # issue 12 item 5: randn * 1e-20 came back as zeros, randn * 1e-10 with 3x the unit-scale error.
+    # randn * 1e-20 came back as zeros, randn * 1e-10 with 3x the unit-scale error.
     x = (UNIT * scale).to(dtype)
     ek, ev = _errors(x, x)
     uk, uv = _unit_errors(dtype)
@@ -220,7 +220,7 @@ def test_values_below_2_to_minus_120_warn(dtype):
 
 
 def test_empty_input():
-    # issue 12 item 9: T = 0 raised ZeroDivisionError in bits_per_element / capacity_vs_fp16
+    # T = 0 raised ZeroDivisionError in bits_per_element / capacity_vs_fp16
     k, v = _kv(0, 2, 128)
     q = kvarn.quantize((k, v))
     assert q.records.shape == (0, 2, 13824) and q.nbytes == 0
@@ -233,8 +233,14 @@ def test_empty_input():
     assert q3.records.shape == (3, 0, 2, q3.config.record_bytes) and q3.dequantize()[0].shape == (3, 0, 2, 64)
 
 
+def test_empty_key_with_key_smoothing():
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=64, smooth_keys=True)
+    t = kvarn.quantize(torch.randn(3, 0, 2, 64), cfg, role="key")
+    assert t.smooth.shape == (3, 0, 2, 64) and t.dequantize().shape == (3, 0, 2, 64)
+
+
 def test_equality_copies_and_devices():
-    # issue 12 item 10: == raised on equal copies
+    # == raised on equal copies
     k, v = _kv(200, 2, 64)
     q = kvarn.quantize((k, v))
     same = kvarn.quantize((k.clone(), v.clone()))
@@ -250,7 +256,7 @@ def test_equality_copies_and_devices():
 
 
 def test_torch_load_weights_only():
-    # issue 12 item 10: torch.load's default weights_only=True refused a saved QuantizedKV
+    # torch.load's default weights_only=True refused a saved QuantizedKV
     k, v = _kv(150, 2, 64, dtype=torch.bfloat16)
     for obj in (
         kvarn.quantize((k, v), "kvarn_k2v2_g128"),
@@ -337,6 +343,101 @@ def test_rejects_bad_role_and_bits():
         kvarn.quantize(torch.zeros(128, 1, 64), role="key", bits=3)
     with pytest.raises(TypeError, match="preset must be a preset name or a KVarNConfig, got int"):
         kvarn.quantize(_kv(128, 1, 64), 4)
+
+
+def test_refuses_inputs_that_require_grad():
+    """Rounding has no useful gradient: an input needing one is refused, not given zeros for every quantized token."""
+    k, v = (x.float().requires_grad_() for x in _kv(300, 2, 64))
+    with pytest.raises(ValueError, match=r"k requires grad.*k\.detach\(\).*torch\.no_grad\(\)"):
+        kvarn.quantize((k, v))
+    with pytest.raises(ValueError, match=r"kv requires grad"):
+        kvarn.quantize(torch.stack([k, v]))
+    with pytest.raises(ValueError, match=r"kv requires grad"):
+        kvarn.quantize(k, role="key")
+    with torch.no_grad():
+        q = kvarn.quantize((k, v))
+    assert not q.dequantize()[0].requires_grad
+    assert kvarn.quantize((k.detach(), v.detach())) == q
+
+
+def test_rejects_meta_tensors():
+    k = torch.empty(256, 2, 64, device="meta")
+    with pytest.raises(ValueError, match=r"k is a meta tensor.*no values to quantize"):
+        kvarn.quantize((k, k))
+
+
+def test_impl_triton_on_cpu_tensors_says_what_to_change(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    k, v = _kv(256, 2, 64)
+    with pytest.raises(ValueError, match=r"impl='triton' runs the Triton kernels on CUDA tensors.*cpu.*impl='auto'"):
+        kvarn.quantize((k, v), impl="triton")
+    q = kvarn.quantize((k, v))
+    with pytest.raises(ValueError, match=r"impl='triton' runs the Triton kernels on CUDA tensors"):
+        q.dequantize(impl="triton")
+
+
+def test_head_dim_error_names_the_supported_head_dims():
+    for d in (96, 32, 512):
+        with pytest.raises(ValueError, match=rf"head_dim must be .*got {d} \(the last dim of k\)") as e:
+            kvarn.quantize(_kv(128, 1, d))
+        assert "64, 128 or 256" in str(e.value)
+
+
+def test_a_single_unstacked_tensor_says_what_to_pass():
+    with pytest.raises(ValueError, match=r"a single tensor must be a stacked \[2, T, H, D\] K/V pair.*\(k, v\) tuple"):
+        kvarn.quantize(torch.zeros(256, 2, 64))
+
+
+def test_to_a_dtype_fails_at_once():
+    q = kvarn.quantize(_kv(256, 2, 64))
+    t = kvarn.quantize(_kv(256, 2, 64)[0], role="key")
+    for obj in (q, t):
+        with pytest.raises(TypeError, match=r"\.to\(\) moves .* between devices only.*dequantize\(\)"):
+            obj.to(torch.float16)
+        with pytest.raises(ValueError, match="not a device"):
+            obj.to("float16")
+
+
+@pytest.mark.parametrize("field", ["shape", "records", "k_rest", "dtype"])
+def test_fields_that_disagree_are_refused_when_built_and_loaded(field):
+    k, v = _kv(300, 2, 64)
+    q = kvarn.quantize((k, v))
+    bad = {
+        "shape": torch.Size([100, 2, 64]),
+        "records": q.records[:1],
+        "k_rest": q.k_rest[:3],
+        "dtype": torch.float32,
+    }[field]
+    with pytest.raises(ValueError, match="QuantizedKV fields disagree"):
+        dataclasses.replace(q, **{field: bad})
+    edited = object.__new__(kvarn.QuantizedKV)
+    edited.__dict__.update({**q.__dict__, field: bad})
+    buf = io.BytesIO()
+    torch.save(edited, buf)
+    buf.seek(0)
+    with pytest.raises(ValueError, match="QuantizedKV fields disagree"):
+        torch.load(buf, weights_only=True)
+
+
+@pytest.mark.parametrize("field", ["shape", "packed", "scale", "col", "rest"])
+def test_tensor_fields_that_disagree_are_refused_when_built_and_loaded(field):
+    t = kvarn.quantize(_kv(300, 2, 64)[0], role="key")
+    bad = {
+        "shape": torch.Size([100, 2, 64]),
+        "packed": t.packed[..., :-1],
+        "scale": t.scale.float(),
+        "col": t.col[:1],
+        "rest": t.rest[:3],
+    }[field]
+    with pytest.raises(ValueError, match="QuantizedTensor fields disagree"):
+        dataclasses.replace(t, **{field: bad})
+    edited = object.__new__(kvarn.QuantizedTensor)
+    edited.__dict__.update({**t.__dict__, field: bad})
+    buf = io.BytesIO()
+    torch.save(edited, buf)
+    buf.seek(0)
+    with pytest.raises(ValueError, match="QuantizedTensor fields disagree"):
+        torch.load(buf, weights_only=True)
 
 
 def test_dequantize_rejects_other_objects():

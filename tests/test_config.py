@@ -97,7 +97,7 @@ def test_preset_of_wrong_type():
 
 
 def test_from_preset_keeps_a_configs_head_dim():
-    # issue 11: from_preset(cfg) reset head_dim to 128
+    # from_preset(cfg) once reset head_dim to 128
     d64 = KVarNConfig.from_preset("kvarn_k4v4_g64", head_dim=64)
     assert KVarNConfig.from_preset(d64).head_dim == 64
     assert KVarNConfig.from_preset(d64, head_dim=64) == d64
@@ -107,7 +107,7 @@ def test_from_preset_keeps_a_configs_head_dim():
 
 
 def test_check_preset():
-    # issue 12 item 10: KVarNCache(4) was accepted; constructors validate with check_preset
+    # KVarNCache(4) was once accepted; constructors validate with check_preset
     check_preset("kvarn_k2v2_g128")
     check_preset(KVarNConfig())
     for bad in (4, None, ("kvarn_k4v2_g128",)):
@@ -161,6 +161,16 @@ def test_layer_policy_kept_layers_and_vllm_skip_list():
         LayerPolicy(layers=(30,)).kept(30)
     with pytest.raises(ValueError, match="model dtype only"):
         LayerPolicy(first=1, keep="kvarn_k4v4_g128").skip_layers(30)
+
+
+def test_layer_policy_counts_are_checked_against_the_model_like_indices():
+    from kvarn.config import LayerPolicy
+
+    with pytest.raises(ValueError, match=r"LayerPolicy\.first=5 keeps more layers than the model's 2"):
+        LayerPolicy(first=5).kept(2)
+    with pytest.raises(ValueError, match=r"LayerPolicy\.last=3 keeps more layers than the model's 2"):
+        LayerPolicy(last=3).kept(2)
+    assert LayerPolicy(first=2, last=2).kept(2) == (0, 1)  # every layer, named by both ends
 
 
 def test_layer_policy_formats_and_bits():

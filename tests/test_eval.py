@@ -217,7 +217,7 @@ def test_report_rejects_bad_arguments(capsys):
 
 @pytest.mark.hf
 def test_kvarn_report_on_a_local_folder_and_text_file(tmp_path):
-    """Issue 10.4: --model takes a local Hugging Face folder, --text a local file; the report names both."""
+    """--model takes a local Hugging Face folder, --text a local file; the report names both."""
     pytest.importorskip("transformers")
     pytest.importorskip("matplotlib")
     from tiny_model import build_tiny_model
@@ -405,7 +405,7 @@ def test_harness_layer_policy_on_a_tiny_random_model():
     assert ends["attn_static"][1] == plain["attn_static"][1]
 
 
-def test_goals_are_issue_10s_per_model():
+def test_targets_per_model():
     """Every model: never worse than KIVI-style RTN; a bundled model adds its own ratios and top-1."""
     from kvarn.eval.report import goals
 

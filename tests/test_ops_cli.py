@@ -31,6 +31,44 @@ def test_demo_prints_every_preset(capsys):
     for preset in ("kvarn_k4v2_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g128", "kvarn_k4v4_g64", "kvarn_k2v2_g128"):
         assert preset in out
     assert "108.0" in out and "4.74x" in out
+    assert "  vs rtn      attn " in out and "KVarN lower for every preset" in out
+
+
+def test_demo_table_bears_out_what_it_prints():
+    """The demo's explanation: K errors close to per-channel RTN's, V errors lower, attention error lower than RTN's."""
+    from kvarn.demo import run, summary
+
+    rows = run(256, seed=1)  # the printing test below runs seed 0
+    by = {(r["preset"], r["method"]): r for r in rows}
+    for preset in {r["preset"] for r in rows}:
+        kvarn, rtn = by[(preset, "kvarn")], by[(preset, "rtn")]
+        assert 0.9 < kvarn["k_err"] / rtn["k_err"] < 1.1, preset
+        assert kvarn["v_err"] < 0.9 * rtn["v_err"], preset
+        assert kvarn["attn_err"] < rtn["attn_err"], preset
+    lines = summary(rows)
+    assert lines[3].startswith("  vs rtn      attn") and lines[3].endswith("KVarN lower for every preset")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [(["--tokens", "0"], "--tokens must be at least 1"), (["--threads", "0"], "--threads must be at least 1")],
+)
+def test_demo_misuse_exits_2(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", *args])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_demo_runs_on_one_thread_unless_told(monkeypatch):
+    import kvarn.demo
+
+    threads = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    monkeypatch.setattr(kvarn.demo, "run", lambda tokens, seed: [])
+    monkeypatch.setattr(kvarn.demo, "summary", lambda rows: [])
+    monkeypatch.setattr(kvarn.demo, "ablation", lambda tokens, seed: [])
+    assert main(["demo"]) == 0 and main(["demo", "--threads", "2"]) == 0
+    assert threads == [1, 2]
 
 
 def test_cli_unknown_command(capsys):

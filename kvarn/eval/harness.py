@@ -343,6 +343,8 @@ def evaluate(
         raise ValueError(f"prefix must be a positive multiple of {BLOCK} tokens, got {prefix}")
     if continuation < 2:
         raise ValueError(f"continuation must be at least 2 tokens, got {continuation}")
+    if greedy < 0:
+        raise ValueError(f"greedy must be 0 (no greedy generation) or a positive number of tokens, got {greedy}")
     resolved = [get_method(m) for m in methods]
     ids = prepare_ids(tok, prefix, continuation, text)
     install_probe(model)

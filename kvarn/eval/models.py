@@ -215,12 +215,29 @@ def gguf_model_dir(path: str | os.PathLike) -> pathlib.Path:
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
-    stat = path.stat()
-    name = f"{path.stem}-{stat.st_size:x}-{int(stat.st_mtime):x}"
-    folder = cache_root() / "models" / "gguf" / name
+    folder = _gguf_folder(path)
     if _is_done(folder):
         return folder
     return _converted(path.stem, f"converted from {path}", {"file": str(path)}, [path], folder)
+
+
+def _gguf_folder(path: pathlib.Path) -> pathlib.Path:
+    """Where the conversion of GGUF file ``path`` is cached: named after its stem, size and modification time."""
+    stat = path.stat()
+    return cache_root() / "models" / "gguf" / f"{path.stem}-{stat.st_size:x}-{int(stat.st_mtime):x}"
+
+
+def needs_conversion(model: str | os.PathLike) -> bool:
+    """Whether :func:`model_dir` will convert ``model`` from GGUF first (a bundled name or a GGUF file not cached yet).
+
+    A local Hugging Face folder, or anything :func:`model_dir` refuses, needs none.
+    """
+    if str(model) in BUNDLED_MODELS:
+        return not _is_done(cache_root() / "models" / str(model))
+    path = pathlib.Path(model).expanduser()
+    if not path.is_file():
+        return False
+    return not _is_done(_gguf_folder(path.resolve()))
 
 
 def _converted(name: str, description: str, sources: dict, parts: list[pathlib.Path], folder: pathlib.Path):

@@ -16,11 +16,13 @@ import pathlib
 import platform
 import subprocess
 import sys
+import textwrap
 import time
 
 from kvarn.config import key_bias_reason
+from kvarn.eval.harness import BLOCK
 from kvarn.eval.methods import ALL_BASELINES, DEFAULT_METHODS, get_method, served_method, with_served_methods
-from kvarn.eval.models import BUNDLED_MODELS, DEFAULT_MODEL
+from kvarn.eval.models import BUNDLED_MODELS, DEFAULT_MODEL, needs_conversion
 
 GOALS = {
     "*": (("kvarn_k4v2_g128", "kivi_k4v2_g128", 1.0), ("kvarn_k2v2_g128", "kivi_k2v2_g128", 1.0)),
@@ -31,8 +33,8 @@ GOALS = {
     ),
     "qwen2.5-coder-0.5b": (("kvarn_k4v2_g128", "kivi_k4v2_g128", 0.6), ("kvarn_k2v2_g128", "kivi_k2v2_g128", 0.5)),
 }
-"""Issue 10's goals, ``(method, baseline, max KL ratio)``: ``"*"`` for every model (never worse than
-KIVI-style RTN), then each bundled model's own."""
+"""The targets the report checks, ``(method, baseline, max KL ratio)``: ``"*"`` for every model (never worse
+than KIVI-style RTN), then each bundled model's own."""
 TOP1_GOALS = {"smollm2-135m": ("kvarn_k4v2_g128", "sink", 0.96)}
 
 
@@ -106,33 +108,66 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="full-precision regions, comma-separated: 'tail' (last incomplete tile only) and/or 'sink' "
         "(first tile too); default sink",
     )
-    p.add_argument("--prefix", type=int, default=1024, help="prefix tokens, a multiple of 128 (default 1024)")
-    p.add_argument("--continuation", type=int, default=256, help="teacher-forced tokens after it (default 256)")
+    p.add_argument(
+        "--prefix", type=int, default=1024, help=f"prefix tokens, a positive multiple of {BLOCK} (default 1024)"
+    )
+    p.add_argument(
+        "--continuation", type=int, default=256, help="teacher-forced tokens after it, 2 or more (default 256)"
+    )
     p.add_argument("--greedy", type=int, default=64, help="greedy tokens to compare, 0 to skip (default 64)")
-    p.add_argument("--out", default="report", help="output folder (default ./report)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--out", default="report", help="output folder, created if missing (default ./report)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads, 1 or more (default 1)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
+    # every check here runs before a model loads, so a typo costs no conversion or evaluation
+    if args.prefix <= 0 or args.prefix % BLOCK:
+        p.error(
+            f"--prefix must be a positive multiple of {BLOCK} tokens (the prefix is fed and stored in whole "
+            f"{BLOCK}-token tiles), got {args.prefix}"
+        )
+    if args.continuation < 2:
+        p.error(
+            f"--continuation must be at least 2 tokens (the next-token distributions compared), got {args.continuation}"
+        )
+    if args.greedy < 0:
+        p.error(f"--greedy must be 0 (skip greedy generation) or a positive number of tokens, got {args.greedy}")
+    if args.threads < 1:
+        p.error(f"--threads must be at least 1, got {args.threads}")
+    out = pathlib.Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():
+        p.error(f"--out {args.out!r} is a file; give a folder for report.md, results.json and the plots")
     args.models = list(BUNDLED_MODELS) if args.model == "all" else [m.strip() for m in args.model.split(",")]
+    if not any(args.models):
+        p.error(f"--model names no model: give a bundled name ({', '.join(BUNDLED_MODELS)}), 'all', a folder or a file")
     for m in args.models:
+        if not m:
+            p.error(f"--model {args.model!r} has an empty name between its commas")
         if m not in BUNDLED_MODELS and not pathlib.Path(m).expanduser().exists():
             p.error(
                 f"unknown model {m!r}: give a bundled name ({', '.join(BUNDLED_MODELS)}), a local Hugging Face "
                 "folder or a GGUF file"
             )
-    if args.text is not None and not pathlib.Path(args.text).is_file():
-        p.error(f"--text {args.text!r}: no such file")
+    if args.text is not None:
+        text = pathlib.Path(args.text).expanduser()
+        if text.is_dir():
+            p.error(f"--text {args.text!r} is a folder; give a UTF-8 text file")
+        if not text.is_file():
+            p.error(f"--text {args.text!r}: no such file")
     if args.methods == "all":
         extra = ("kvarn_k4v4_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g64")
         args.method_list = [*ALL_BASELINES, *extra]
     else:
         args.method_list = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not args.method_list:
+        p.error("--methods names no method: give a comma-separated list (e.g. fp16,kvarn_k4v2_g128) or 'all'")
     for m in args.method_list:
         try:
             get_method(m)
         except ValueError as e:
             p.error(str(e))
     args.region_list = [r.strip() for r in args.regions.split(",") if r.strip()]
+    if not args.region_list:
+        p.error("--regions names no region: give 'tail', 'sink' or 'tail,sink'")
     for r in args.region_list:
         if r not in ("tail", "sink"):
             p.error(f"--regions takes 'tail' and/or 'sink', got {r!r}")
@@ -200,7 +235,7 @@ def table(run: dict) -> str:
     ]
     g = run["greedy"]
     for r in run["results"]:
-        regions = "sink+tail" if r["region"] == "sink" else "tail"
+        regions = _region_label(r["region"])
         lines.append(
             f"| {r['method']} | {r['family']} | {r['bits_per_element']:.2f} | {r['capacity_vs_fp16']:.2f}x | "
             f"{regions} | {r['kl']:.4f} | {r['ppl']:.3f} | {100 * r['top1']:.1f}% | "
@@ -212,7 +247,7 @@ def table(run: dict) -> str:
 
 
 def goals(run: dict) -> list[str]:
-    """The issue's goals checked against one model's results (only where both methods ran)."""
+    """The targets (:data:`GOALS`, :data:`TOP1_GOALS`) checked against one model's results (where both methods ran)."""
     by = {(r["method"], r["region"]): r for r in run["results"]}
     pairs = [*GOALS["*"], *GOALS.get(run.get("model"), ())]
     if run.get("key_bias"):  # the same goals for the presets as vLLM serves this model
@@ -235,6 +270,76 @@ def goals(run: dict) -> list[str]:
     return out
 
 
+def _region_label(region: str) -> str:
+    """What a region setting keeps in full precision: ``sink+tail`` or ``tail``."""
+    return "sink+tail" if region == "sink" else "tail"
+
+
+def _attn_figure(run: dict, region: str):
+    """Attention-output error vs tile position and vs layer (solid accumulated, dashed static), legend outside."""
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
+
+    rs = [r for r in run["results"] if r["region"] == region and r["method"] != "fp16"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4), layout="constrained")
+    handles = []
+    for i, r in enumerate(rs):
+        color = f"C{i % 10}"
+        for key, style in (("attn_accum", "-"), ("attn_static", "--")):
+            rows = r[key]
+            by_pos = [sum(row[j] for row in rows) / len(rows) for j in range(len(rows[0]))]
+            by_layer = [sum(row[1:]) / max(len(row) - 1, 1) for row in rows]
+            # an exact 0 (tile 0 of the accumulated run) has no place on a log axis: a gap, not a plunge
+            by_pos, by_layer = ([e if e > 0 else math.nan for e in xs] for xs in (by_pos, by_layer))
+            axes[0].plot(range(len(by_pos)), by_pos, style, color=color, marker=".")
+            axes[1].plot(range(len(by_layer)), by_layer, style, color=color)
+        handles.append(Line2D([], [], color=color, label=r["method"]))
+    handles += [
+        Line2D([], [], color="0.3", linestyle="-", label="accumulated"),
+        Line2D([], [], color="0.3", linestyle="--", label="static"),
+    ]
+    axes[0].set(xlabel=f"tile position ({BLOCK} tokens)", ylabel="relative attention-output error", yscale="log")
+    axes[1].set(xlabel="layer", ylabel="relative attention-output error", yscale="log")
+    for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[0].set_title("vs position: solid accumulated, dashed static", fontsize=10)
+    axes[1].set_title("vs layer (tiles 1..): solid accumulated, dashed static", fontsize=10)
+    fig.legend(handles=handles, loc="outside right upper", fontsize=7)
+    fig.suptitle(f"{run['model']} [{_region_label(region)}]")
+    return fig
+
+
+def _kl_figure(run: dict):
+    """Next-token KL per method and region on a log axis, legend outside; fp16 (K/V rounded to the store
+    dtype, nothing quantized) and any KL that is not positive are left out of the log axis and named in a note."""
+    import matplotlib.pyplot as plt
+
+    results = run["results"]
+    regions = sorted({r["region"] for r in results})
+    left_out = [r for r in results if r["method"] == "fp16" or not r["kl"] > 0]
+    drawn = [r for r in results if r not in left_out]
+    methods = list(dict.fromkeys(r["method"] for r in drawn))
+    fig, ax = plt.subplots(figsize=(10, 4.2), layout="constrained")
+    width = 0.8 / max(len(regions), 1)
+    for j, region in enumerate(regions):
+        kl = {r["method"]: r["kl"] for r in drawn if r["region"] == region}
+        xs = [i + j * width for i in range(len(methods))]
+        ax.bar(xs, [kl.get(m, float("nan")) for m in methods], width, label=_region_label(region))
+    ax.set_xticks([i + width * (len(regions) - 1) / 2 for i in range(len(methods))])
+    ax.set_xticklabels(methods, rotation=30, ha="right", fontsize=8)
+    ax.set(ylabel="KL vs exact (nats/token)", yscale="log", title=f"{run['model']}: next-token KL")
+    fig.legend(loc="outside right upper", fontsize=8, title="full precision")
+    if left_out:
+        parts = []
+        for method in dict.fromkeys(r["method"] for r in left_out):
+            what = " (K/V only rounded to the fp16 store)" if method == "fp16" else ""
+            kls = ", ".join(f"{r['kl']:.2g} [{_region_label(r['region'])}]" for r in left_out if r["method"] == method)
+            parts.append(f"{method}{what}: KL {kls}")
+        ax.set_xlabel(textwrap.fill(f"Not drawn on the log axis: {'; '.join(parts)}", 140), fontsize=7, loc="left")
+    return fig
+
+
 def plots(run: dict, out: pathlib.Path, stem: str) -> list[str]:
     """Error vs tile position and per layer (static vs accumulated), and KL per method. Returns file names."""
     import matplotlib
@@ -243,43 +348,13 @@ def plots(run: dict, out: pathlib.Path, stem: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     files = []
-    results = run["results"]
-    regions = sorted({r["region"] for r in results})
-    for region in regions:
-        rs = [r for r in results if r["region"] == region and r["method"] != "fp16"]
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for i, r in enumerate(rs):
-            color = f"C{i % 10}"
-            for key, style in (("attn_accum", "-"), ("attn_static", "--")):
-                rows = r[key]
-                by_pos = [sum(row[j] for row in rows) / len(rows) for j in range(len(rows[0]))]
-                by_layer = [sum(row[1:]) / max(len(row) - 1, 1) for row in rows]
-                label = r["method"] if key == "attn_accum" else None
-                axes[0].plot(range(len(by_pos)), by_pos, style, color=color, label=label, marker=".")
-                axes[1].plot(range(len(by_layer)), by_layer, style, color=color, label=label)
-        axes[0].set(xlabel="tile position (128 tokens)", ylabel="relative attention-output error", yscale="log")
-        axes[1].set(xlabel="layer", ylabel="relative attention-output error", yscale="log")
-        axes[0].set_title("vs position: solid accumulated, dashed static")
-        axes[1].set_title("vs layer (tiles 1..): solid accumulated, dashed static")
-        axes[1].legend(fontsize=7, ncol=2)
-        fig.suptitle(f"{run['model']} [{'sink+tail' if region == 'sink' else 'tail'}]")
-        fig.tight_layout()
+    for region in sorted({r["region"] for r in run["results"]}):
+        fig = _attn_figure(run, region)
         name = f"{stem}_attn_error_{region}.png"
         fig.savefig(out / name, dpi=80)
         plt.close(fig)
         files.append(name)
-    fig, ax = plt.subplots(figsize=(9, 3.8))
-    methods = list(dict.fromkeys(r["method"] for r in results))
-    width = 0.8 / max(len(regions), 1)
-    for j, region in enumerate(regions):
-        kl = {r["method"]: r["kl"] for r in results if r["region"] == region}
-        xs = [i + j * width for i in range(len(methods))]
-        ax.bar(xs, [max(kl.get(m, float("nan")), 1e-6) for m in methods], width, label=region)
-    ax.set_xticks([i + width * (len(regions) - 1) / 2 for i in range(len(methods))])
-    ax.set_xticklabels(methods, rotation=30, ha="right", fontsize=8)
-    ax.set(ylabel="KL vs exact (nats/token)", yscale="log", title=f"{run['model']}: next-token KL")
-    ax.legend()
-    fig.tight_layout()
+    fig = _kl_figure(run)
     name = f"{stem}_kl.png"
     fig.savefig(out / name, dpi=80)
     plt.close(fig)
@@ -318,9 +393,9 @@ def write_markdown(runs: list[dict], out: pathlib.Path, command: str) -> pathlib
             "",
             table(run),
             "",
-            "Goals of issue 10:",
+            "Targets:",
             "",
-            *(goals(run) or ["- (the methods the goals compare were not run)"]),
+            *(goals(run) or ["- (the methods the targets compare were not run)"]),
             "",
         ]
         if run.get("key_bias"):
@@ -347,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:
         print(f"kvarn report needs transformers, gguf and accelerate: pip install 'kvarn[hf]' ({e})", file=sys.stderr)
         return 2
-    torch.set_num_threads(max(1, args.threads))
+    torch.set_num_threads(args.threads)
     from kvarn.eval.harness import bundled_text, prepare_ids
 
     try:
@@ -363,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     default_methods = args.methods == ",".join(DEFAULT_METHODS)
     for name in args.models:
         t0 = time.perf_counter()
-        print(f"kvarn report: {name} (converting it on first use), methods {', '.join(args.method_list)}")
+        converting = " (converting it from GGUF first, once)" if needs_conversion(name) else ""
+        print(f"kvarn report: {name}{converting}, methods {', '.join(args.method_list)}")
         try:
             model, tok = load_model(name)
         except (ModuleNotFoundError, ImportError, ValueError, FileNotFoundError) as e:
