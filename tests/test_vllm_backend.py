@@ -26,19 +26,22 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvarn import reference
-from kvarn.config import PRESETS, KVarNConfig
-from kvarn.integration.vllm import backend as backend_mod
-from kvarn.integration.vllm import checks
-from kvarn.integration.vllm.backend import (
-    BACKENDS,
-    KVarNAttentionImpl,
-    _DecodeBuffers,
-    install_release_hook,
+from kvarn.config import PRESETS, KVarNConfig, cache_dtype_config, has_sink
+from kvarn.integration.vllm import impl as impl_mod
+from kvarn.integration.vllm.backend import page_slot_bytes
+from kvarn.integration.vllm.builder import _DecodeBuffers
+from kvarn.integration.vllm.hooks import install_release_hook
+from kvarn.integration.vllm.impl import KVarNAttentionImpl
+from kvarn.integration.vllm.registry import BACKENDS
+from kvarn.integration.vllm.scheduler import (
+    block_held,
+    commit_replayed_steps,
+    forget_cached_block,
     kernel_blocks,
     note_schedule,
     release_request_tails,
-    set_step_rows,
 )
+from kvarn.integration.vllm.state import serving
 from kvarn.paged import SinkSlots, TailLostError, TilePlanner
 
 pytestmark = pytest.mark.vllm
@@ -76,21 +79,19 @@ class Sim:
     def __init__(self, preset, dtype, num_blocks=96, seed=0, max_num_seqs=8, tail_slots=None, request_slots=False):
         self.rng = random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed)
-        self.cfg = checks.preset_config(preset, D)
-        self.sink = checks.has_sink(preset)
+        self.cfg = cache_dtype_config(preset, D)
+        self.sink = has_sink(preset)
         self.forgotten = set()
         self.block_pool = FakeBlockPool(self)
-        backend_mod._block_pools.clear()  # an earlier simulation's pool may not be collected yet
-        backend_mod._block_pools.add(self.block_pool)
+        serving.block_pools.clear()  # an earlier simulation's pool may not be collected yet
+        serving.block_pools.add(self.block_pool)
         self.g = self.cfg.group_size
         self.dtype = dtype
         self.backend = BACKENDS[preset]
         spec = self.backend.customize_spec(
             FullAttentionSpec(block_size=self.g, num_kv_heads=HKV, head_size=D, dtype=torch.uint8)
         )
-        assert (
-            spec.page_size_bytes == HKV * self.g * backend_mod.page_slot_bytes(self.cfg) >= HKV * self.cfg.record_bytes
-        )
+        assert spec.page_size_bytes == HKV * self.g * page_slot_bytes(self.cfg) >= HKV * self.cfg.record_bytes
         self.kv_cache = torch.zeros(num_blocks, HKV, self.g, spec.state_content_bytes, dtype=torch.uint8)
         vllm_config = SimpleNamespace(
             cache_config=SimpleNamespace(cache_dtype=preset, num_gpu_blocks=None),
@@ -101,7 +102,7 @@ class Sim:
         if tail_slots is not None:
             self.builder.num_slots = tail_slots
             self.builder.planner = TilePlanner(tail_slots, self.g)
-            backend_mod._planners.add(self.builder.planner)
+            serving.planners.add(self.builder.planner)
         self.report_departures = True
         self.request_slots = request_slots
         self.pad = True
@@ -114,12 +115,10 @@ class Sim:
             self.builder.buffers = _DecodeBuffers(4 * max_num_seqs * self.g, 2 * max_num_seqs, "cpu", sink=self.sink)
             self.free_index = list(range(max_num_seqs))
             self.index = {}
-            backend_mod._sink_book.__init__()  # an earlier simulation's requests
+            serving.sink_book.__init__()  # an earlier simulation's requests
             if self.sink:  # the sink keyed by first block, told of blocks by the scheduler output (note_schedule)
-                self.builder.sinks = SinkSlots(
-                    self.builder.num_sink_slots, self.g, backend_mod.block_held, backend_mod.forget_cached_block
-                )
-                backend_mod._sink_book.pools.add(self.builder.sinks)
+                self.builder.sinks = SinkSlots(self.builder.num_sink_slots, self.g, block_held, forget_cached_block)
+                serving.sink_book.pools.add(self.builder.sinks)
             self.departed = set()
             self.scheduled_before = set()
         self.impl = KVarNAttentionImpl(HQ, D, 0.125, HKV, kv_cache_dtype=preset)
@@ -236,12 +235,12 @@ class Sim:
             note_schedule(output)
             self.scheduled_before.update(new)
             self.departed = set()
-            set_step_rows(np.array([self.index[r] for r in order]), qsl_t.numpy(), [str(r) for r in order])
+            serving.set_step_rows(np.array([self.index[r] for r in order]), qsl_t.numpy(), [str(r) for r in order])
         meta = self.builder.build(0, cam)
         self.last_meta = meta
         output = torch.full((num_tokens, HQ, D), float("nan"), dtype=self.dtype)
         replayed = self.replay and meta.decode
-        with mock.patch.object(backend_mod, "_capturing", lambda q: True) if replayed else contextlib.nullcontext():
+        with mock.patch.object(impl_mod, "_capturing", lambda q: True) if replayed else contextlib.nullcontext():
             self.impl.forward(self.layer, query, key, value, self.kv_cache, meta, output=output)
         if replayed:  # a replay runs what was captured; the forward's Python does not run
             meta.forward_ran = False
@@ -524,7 +523,7 @@ def test_departures_free_the_kernel_blocks_vllm_split_their_cache_blocks_into():
     groups = [[SimpleNamespace(kv_cache_group_id=0, metadata_builders=builders[0], **vars(group(64, 128)))]]
     groups.append([SimpleNamespace(kv_cache_group_id=1, metadata_builders=builders[1], **vars(group(None, 64)))])
     for p in (planner, other):
-        backend_mod._planners.add(p)  # where the id-as-is path would find them
+        serving.planners.add(p)  # where the id-as-is path would find them
     # a request of 100 tokens: in group 0 kernel blocks 6 (cache block 3, tokens 0-63) and 7 (its tail),
     # in group 1 blocks 20 and 21 (its tail)
     for p, table in ((planner, [[6, 7]]), (other, [[20, 21]])):
@@ -603,7 +602,7 @@ def test_a_tile_a_replayed_decode_step_fills_is_committed_by_the_next_build(pres
     sim.pad, sim.replay = False, True
     a, b = sim.add(300), sim.add(300)
     sim.step({a: 63, b: 20})
-    before = backend_mod.tail_block_steps["replay_commits"]
+    before = serving.tail_block_steps["replay_commits"]
     sim.step({a: 1, b: 1})  # replayed: fills a's first tile
     block = sim.reqs[a]["blocks"][0]
     cache = sim.kv_cache.view(sim.kv_cache.shape[0], HKV, -1)
@@ -614,7 +613,7 @@ def test_a_tile_a_replayed_decode_step_fills_is_committed_by_the_next_build(pres
     ):
         assert sim.builder.commit_replayed() == 0 and sim.builder.replay_commits == [sim.last_meta]
     sim.step({a: 1, b: 1})  # its build commits the tile; the step checks every full tile's record
-    assert backend_mod.tail_block_steps["replay_commits"] == before + 1 and cache[block].any()
+    assert serving.tail_block_steps["replay_commits"] == before + 1 and cache[block].any()
     for _ in range(3):
         sim.step({a: 1, b: 1})  # a: 68, b: 25
     sim.step({b: 102, a: 59})  # prompt chunks: a step whose forward runs in Python
@@ -623,17 +622,17 @@ def test_a_tile_a_replayed_decode_step_fills_is_committed_by_the_next_build(pres
     assert sim.builder.replay_commits == [sim.last_meta] and sim.last_meta.forward_ran
     sim.replay = True
     sim.step({a: 1, b: 1})  # its build commits nothing again
-    assert backend_mod.tail_block_steps["replay_commits"] == before + 1
+    assert serving.tail_block_steps["replay_commits"] == before + 1
     sim.step({a: 62, b: 62})  # 191
     sim.step({a: 1, b: 1})  # replayed: fills both rows' third tiles
     blocks = [sim.reqs[r]["blocks"][2] for r in (a, b)]
     assert not cache[blocks].any()
     # the plugin's execute_model wrapper commits first (before vLLM's copy-on-write block copies): here by hand
-    with mock.patch.object(backend_mod, "_graph_builders", weakref.WeakSet([sim.builder])):
-        assert backend_mod.commit_replayed_steps() == 1  # one layer
+    with mock.patch.object(serving, "graph_builders", weakref.WeakSet([sim.builder])):
+        assert commit_replayed_steps() == 1  # one layer
     assert cache[blocks[0]].any() and cache[blocks[1]].any() and not sim.builder.replay_commits
     sim.step({a: 1, b: 1})  # checks those records; nothing left to commit
-    assert backend_mod.tail_block_steps["replay_commits"] == before + 2
+    assert serving.tail_block_steps["replay_commits"] == before + 2
 
 
 def test_a_captured_layer_without_a_name_is_refused():
@@ -798,7 +797,7 @@ def test_request_slots_sink_decode_steps_fill_the_persistent_graph_buffers():
     live = sim.builder.sinks.live
     sink_a, sink_b = live[sim.reqs[a]["blocks"][0]], live[sim.reqs[b]["blocks"][0]]
     assert sink_a != sink_b and max(sink_a, sink_b) < sim.builder.num_sink_slots
-    rows = {r: i for i, r in enumerate(backend_mod._step["req_ids"])}
+    rows = {r: i for i, r in enumerate(serving.step_req_ids)}
     want = [0, 0]
     want[rows[str(a)]], want[rows[str(b)]] = sink_a, sink_b
     assert meta.plan.sink_slots.tolist() == want
@@ -806,12 +805,12 @@ def test_request_slots_sink_decode_steps_fill_the_persistent_graph_buffers():
     mapping[rows[str(a)]], mapping[rows[str(b)]] = sink_a * 64 + 63, sink_b * 64 + 10
     assert meta.plan.sink_slot_mapping.tolist() == mapping
     sim.step({a: 1, b: 1})  # a at position 64: its second tile, nothing to its sink
-    rows = {r: i for i, r in enumerate(backend_mod._step["req_ids"])}
+    rows = {r: i for i, r in enumerate(serving.step_req_ids)}
     assert sim.last_meta.plan.sink_slot_mapping[rows[str(a)]].item() == -1
     # a batch of rows no scheduler output named (vLLM's dummy runs, CUDA-graph capture)
     qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
     lens = torch.tensor([5, 70], dtype=torch.int32)
-    set_step_rows(np.array([0, 1]), qsl.numpy(), ["req_0_dummy", "req_1_dummy"])
+    serving.set_step_rows(np.array([0, 1]), qsl.numpy(), ["req_0_dummy", "req_1_dummy"])
     cam = CommonAttentionMetadata(
         query_start_loc=qsl,
         query_start_loc_cpu=qsl,
@@ -827,7 +826,7 @@ def test_request_slots_sink_decode_steps_fill_the_persistent_graph_buffers():
     dummy = sim.builder.build(0, cam)
     assert dummy.plan.sink_slots.tolist() == [-1, -1] and dummy.plan.sink_slot_mapping.tolist() == [-1, -1]
     # a real request the scheduler output named but whose first block was never recorded
-    backend_mod._sink_book.scheduled.add("req_0_unknown")
-    set_step_rows(np.array([0, 1]), qsl.numpy(), ["req_0_unknown", "req_1_dummy"])
+    serving.sink_book.scheduled.add("req_0_unknown")
+    serving.set_step_rows(np.array([0, 1]), qsl.numpy(), ["req_0_unknown", "req_1_dummy"])
     with pytest.raises(RuntimeError, match="no first block"):
         sim.builder.build(0, cam)

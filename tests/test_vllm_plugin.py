@@ -23,9 +23,17 @@ from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
 from vllm.v1.attention.selector import AttentionSelectorConfig, get_attn_backend
 
 import kvarn.integration.vllm as kv
-from kvarn.config import PRESETS
-from kvarn.integration.vllm import checks, plugin
-from kvarn.integration.vllm.backend import BACKENDS
+from kvarn.config import (
+    CACHE_DTYPES,
+    PRESETS,
+    cache_dtype_config,
+    has_key_smoothing,
+    has_sink,
+    with_key_smoothing,
+)
+from kvarn.integration.vllm import checks, hooks, plugin
+from kvarn.integration.vllm.registry import BACKENDS, backend_path
+from kvarn.integration.vllm.state import serving
 
 pytestmark = pytest.mark.vllm
 
@@ -41,13 +49,13 @@ def test_register_is_idempotent_and_every_preset_is_a_valid_cache_dtype():
     kv.register()
     kv.register()
     assert type(current_platform).get_attn_backend_cls == hooked
-    assert not plugin.install_selection_hook(current_platform), "a second hook must not wrap the first"
-    assert not plugin.install_config_hook(current_platform), "a second hook must not wrap the first"
+    assert not hooks.install_selection_hook(current_platform, backend_path), "a second hook must not wrap the first"
+    assert not hooks.install_config_hook(current_platform), "a second hook must not wrap the first"
     expected_mode = "registry" if hasattr(cache_mod, "register_kv_cache_dtype") else "literal"
     assert kv.status()["mode"] == expected_mode
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
-    assert set(checks.CACHE_DTYPES) == {p + ks + sink for p in PRESETS for ks in ("", "_ks") for sink in ("", "_sink")}
-    for preset in checks.CACHE_DTYPES:
+    assert set(CACHE_DTYPES) == {p + ks + sink for p in PRESETS for ks in ("", "_ks") for sink in ("", "_sink")}
+    for preset in CACHE_DTYPES:
         assert CacheConfig(cache_dtype=preset).cache_dtype == preset
         assert STR_DTYPE_TO_TORCH_DTYPE[preset] is torch.uint8
         assert parser.parse_args(["--kv-cache-dtype", preset]).kv_cache_dtype == preset
@@ -57,7 +65,7 @@ def test_register_is_idempotent_and_every_preset_is_a_valid_cache_dtype():
         parser.parse_args(["--kv-cache-dtype", "kvarn_k3v3_g128"])
 
 
-@pytest.mark.parametrize("preset", list(checks.CACHE_DTYPES))
+@pytest.mark.parametrize("preset", list(CACHE_DTYPES))
 def test_the_dtype_flag_alone_selects_the_preset_backend_and_its_block_size(preset):
     config = VllmConfig()
     if preset.endswith("_sink"):
@@ -120,7 +128,7 @@ def test_unservable_runs_are_refused_with_what_to_change(run, advice):
 
 
 def test_the_sink_is_refused_where_it_cannot_be_kept_exactly(monkeypatch):
-    from kvarn.integration.vllm import backend as backend_mod
+    from kvarn.integration.vllm.backend import check_sink
 
     run = _run()
     run.parallel_config.world_size = 2
@@ -145,14 +153,14 @@ def test_the_sink_is_refused_where_it_cannot_be_kept_exactly(monkeypatch):
     assert checks.sink_slot_count(run) == 8
     # vLLM's GPU model runner (V2, request-index slots, CUDA graphs): served when the plugin sees each
     # step's scheduler output, refused at start-up otherwise
-    monkeypatch.setitem(backend_mod._step, "hooked", True)
-    monkeypatch.setitem(backend_mod._step, "scheduler_hooked", False)
+    monkeypatch.setattr(serving, "rows_hooked", True)
+    monkeypatch.setattr(serving, "scheduler_hooked", False)
     gpu = SimpleNamespace(use_v2_model_runner=True, device_config=SimpleNamespace(device_type="cuda"))
     with pytest.raises(ValueError, match=r"^--kv-cache-dtype kvarn_k4v2_g128_sink: .*scheduler output"):
-        backend_mod.check_sink(gpu, "kvarn_k4v2_g128_sink")
-    backend_mod.check_sink(gpu, "kvarn_k4v2_g128")
-    monkeypatch.setitem(backend_mod._step, "scheduler_hooked", True)
-    backend_mod.check_sink(gpu, "kvarn_k4v2_g128_sink")
+        check_sink(gpu, "kvarn_k4v2_g128_sink")
+    check_sink(gpu, "kvarn_k4v2_g128")
+    monkeypatch.setattr(serving, "scheduler_hooked", True)
+    check_sink(gpu, "kvarn_k4v2_g128_sink")
     # a prefix hit inside a block would be copied without its sink
     run = _run(block_size=128, user_block=True, unit=64)
     run.parallel_config.world_size = 1
@@ -160,12 +168,12 @@ def test_the_sink_is_refused_where_it_cannot_be_kept_exactly(monkeypatch):
         checks.check_run(run, "kvarn_k4v2_g64_sink")
     checks.check_run(run, "kvarn_k4v2_g64")
     with pytest.raises(ValueError, match="unknown KVarN cache dtype 'kvarn_k4v2_g128_snk'"):
-        checks.preset_config("kvarn_k4v2_g128_snk")
+        cache_dtype_config("kvarn_k4v2_g128_snk")
     for name in ("kvarn_k4v2_g128_ks", "kvarn_k4v2_g128_ks_sink"):  # key smoothing, one vector per sequence
-        cfg = checks.preset_config(name)
-        assert cfg.seq_smooth and cfg.name == "kvarn_k4v2_g128_ks" and checks.has_key_smoothing(name)
-        assert cfg.record_bytes == checks.preset_config("kvarn_k4v2_g128").record_bytes + 128
-    assert not checks.has_key_smoothing("kvarn_k4v2_g128_sink")
+        cfg = cache_dtype_config(name)
+        assert cfg.seq_smooth and cfg.name == "kvarn_k4v2_g128_ks" and has_key_smoothing(name)
+        assert cfg.record_bytes == cache_dtype_config("kvarn_k4v2_g128").record_bytes + 128
+    assert not has_key_smoothing("kvarn_k4v2_g128_sink")
 
 
 def test_the_run_check_sets_the_block_size_unless_the_user_chose_it():
@@ -213,11 +221,11 @@ def test_where_vllm_has_a_dtype_registry_the_handlers_go_through_it(monkeypatch)
 
     monkeypatch.setattr(cache_mod, "register_kv_cache_dtype", register_kv_cache_dtype, raising=False)
     literal_before = cache_mod.CacheDType
-    for preset in checks.CACHE_DTYPES:
+    for preset in CACHE_DTYPES:
         monkeypatch.delitem(STR_DTYPE_TO_TORCH_DTYPE, preset)
-    assert plugin.install_dtypes() == "registry"
+    assert hooks.install_dtypes() == "registry"
     assert cache_mod.CacheDType is literal_before, "the registry path leaves the Literal alone"
-    assert set(registered) == set(checks.CACHE_DTYPES)
+    assert set(registered) == set(CACHE_DTYPES)
     from vllm.v1.kv_cache_interface import KVQuantMode
 
     for preset, handler in registered.items():
@@ -225,8 +233,8 @@ def test_where_vllm_has_a_dtype_registry_the_handlers_go_through_it(monkeypatch)
         assert handler.torch_dtype() is torch.uint8 and handler.is_quantized()
         assert isinstance(handler.quant_mode(), KVQuantMode)
         assert handler.supports_platform(current_platform)
-    assert plugin.install_dtypes() == "registry"
-    assert len(registered) == len(checks.CACHE_DTYPES), "names already registered are not registered twice"
+    assert hooks.install_dtypes() == "registry"
+    assert len(registered) == len(CACHE_DTYPES), "names already registered are not registered twice"
 
 
 _ERROR_PATH = r"""
@@ -237,10 +245,10 @@ class Keep(logging.Handler):
     def emit(self, record):
         records.append(record)
 logging.getLogger("vllm.kvarn").addHandler(Keep())
-from kvarn.integration.vllm import checks, plugin
+from kvarn.integration.vllm import hooks
 def boom():
     raise RuntimeError("simulated failure while adding the dtype names")
-plugin.install_dtypes = boom
+hooks.install_dtypes = boom
 import kvarn.integration.vllm as kv
 kv.register()
 kv.register()
@@ -288,11 +296,11 @@ def test_platform_hooks_come_off_as_they_went_on():
     config = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="auto"))
     for cls, want in ((Own, ("own", "Own")), (Inherits, ("base", "Inherits"))):
         platform = cls()
-        assert plugin.install_config_hook(platform) and plugin.install_selection_hook(platform)
-        assert not plugin.install_config_hook(platform)
+        assert hooks.install_config_hook(platform) and hooks.install_selection_hook(platform, backend_path)
+        assert not hooks.install_config_hook(platform)
         assert cls.check_and_update_config(config) == want  # not a KVarN dtype: passed through
-        assert plugin._unwrap(platform, "check_and_update_config") and plugin.uninstall_selection_hook(platform)
-        assert not plugin._unwrap(platform, "check_and_update_config")
+        assert hooks._unwrap(platform, "check_and_update_config") and hooks.uninstall_selection_hook(platform)
+        assert not hooks._unwrap(platform, "check_and_update_config")
         assert cls.check_and_update_config(config) == want
         assert ("check_and_update_config" in vars(cls)) == (cls is Own)
         assert "get_attn_backend_cls" not in vars(cls)
@@ -376,14 +384,14 @@ def test_a_model_with_key_biases_is_served_in_the_ks_form_unless_turned_off(monk
         return SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config), cache_config=CacheDtype(dtype))
 
     monkeypatch.delenv(checks.KEY_SMOOTHING_ENV, raising=False)
-    for dtype in checks.CACHE_DTYPES:
+    for dtype in CACHE_DTYPES:
         served = checks.served_dtype(dtype, run(Qwen2Config(), dtype))
-        assert served in checks.CACHE_DTYPES and checks.has_key_smoothing(served)
-        assert checks.has_sink(served) == checks.has_sink(dtype)
-        assert checks.preset_config(served).group_size == checks.preset_config(dtype).group_size
+        assert served in CACHE_DTYPES and has_key_smoothing(served)
+        assert has_sink(served) == has_sink(dtype)
+        assert cache_dtype_config(served).group_size == cache_dtype_config(dtype).group_size
         assert checks.served_dtype(dtype, run(LlamaConfig(), dtype)) == dtype
         assert checks.served_dtype(dtype, SimpleNamespace()) == dtype
-    assert checks.with_key_smoothing("kvarn_k2v2_g128_sink") == "kvarn_k2v2_g128_ks_sink"
+    assert with_key_smoothing("kvarn_k2v2_g128_sink") == "kvarn_k2v2_g128_ks_sink"
 
     config = run(Qwen2Config(), "kvarn_k4v2_g128_sink")
     note = checks.serve_key_smoothing(config)
@@ -444,8 +452,7 @@ def test_the_gpu_runner_hooks_hand_the_sink_rows_ids_and_scheduler_outputs(monke
 
     import numpy as np
 
-    from kvarn.integration.vllm import backend as backend_mod
-    from kvarn.integration.vllm import plugin
+    from kvarn.integration.vllm.state import SinkBook
     from kvarn.paged import SinkSlots
 
     calls = []
@@ -456,12 +463,12 @@ def test_the_gpu_runner_hooks_hand_the_sink_rows_ids_and_scheduler_outputs(monke
         )
 
         def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False):
-            calls.append(("execute", dict(backend_mod._sink_book.first)))
+            calls.append(("execute", dict(serving.sink_book.first)))
             return "out"
 
     class ModelState:
         def prepare_attn(self, input_batch):
-            calls.append(("prepare", backend_mod._step["req_ids"]))
+            calls.append(("prepare", serving.step_req_ids))
 
     runner_mod = types.ModuleType("vllm.v1.worker.gpu.model_runner")
     runner_mod.GPUModelRunner = Runner
@@ -469,9 +476,9 @@ def test_the_gpu_runner_hooks_hand_the_sink_rows_ids_and_scheduler_outputs(monke
     state_mod.DefaultModelState = ModelState
     monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu.model_runner", runner_mod)
     monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu.model_states.default", state_mod)
-    monkeypatch.setitem(backend_mod._step, "hooked", False)
-    monkeypatch.setitem(backend_mod._step, "scheduler_hooked", False)
-    monkeypatch.setattr(backend_mod, "_sink_book", backend_mod.SinkBook())
+    monkeypatch.setattr(serving, "rows_hooked", False)
+    monkeypatch.setattr(serving, "scheduler_hooked", False)
+    monkeypatch.setattr(serving, "sink_book", SinkBook())
 
     class Builder:  # a graph builder: the tiles its replayed steps filled are committed before the step runs
         def commit_replayed(self):
@@ -479,11 +486,11 @@ def test_the_gpu_runner_hooks_hand_the_sink_rows_ids_and_scheduler_outputs(monke
             return 0
 
     builder = Builder()
-    monkeypatch.setattr(backend_mod, "_graph_builders", weakref.WeakSet([builder]))
+    monkeypatch.setattr(serving, "graph_builders", weakref.WeakSet([builder]))
     sinks = SinkSlots(4, 64)
-    backend_mod._sink_book.pools.add(sinks)
+    serving.sink_book.pools.add(sinks)
     sinks.assign([(0, 9, 0)], 1)  # block 9 held a first tile before; the scheduler now hands it out fresh
-    assert plugin.install_runner_hook() and backend_mod._step["scheduler_hooked"]
+    assert hooks.install_runner_hook() and serving.scheduler_hooked
     ModelState().prepare_attn(
         SimpleNamespace(idx_mapping_np=np.array([3]), query_start_loc_np=np.array([0, 5]), req_ids=["a"])
     )
@@ -498,7 +505,7 @@ def test_the_gpu_runner_hooks_hand_the_sink_rows_ids_and_scheduler_outputs(monke
     assert Runner().execute_model(output) == "out"
     assert calls[-2] == ("commit", None)  # before vLLM's execute_model (its copy-on-write block copies)
     assert calls[-1] == ("execute", {"a": (4,)}) and sinks.live == {}  # block 9 (past the 64-token hit) is fresh
-    assert backend_mod._sink_book.group_of == {"l0": 0} and backend_mod._sink_book.scheduled == {"a"}
+    assert serving.sink_book.group_of == {"l0": 0} and serving.sink_book.scheduled == {"a"}
     Runner().execute_model(SimpleNamespace(), None, True)  # a dummy run: not read
     output.finished_req_ids, output.scheduled_new_reqs = {"a"}, []
     Runner().execute_model(output)
@@ -514,8 +521,7 @@ def test_a_decode_batch_admitting_a_prefix_hit_is_not_replayed_from_the_full_gra
     import types
     import weakref
 
-    from kvarn.integration.vllm import backend as backend_mod
-    from kvarn.integration.vllm import plugin
+    from kvarn.integration.vllm.state import SinkBook
 
     class Manager:  # vLLM 0.26's ModelCudaGraphManager.dispatch: a full graph only for uniform batches
         def dispatch(self, num_reqs, num_tokens, uniform_token_count, num_active_loras):
@@ -532,16 +538,16 @@ def test_a_decode_batch_admitting_a_prefix_hit_is_not_replayed_from_the_full_gra
     runner_mod = types.ModuleType("vllm.v1.worker.gpu.model_runner")
     runner_mod.GPUModelRunner = Runner
     monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu.model_runner", runner_mod)
-    monkeypatch.setitem(backend_mod._step, "scheduler_hooked", False)
-    monkeypatch.setattr(backend_mod, "_sink_book", backend_mod.SinkBook())
+    monkeypatch.setattr(serving, "scheduler_hooked", False)
+    monkeypatch.setattr(serving, "sink_book", SinkBook())
 
     class Builder:  # a CUDA-graph decode builder with nothing to commit
         def commit_replayed(self):
             return 0
 
     builder = Builder()
-    monkeypatch.setattr(backend_mod, "_graph_builders", weakref.WeakSet())
-    assert plugin.install_scheduler_hook()
+    monkeypatch.setattr(serving, "graph_builders", weakref.WeakSet())
+    assert hooks.install_scheduler_hook()
 
     def step(new=(), cached=(), resumed=(), tokens=1):
         """``new``, ``cached``: (request id, tokens computed before the step)."""
@@ -561,10 +567,10 @@ def test_a_decode_batch_admitting_a_prefix_hit_is_not_replayed_from_the_full_gra
     runner = Runner(Manager())
     hit = step(new=[("b", 128)], cached=[("a", 255)])  # b: 128 tokens hit, its last prompt token; a fills a tile
     assert runner.execute_model(hit) == "FULL", "no CUDA-graph decode builder: nothing to steer"
-    monkeypatch.setattr(backend_mod, "_graph_builders", weakref.WeakSet([builder]))
-    steered = backend_mod.tail_block_steps["mixed_dispatch"]
+    monkeypatch.setattr(serving, "graph_builders", weakref.WeakSet([builder]))
+    steered = serving.tail_block_steps["mixed_dispatch"]
     assert runner.execute_model(hit) == "PIECEWISE"
-    assert backend_mod.tail_block_steps["mixed_dispatch"] == steered + 1
+    assert serving.tail_block_steps["mixed_dispatch"] == steered + 1
     assert "dispatch" not in vars(runner.cudagraph_manager), "the step's dispatch is put back after it"
     assert runner.execute_model(step(cached=[("a", 256)])) == "FULL"  # decode steps keep the full graph
     assert runner.execute_model(step(new=[("c", 0)], cached=[("a", 257)])) == "FULL"  # admitted without a hit
@@ -582,7 +588,7 @@ def test_a_decode_batch_admitting_a_prefix_hit_is_not_replayed_from_the_full_gra
         def dispatch(self, num_reqs, num_tokens, uniform_token_count, num_active_loras):
             return "FULL"
 
-    monkeypatch.setattr(checks, "_logged", set())
+    monkeypatch.setattr(serving, "warned", set())
     with caplog.at_level("WARNING", logger="vllm.kvarn"):
         assert Runner(OtherManager()).execute_model(hit) == "FULL"
         assert Runner(SlotManager()).execute_model(hit) == "FULL"
@@ -593,21 +599,20 @@ def test_decode_graphs_need_the_execute_model_wrapper(monkeypatch, caplog):
     """The builder offers single-token decode CUDA graphs on the GPU runner only where the plugin wraps its
     ``execute_model`` (replayed steps' commits before vLLM's block copies, prefix-hit steps kept out of the
     full graph); without the wrapper it offers none, and says so."""
-    from kvarn.integration.vllm import backend as backend_mod
+    from kvarn.integration.vllm.builder import AttentionCGSupport as support
     from kvarn.integration.vllm.checks import TAIL_BLOCKS_ENV
 
-    support = backend_mod.AttentionCGSupport
     builder = BACKENDS["kvarn_k4v2_g128"].get_builder_cls()
     gpu = SimpleNamespace(use_v2_model_runner=True, device_config=SimpleNamespace(device_type="cuda"))
     monkeypatch.setenv(TAIL_BLOCKS_ENV, "0")  # request-index slots: the tail pool's graph path
-    monkeypatch.setitem(backend_mod._step, "hooked", True)
-    monkeypatch.setitem(backend_mod._step, "scheduler_hooked", True)
+    monkeypatch.setattr(serving, "rows_hooked", True)
+    monkeypatch.setattr(serving, "scheduler_hooked", True)
     assert builder.get_cudagraph_support(gpu, None) == support.UNIFORM_SINGLE_TOKEN_DECODE
-    monkeypatch.setitem(backend_mod._step, "scheduler_hooked", False)
-    monkeypatch.setattr(checks, "_logged", set())
+    monkeypatch.setattr(serving, "scheduler_hooked", False)
+    monkeypatch.setattr(serving, "warned", set())
     with caplog.at_level("WARNING", logger="vllm.kvarn"):
         assert builder.get_cudagraph_support(gpu, None) == support.NEVER
     assert "without full CUDA graphs" in caplog.text
-    monkeypatch.setitem(backend_mod._step, "scheduler_hooked", True)
+    monkeypatch.setattr(serving, "scheduler_hooked", True)
     cpu = SimpleNamespace(use_v2_model_runner=False, device_config=SimpleNamespace(device_type="cpu"))
     assert builder.get_cudagraph_support(cpu, None) == support.NEVER

@@ -1,0 +1,43 @@
+"""One backend class per KVarN cache dtype, each with its own builder and impl classes, and the import
+path vLLM's backend registry and the selection hook hand vLLM (:func:`backend_path`).
+
+Each class takes its format from its own preset (``KVarNBackend_k4v2_g128`` serves
+``kvarn_k4v2_g128``), never from the run's ``cache_dtype``. They are attributes of this module, so
+vLLM imports them by path in every process.
+"""
+
+from __future__ import annotations
+
+from kvarn.config import CACHE_DTYPES, has_sink
+from kvarn.integration.vllm.backend import KVarNBackend
+from kvarn.integration.vllm.builder import KVarNMetadataBuilder
+from kvarn.integration.vllm.impl import KVarNAttentionImpl
+
+
+def _backend_for(preset: str) -> type[KVarNBackend]:
+    """The backend, builder and impl classes of one ``--kv-cache-dtype`` name (:data:`kvarn.config.CACHE_DTYPES`)."""
+    short = preset.removeprefix("kvarn_")
+    names = {
+        "backend": f"KVarNBackend_{short}",
+        "builder": f"KVarNMetadataBuilder_{short}",
+        "impl": f"KVarNAttentionImpl_{short}",
+    }
+    attrs = {"preset": preset, "sink": has_sink(preset), "__module__": __name__}
+    backend = type(names["backend"], (KVarNBackend,), attrs)
+    builder = type(names["builder"], (KVarNMetadataBuilder,), {"backend": backend, "__module__": __name__})
+    impl = type(names["impl"], (KVarNAttentionImpl,), {"backend": backend, "__module__": __name__})
+    backend.builder_cls, backend.impl_cls = builder, impl
+    for cls in (backend, builder, impl):
+        cls.__qualname__ = cls.__name__
+    return backend
+
+
+BACKENDS: dict[str, type[KVarNBackend]] = {name: _backend_for(name) for name in CACHE_DTYPES}
+for _cls in BACKENDS.values():
+    globals().update({c.__name__: c for c in (_cls, _cls.builder_cls, _cls.impl_cls)})
+
+
+def backend_path(preset: str) -> str:
+    """The importable path of the backend class of ``preset``."""
+    cls = BACKENDS[preset]
+    return f"{cls.__module__}.{cls.__qualname__}"
