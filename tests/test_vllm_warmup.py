@@ -147,3 +147,29 @@ def test_rehearse_waits_for_a_bound_cache_skips_a_pool_and_survives_a_failure(ca
     assert "rehearsing serving steps failed (boom)" in caplog.text
     assert warmup_stats["error"] == "RuntimeError: boom" and dict(serving.tail_block_steps) == before
     warmup_stats["error"] = None
+
+
+@pytest.mark.vllm
+def test_an_unknown_value_is_refused_on_every_engine(monkeypatch):
+    """``KVARN_WARMUP`` is read as every metadata builder is made, so an unknown value is refused on the CPU
+    engine too, whose builders (tails in a pool) rehearse nothing."""
+    pytest.importorskip("vllm")
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from kvarn.integration.vllm.checks import TAIL_BLOCKS_ENV
+    from kvarn.integration.vllm.registry import BACKENDS
+
+    monkeypatch.delenv(TAIL_BLOCKS_ENV, raising=False)
+    backend = BACKENDS["kvarn_k4v2_g64"]
+    spec = backend.customize_spec(FullAttentionSpec(block_size=64, num_kv_heads=2, head_size=64, dtype=torch.uint8))
+    run = SimpleNamespace(
+        cache_config=SimpleNamespace(cache_dtype=backend.preset, num_gpu_blocks=None),
+        scheduler_config=SimpleNamespace(max_num_seqs=4),
+        model_config=SimpleNamespace(dtype=torch.float16),
+    )
+    monkeypatch.setenv(WARMUP_ENV, "maybe")
+    with pytest.raises(ValueError, match=r"KVARN_WARMUP must be 0 or 1 \(or unset\), got 'maybe'"):
+        backend.get_builder_cls()(spec, ["layer.0"], run, torch.device("cpu"))
+    monkeypatch.setenv(WARMUP_ENV, "1")
+    builder = backend.get_builder_cls()(spec, ["layer.0"], run, torch.device("cpu"))
+    assert builder.planner is not None and not builder._warm_pending  # a pool: nothing to rehearse

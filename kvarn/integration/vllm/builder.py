@@ -173,6 +173,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
                 f"{preset} needs kernel blocks of {self.cfg.group_size} tokens, vLLM gave {kv_cache_spec.block_size}"
             )
         cuda = torch.device(device).type == "cuda"
+        warm = warmup_wanted(device)  # first: an unknown $KVARN_WARMUP is refused on every engine, rehearsing or not
         check_sink(vllm_config, self.backend.preset)
         self.tail_rows = self.tail_blocks = 0  # tails in blocks: rows of a block, blocks a tail (else a pool)
         if tail_blocks_enabled(vllm_config, self.backend.preset):
@@ -223,7 +224,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             sink = self.sinks is not None
             self.buffers = _DecodeBuffers(size, size, device, sink=sink, tail_blocks=self.tail_blocks)
             serving.graph_builders.add(self)
-        self._warm_pending = bool(self.tail_rows) and warmup_wanted(device)  # warmup.rehearse before a first step
+        self._warm_pending = bool(self.tail_rows) and warm  # warmup.rehearse before a first step
         self._log_capacity(vllm_config, kv_cache_spec, len(layer_names))
 
     def _log_capacity(self, vllm_config, spec, num_layers: int) -> None:

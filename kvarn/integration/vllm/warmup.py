@@ -22,8 +22,9 @@ launch rules, which these steps reach.
 
 Runs with tails in vLLM's blocks only (the GPU engine's default; the builder keeps no request state
 then). ``KVARN_WARMUP``: unset, on for CUDA devices; ``1`` on anywhere (the CPU engine's tests run the
-same steps through the reference kernels); ``0`` off. A failure is logged as a warning and serving
-goes on (the kernels then compile on first use).
+same steps through the reference kernels); ``0`` off; any other value is refused as a builder is made,
+on every engine. A failure is logged as a warning and serving goes on (the kernels then compile on first
+use).
 """
 
 from __future__ import annotations
