@@ -2,9 +2,9 @@
 
 vLLM does not catch what a plugin raises, and it calls every installed plugin before config
 validation: a raise here would break vLLM for every user who has kvarn installed, KVarN or not. So
-:func:`register` is idempotent, cheap (this module imports nothing but the standard library until it
-runs) and never raises. :func:`install` does the work: the backend name in vLLM's registry, then the
-hooks of :mod:`kvarn.integration.vllm.hooks`, each given the backend it hands out.
+:func:`register` is idempotent, cheap (nothing of vLLM is imported until it runs) and never raises.
+:func:`install` does the work: the backend name in vLLM's registry, then the hooks of
+:mod:`kvarn.integration.vllm.hooks`, each given the backend it hands out.
 """
 
 from __future__ import annotations
@@ -12,12 +12,11 @@ from __future__ import annotations
 import logging
 import os
 
+from kvarn.integration.vllm.state import serving
+
 DISABLE_ENV = "KVARN_DISABLE_VLLM"
 
 logger = logging.getLogger("vllm.kvarn")
-
-_status: dict[str, object] = {"registered": False, "enabled": False, "mode": None, "error": None}
-"""What :func:`register` did in this process (before any other kvarn module is imported)."""
 
 
 def register() -> None:
@@ -27,32 +26,33 @@ def register() -> None:
     got, and disables kvarn: vLLM keeps working, only the ``kvarn_*`` cache dtypes are missing.
     Set ``KVARN_DISABLE_VLLM=1`` to skip the plugin.
     """
-    if _status["registered"]:
+    status = serving.registration
+    if status["registered"]:
         return
-    _status["registered"] = True
+    status["registered"] = True
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         logger.info("kvarn vLLM plugin disabled by %s", DISABLE_ENV)
         return
     try:
-        _status["mode"] = install()
-        _status["enabled"] = True
+        status["mode"] = install()
+        status["enabled"] = True
     except Exception as exc:
-        _status["error"] = f"{type(exc).__name__}: {exc}"
+        status["error"] = f"{type(exc).__name__}: {exc}"
         logger.warning(
             "kvarn: the vLLM plugin could not be installed (%s); the kvarn_* --kv-cache-dtype values are "
             "unavailable in this process, vLLM itself is unaffected",
-            _status["error"],
+            status["error"],
         )
 
 
 def is_enabled() -> bool:
     """Whether :func:`register` installed kvarn in this process."""
-    return bool(_status["enabled"])
+    return bool(serving.registration["enabled"])
 
 
 def status() -> dict[str, object]:
     """What :func:`register` did: ``registered``, ``enabled``, ``mode`` ("registry" or "literal"), ``error``."""
-    return dict(_status)
+    return dict(serving.registration)
 
 
 def install_backend_name() -> str:

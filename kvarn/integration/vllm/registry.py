@@ -8,6 +8,9 @@ vLLM imports them by path in every process.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 from kvarn.config import CACHE_DTYPES, has_sink
 from kvarn.integration.vllm.backend import KVarNBackend
 from kvarn.integration.vllm.builder import KVarNMetadataBuilder
@@ -32,9 +35,9 @@ def _backend_for(preset: str) -> type[KVarNBackend]:
     return backend
 
 
-BACKENDS: dict[str, type[KVarNBackend]] = {name: _backend_for(name) for name in CACHE_DTYPES}
-for _cls in BACKENDS.values():
-    globals().update({c.__name__: c for c in (_cls, _cls.builder_cls, _cls.impl_cls)})
+BACKENDS: Mapping[str, type[KVarNBackend]] = MappingProxyType({name: _backend_for(name) for name in CACHE_DTYPES})
+"""The backend class of every KVarN cache dtype (read-only)."""
+globals().update({c.__name__: c for b in BACKENDS.values() for c in (b, b.builder_cls, b.impl_cls)})
 
 
 def backend_path(preset: str) -> str:

@@ -51,6 +51,10 @@ class SinkBook:
 class ServingState:
     """The process-wide state of kvarn's vLLM integration (one instance: :data:`serving`)."""
 
+    registration: dict = field(
+        default_factory=lambda: {"registered": False, "enabled": False, "mode": None, "error": None}
+    )
+    """What :func:`kvarn.integration.vllm.plugin.register` did (:func:`~kvarn.integration.vllm.plugin.status`)."""
     config: object = None
     """The vLLM config of the last KVarN layer built in this process (vLLM 0.32 asks for its spec later,
     outside its config context)."""
