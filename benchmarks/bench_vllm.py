@@ -127,9 +127,9 @@ def _llm(shape: str, kv: str, **kw):
 
 def _warmup_stats() -> dict:
     """What kvarn's rehearsal of serving steps did in this process so far (:mod:`kvarn.integration.vllm.warmup`)."""
-    from kvarn.integration.vllm.warmup import warmup_stats
+    from kvarn.integration.vllm.state import serving
 
-    return {k: round(v, 1) if isinstance(v, float) else v for k, v in warmup_stats.items()}
+    return {k: round(v, 1) if isinstance(v, float) else v for k, v in serving.warmup_stats.items()}
 
 
 def _tokens(outs):
@@ -151,9 +151,9 @@ def agree(a, b) -> float:
 
 
 def _probe_reset() -> None:
-    from kvarn.integration.vllm.backend import decode_probe
+    from kvarn.integration.vllm.state import serving
 
-    decode_probe.reset()
+    serving.probe.reset()
 
 
 def _free_gpu() -> None:
@@ -179,9 +179,9 @@ def _check_inputs():
 def _sink_stats() -> dict | None:
     """The sink counters of this process's KVarN builders (GPU runner), or ``None`` where the engine runs
     in another process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps it here)."""
-    from kvarn.integration.vllm import backend
+    from kvarn.integration.vllm.state import serving
 
-    pools = list(backend._sink_book.pools)
+    pools = list(serving.sink_book.pools)
     if not pools:
         return None
     keys = ("new_sinks", "recycled_sinks", "evicted_sinks")
@@ -195,13 +195,15 @@ PROBE_LAYER = "model.layers.1.self_attn.attn"
 def _probe_check(llm) -> dict:
     """The probed layer's last decode step through the blocks (replayed from a CUDA graph where the engine
     captured it) against the reference over the cache as that step left it
-    (:meth:`~kvarn.integration.vllm.backend.DecodeProbe.check`), within the kernels' tolerance
+    (:meth:`~kvarn.integration.vllm.probe.DecodeProbe.check`), within the kernels' tolerance
     (``tests/tolerances.py``: max |kernel - reference| / max |reference|). An engine whose tails are in a
     pool (``_sink`` dtypes, ``KVARN_TAIL_BLOCKS=0``) has no such step: nothing to check."""
     import torch
 
     from benchmarks._common import TOL
-    from kvarn.integration.vllm.backend import decode_probe
+    from kvarn.integration.vllm.state import serving
+
+    decode_probe = serving.probe
 
     if not _tail_blocks(llm):
         return {"probed": False, "ok": True, "note": "tails in a pool: no decode step through the blocks"}
@@ -216,7 +218,10 @@ def _probe_check(llm) -> dict:
 def check(out_path: str) -> int:
     from vllm import SamplingParams
 
-    from kvarn.integration.vllm.backend import PROBE_ENV, decode_probe
+    from kvarn.integration.vllm.probe import PROBE_ENV
+    from kvarn.integration.vllm.state import serving
+
+    decode_probe = serving.probe
 
     decode_probe.layer = os.environ.get(PROBE_ENV) or PROBE_LAYER  # the probe reads the variable at import
     decode_probe.reset()
@@ -250,9 +255,9 @@ def check(out_path: str) -> int:
         if kv.endswith("_sink"):
             res["sink_stats"] = _sink_stats()
         if kv != "auto":  # steps built with tails in blocks by route, this engine's and those before it
-            from kvarn.integration.vllm.backend import tail_block_steps
+            from kvarn.integration.vllm.state import serving
 
-            res["tail_block_steps"] = dict(tail_block_steps)
+            res["tail_block_steps"] = dict(serving.tail_block_steps)
         results[name] = res
         with open(out_path + ".partial", "w") as f:  # what a cut-off call still returns
             json.dump(results, f)
@@ -535,7 +540,7 @@ def steps(shape: str, kv: str, out_path: str) -> int:
 
     from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder
 
-    from kvarn.integration.vllm.backend import KVarNMetadataBuilder
+    from kvarn.integration.vllm.builder import KVarNMetadataBuilder
 
     timed_build(FlashAttentionMetadataBuilder)
     timed_build(KVarNMetadataBuilder)

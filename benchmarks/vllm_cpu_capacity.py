@@ -41,11 +41,11 @@ def _facts(llm) -> dict:
     spec = core.scheduler.kv_cache_manager.kv_cache_config.kv_cache_groups[0].kv_cache_spec
 
     def pools(worker):
-        from kvarn.integration.vllm import backend
+        from kvarn.integration.vllm.state import serving
 
         layers = worker.model_runner.compilation_config.static_forward_context.values()
         found = [layer.__dict__["_kvarn_tail"] for layer in layers if "_kvarn_tail" in layer.__dict__]
-        found += list(backend._shared_pools.values())
+        found += list(serving.shared_pools.values())
         return sum(t.numel() * t.element_size() for pool in found for t in pool), len(found)
 
     pool_bytes, num_pools = llm.collective_rpc(pools)[0]

@@ -48,6 +48,7 @@ For ``kvarn_k4v2_g128`` at ``D = 128``: 8192 + 4096 + 6 * 256 = 13 824 bytes per
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -71,6 +72,15 @@ KEY_SMOOTH_SUFFIX = "_ks"
 """A preset name ending in it (``kvarn_k4v2_g128_ks``) is the preset with key smoothing, one vector per
 sequence (``smooth_keys=True, smooth_scope="sequence"``): for models whose rotated keys lose to plain
 RTN, such as Qwen2.5 (``docs/fidelity.md``)."""
+SINK_SUFFIX = "_sink"
+"""A cache-dtype name ending in it (``kvarn_k4v2_g128_sink``) also keeps the first tile of every sequence in
+full precision (vLLM only); the records are those of the name without it."""
+CACHE_DTYPES: tuple[str, ...] = tuple(
+    preset + ks + sink for preset in PRESETS for ks in ("", KEY_SMOOTH_SUFFIX) for sink in ("", SINK_SUFFIX)
+)
+"""Every KVarN cache-dtype name (vLLM's ``--kv-cache-dtype``): each preset, optionally with ``_ks`` (key
+smoothing, one vector per sequence) and then ``_sink`` (the first tile of every sequence also kept in
+full precision), see ``docs/vllm.md``."""
 KEY_BIAS_MODEL_TYPES = frozenset({"qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl", "qwen2_audio"})
 """Hugging Face ``model_type`` values whose q/k/v projections always carry biases (Qwen1.5, Qwen2,
 Qwen2.5 and their variants; Qwen3 dropped them). On Qwen2.5-Coder-0.5B those biases give key channels
@@ -292,9 +302,9 @@ def recommended_preset(model_config, base: str = DEFAULT_PRESET) -> str:
     if not isinstance(base, str):
         raise TypeError(f"base must be a preset name, got {type(base).__name__}")
     check_preset(base)
-    if base.endswith(KEY_SMOOTH_SUFFIX) or key_bias_reason(model_config) is None:
+    if key_bias_reason(model_config) is None:
         return base
-    return base + KEY_SMOOTH_SUFFIX
+    return with_key_smoothing(base)
 
 
 def check_head_dim(head_dim: int) -> None:
@@ -321,6 +331,46 @@ def check_preset(preset: object) -> None:
             f"unknown KVarN preset {preset!r}; valid presets are: {valid} "
             f"(each also with {KEY_SMOOTH_SUFFIX!r}: key smoothing, one vector per sequence)"
         )
+
+
+def is_cache_dtype(name: object) -> bool:
+    """Whether ``name`` is a KVarN cache-dtype name (:data:`CACHE_DTYPES`), the test for "a kvarn preset" in vLLM."""
+    return name in CACHE_DTYPES
+
+
+def has_sink(name: str) -> bool:
+    """Whether cache-dtype name ``name`` keeps a full-precision sink (ends in :data:`SINK_SUFFIX`)."""
+    return name.endswith(SINK_SUFFIX)
+
+
+def without_sink(name: str) -> str:
+    """``name`` without :data:`SINK_SUFFIX`: the preset whose records a ``_sink`` name stores."""
+    return name.removesuffix(SINK_SUFFIX)
+
+
+def has_key_smoothing(name: str) -> bool:
+    """Whether preset or cache-dtype name ``name`` smooths keys with one vector per sequence (``_ks``)."""
+    return without_sink(name).endswith(KEY_SMOOTH_SUFFIX)
+
+
+def with_key_smoothing(name: str) -> str:
+    """``name`` with ``_ks`` (before any ``_sink``): the same preset with one key smoothing vector per sequence."""
+    if has_key_smoothing(name):
+        return name
+    return without_sink(name) + KEY_SMOOTH_SUFFIX + (SINK_SUFFIX if has_sink(name) else "")
+
+
+@functools.cache
+def cache_dtype_config(name: str, head_dim: int = DEFAULT_HEAD_DIM) -> KVarNConfig:
+    """The record format of cache-dtype name ``name`` (a :data:`CACHE_DTYPES` name) at ``head_dim``, parsed once.
+
+    The ``_sink`` suffix does not change the record format: ``kvarn_k4v2_g128_sink`` stores the
+    records of ``kvarn_k4v2_g128``. ``_ks`` stores the records of
+    ``KVarNConfig(smooth_keys=True, smooth_scope="sequence")`` (``D`` bytes more each).
+    """
+    if not is_cache_dtype(name):
+        raise ValueError(f"unknown KVarN cache dtype {name!r}; valid: {', '.join(CACHE_DTYPES)}")
+    return KVarNConfig.from_preset(without_sink(name), head_dim=head_dim)
 
 
 @dataclass(frozen=True)

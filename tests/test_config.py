@@ -215,3 +215,31 @@ def test_key_bias_reason_and_recommended_preset():
         recommended_preset(qwen2, "kvarn_k3v2_g128")
     with pytest.raises(TypeError, match="preset name"):
         recommended_preset(qwen2, KVarNConfig.from_preset("kvarn_k4v2_g128"))
+
+
+def test_cache_dtype_names_add_ks_then_sink_to_a_preset():
+    """vLLM's ``--kv-cache-dtype`` names: a preset, then optionally ``_ks``, then optionally ``_sink``; ``_sink``
+    keeps the records of the name without it, ``_ks`` goes before it."""
+    from kvarn.config import (
+        CACHE_DTYPES,
+        cache_dtype_config,
+        has_key_smoothing,
+        has_sink,
+        is_cache_dtype,
+        with_key_smoothing,
+        without_sink,
+    )
+
+    assert len(CACHE_DTYPES) == len(set(CACHE_DTYPES)) == 4 * len(PRESETS)
+    for name in CACHE_DTYPES:
+        assert is_cache_dtype(name) and has_sink(name) == name.endswith("_sink")
+        assert cache_dtype_config(name, 64) == KVarNConfig.from_preset(without_sink(name), head_dim=64)
+        smoothed = with_key_smoothing(name)
+        assert is_cache_dtype(smoothed) and has_key_smoothing(smoothed) and has_sink(smoothed) == has_sink(name)
+        assert with_key_smoothing(smoothed) == smoothed
+    assert with_key_smoothing("kvarn_k2v2_g128_sink") == "kvarn_k2v2_g128_ks_sink"
+    assert without_sink("kvarn_k4v2_g128_ks_sink") == "kvarn_k4v2_g128_ks" and not has_key_smoothing("kvarn_k4v2_g64")
+    for other in ("kvarn_k4v2_g128_sink_ks", "auto", "fp8", None):
+        assert not is_cache_dtype(other)
+    with pytest.raises(ValueError, match="unknown KVarN cache dtype 'kvarn_k4v2_g128_snk'"):
+        cache_dtype_config("kvarn_k4v2_g128_snk")

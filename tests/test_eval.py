@@ -323,8 +323,8 @@ def test_model_resolution_errors(tmp_path, capsys):
 
 
 def test_served_methods_are_the_ks_presets_vllm_serves():
+    from kvarn.config import with_key_smoothing
     from kvarn.eval.methods import served_method, with_served_methods
-    from kvarn.integration.vllm.checks import with_key_smoothing
 
     assert served_method("kvarn_k4v2_g128") == with_key_smoothing("kvarn_k4v2_g128") == "kvarn_k4v2_g128_ks"
     assert served_method("kvarn_k2v2_g128+first1@k4v4") == "kvarn_k2v2_g128_ks+first1@k4v4"

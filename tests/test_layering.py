@@ -148,3 +148,138 @@ def test_paged_modules_import_their_siblings_not_the_package(module):
 def test_split_packages_keep_modules_short(module):
     lines = len(PATHS[module].read_text().splitlines())
     assert lines <= MAX_LINES, f"{module} has {lines} lines; split it by responsibility (at most {MAX_LINES})"
+
+
+def _flat(targets):
+    for t in targets:
+        if isinstance(t, (ast.Tuple, ast.List)):
+            yield from _flat(t.elts)
+        else:
+            yield t
+
+
+def _root(node: ast.AST) -> str | None:
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _loads_a_module(node: ast.AST) -> bool:
+    """Whether ``node`` reaches a module by name: ``sys.modules`` or ``importlib.import_module``."""
+    return any(
+        isinstance(n, ast.Attribute)
+        and isinstance(n.value, ast.Name)
+        and (n.value.id, n.attr) in (("sys", "modules"), ("importlib", "import_module"))
+        for n in ast.walk(node)
+    )
+
+
+def _vllm_patches(path: Path) -> set[tuple[int, str]]:
+    """``(line, enclosing function)`` of every statement in ``path`` that patches vLLM, read from the AST.
+
+    A name is vLLM's if an ``import`` of ``vllm`` binds it, or it is assigned (``=``, ``for``, ``with``,
+    ``:=``) from an expression that holds such a name or loads a module by name (any scope: a name is
+    taken as vLLM's everywhere in the file once it is anywhere). A patch is an assignment, ``del``,
+    ``setattr`` or ``delattr`` onto an attribute or item of a vLLM name, or a function (``def``, ``lambda``,
+    ``classmethod(...)``, ``staticmethod(...)``) set as an attribute of anything but ``self`` or ``cls``
+    (a method put on an instance or a class, whatever it was reached through).
+    """
+    tree = ast.parse(path.read_text())
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    vllm = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            vllm |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.split(".")[0] == "vllm"}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "vllm":
+            vllm |= {a.asname or a.name for a in node.names}
+    bindings = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            bindings.append((list(_flat(targets)), node.value))
+        elif isinstance(node, ast.NamedExpr):
+            bindings.append(([node.target], node.value))
+        elif isinstance(node, (ast.For, ast.comprehension)):
+            bindings.append((list(_flat([node.target])), node.iter))
+        elif isinstance(node, ast.withitem) and node.optional_vars is not None:
+            bindings.append((list(_flat([node.optional_vars])), node.context_expr))
+    grew = True
+    while grew:
+        grew = False
+        for targets, value in bindings:
+            names = {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}
+            if names & vllm or _loads_a_module(value):
+                new = {t.id for t in targets if isinstance(t, ast.Name)} - vllm
+                vllm |= new
+                grew = grew or bool(new)
+    functions = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+    def is_function(value) -> bool:
+        if isinstance(value, ast.Lambda):
+            return True
+        if isinstance(value, ast.Name):
+            return value.id in functions
+        return isinstance(value, ast.Call) and getattr(value.func, "id", None) in ("classmethod", "staticmethod")
+
+    def vllms(target) -> bool:
+        return _root(target) in vllm or _loads_a_module(target)
+
+    def where(node) -> str:
+        while node in parents:
+            node = parents[node]
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                return node.name
+        return "<module>"
+
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("setattr", "delattr") and node.args:
+            value = node.args[2] if len(node.args) > 2 else None
+            if vllms(node.args[0]) or (value is not None and is_function(value)):
+                found.add((node.lineno, where(node)))
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        else:
+            continue
+        value = getattr(node, "value", None)
+        for t in _flat(targets):
+            if not isinstance(t, (ast.Attribute, ast.Subscript)):
+                continue
+            put_method = isinstance(t, ast.Attribute) and _root(t) not in ("self", "cls") and is_function(value)
+            if vllms(t) or put_method:
+                found.add((node.lineno, where(node)))
+    return found
+
+
+HOOKS = ROOT / "integration" / "vllm" / "hooks.py"
+
+
+def test_only_the_hooks_module_patches_vllm():
+    """Every patch of vLLM is installed from ``kvarn.integration.vllm.hooks``: no other module of kvarn assigns
+    onto what it reached through a vLLM import, or puts a function onto an object (:func:`_vllm_patches`)."""
+    elsewhere = {
+        str(p.relative_to(ROOT)): sorted(f)
+        for p in sorted(ROOT.rglob("*.py"))
+        if p != HOOKS and (f := _vllm_patches(p))
+    }
+    assert not elsewhere, f"vLLM patched outside kvarn/integration/vllm/hooks.py: {elsewhere}"
+    # the rule sees the patches it is there for: each hook's own
+    patching = {fn for _, fn in _vllm_patches(HOOKS)}
+    hooks = {
+        "_widen_cache_dtype_literal",
+        "install_spec_hook",
+        "install_runner_hook",
+        "install_scheduler_hook",
+        "_mixed_dispatch",
+        "_wrap",
+        "_unwrap",
+        "install_release_hook",
+        "install_block_pool_hook",
+        "install_registry_hook",
+        "install_block_table_hook",
+    }
+    assert hooks <= patching, f"the rule misses the patches of {sorted(hooks - patching)}"

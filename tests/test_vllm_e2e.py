@@ -267,9 +267,11 @@ def _tail_block_rows(llm_cls, model_dir, engine_args, ids, texts_one) -> dict:
     """``$KVARN_TAIL_BLOCKS=1``: the chunked, prefix-hit and concurrent scenarios with tails in vLLM's blocks."""
     from vllm import TokensPrompt
 
-    from kvarn.integration.vllm.backend import decode_probe
     from kvarn.integration.vllm.checks import TAIL_BLOCKS_ENV
-    from kvarn.integration.vllm.warmup import WARMUP_ENV, warmup_stats
+    from kvarn.integration.vllm.state import serving
+    from kvarn.integration.vllm.warmup import WARMUP_ENV
+
+    decode_probe = serving.probe
 
     os.environ[TAIL_BLOCKS_ENV] = "1"
     os.environ[WARMUP_ENV] = "1"  # the serving steps rehearsed before the first step, as on a GPU
@@ -285,10 +287,8 @@ def _tail_block_rows(llm_cls, model_dir, engine_args, ids, texts_one) -> dict:
         row["probe"] = decode_probe.check()  # the last step: a decode through the blocks
         row["preemptions"] = _preemptions(llm)
         _shutdown(llm)
-        from kvarn.integration.vllm.backend import tail_block_steps
-
-        row["steps"] = dict(tail_block_steps)
-        row["warmup"] = dict(warmup_stats)
+        row["steps"] = dict(serving.tail_block_steps)
+        row["warmup"] = dict(serving.warmup_stats)
     finally:
         del os.environ[TAIL_BLOCKS_ENV]
         del os.environ[WARMUP_ENV]

@@ -34,7 +34,7 @@ from kvarn.paged import PagedKV, TilePlanner, sdpa_varlen, split_prefill  # noqa
 def _varlens() -> list:
     """The prompt-chunk attentions to check: SDPA always, vLLM's flash attention where vLLM imports."""
     try:
-        from kvarn.integration.vllm.backend import flash_varlen
+        from kvarn.integration.vllm.impl import flash_varlen
     except ImportError:
         return [sdpa_varlen]
     flash = flash_varlen()

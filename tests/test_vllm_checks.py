@@ -1,0 +1,219 @@
+"""What KVarN refuses inside vLLM, with what to change (:mod:`kvarn.integration.vllm.checks`): layers, runs,
+the sink, slot counts, block sizes, and the format a model with biased keys is served in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.platforms import current_platform
+from vllm.v1.attention.selector import AttentionSelectorConfig
+
+import kvarn.integration.vllm as kv
+from kvarn.config import CACHE_DTYPES, cache_dtype_config, has_key_smoothing, has_sink, with_key_smoothing
+from kvarn.integration.vllm import checks
+from kvarn.integration.vllm.state import serving
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    kv.register()
+    assert kv.is_enabled(), kv.status()
+
+
+def _selector(**kw):
+    base = {"head_size": 128, "dtype": torch.bfloat16, "kv_cache_dtype": "kvarn_k4v2_g128", "block_size": None}
+    return AttentionSelectorConfig(**(base | kw))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "advice"),
+    [
+        ({"use_mla": True}, "--kv-cache-dtype auto"),
+        ({"has_sliding_window": True}, "--kv-cache-dtype-skip-layers sliding_window"),
+        ({"attn_type": "encoder_only"}, "--kv-cache-dtype auto"),
+        ({"attn_type": "encoder_decoder"}, "--kv-cache-dtype auto"),
+        ({"head_size": 96}, "64, 128, 256"),
+        ({"use_kv_connector": True}, "--kv-cache-dtype auto"),
+        ({"has_sink": True}, "--kv-cache-dtype auto"),
+    ],
+)
+def test_unservable_layers_are_refused_with_what_to_change(overrides, advice):
+    with pytest.raises(ValueError, match="--kv-cache-dtype kvarn_k4v2_g128") as err:
+        current_platform.get_attn_backend_cls(None, _selector(**overrides))
+    assert advice in str(err.value)
+
+
+def _run(block_size=128, user_block=False, unit=None, spec=None, dbo=False, dp=1):
+    cache = SimpleNamespace(block_size=block_size, user_specified_block_size=user_block, prefix_match_unit=unit)
+    parallel = SimpleNamespace(enable_dbo=dbo, data_parallel_size=dp)
+    return SimpleNamespace(cache_config=cache, speculative_config=spec, parallel_config=parallel)
+
+
+@pytest.mark.parametrize(
+    ("run", "advice"),
+    [
+        (_run(block_size=192, user_block=True), "set it to 128"),
+        (_run(unit=64), "multiple of 128"),
+        (_run(spec=object()), "drop --speculative-config"),
+        (_run(dbo=True), "drop --enable-dbo"),
+        (_run(dp=2), "drop --data-parallel-size"),  # idle ranks' dummy batches would write into cached blocks
+    ],
+)
+def test_unservable_runs_are_refused_with_what_to_change(run, advice):
+    with pytest.raises(ValueError, match=advice):
+        checks.check_run(run, "kvarn_k4v2_g128")
+    with pytest.raises(ValueError, match=advice):
+        checks.check_layer(_selector(), run)
+
+
+def test_the_sink_is_refused_where_it_cannot_be_kept_exactly(monkeypatch):
+    from kvarn.integration.vllm.backend import check_sink
+
+    run = _run()
+    run.parallel_config.world_size = 2
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype kvarn_k4v2_g128_sink: .*one worker"):
+        checks.check_run(run, "kvarn_k4v2_g128_sink")
+    checks.check_run(run, "kvarn_k4v2_g128")  # without the sink several workers are fine
+    run = _run()
+    run.parallel_config.distributed_executor_backend = "mp"  # vLLM's CPU default: the worker in its own process
+    with pytest.raises(ValueError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0"):
+        checks.check_run(run, "kvarn_k4v2_g128_sink")
+    run.parallel_config.distributed_executor_backend = "uni"
+    checks.check_run(run, "kvarn_k4v2_g128_sink")
+    run = _run()
+    run.scheduler_config = SimpleNamespace(max_num_seqs=8)
+    monkeypatch.setenv("KVARN_SINK_SLOTS", "4")
+    with pytest.raises(ValueError, match="KVARN_SINK_SLOTS=4 is below --max-num-seqs 8"):
+        checks.check_run(run, "kvarn_k4v2_g64_sink")
+    monkeypatch.setenv("KVARN_SINK_SLOTS", "12")
+    checks.check_run(run, "kvarn_k4v2_g64_sink")
+    assert checks.sink_slot_count(run) == 12
+    monkeypatch.delenv("KVARN_SINK_SLOTS")
+    assert checks.sink_slot_count(run) == 8
+    # vLLM's GPU model runner (V2, request-index slots, CUDA graphs): served when the plugin sees each
+    # step's scheduler output, refused at start-up otherwise
+    monkeypatch.setattr(serving, "rows_hooked", True)
+    monkeypatch.setattr(serving, "scheduler_hooked", False)
+    gpu = SimpleNamespace(use_v2_model_runner=True, device_config=SimpleNamespace(device_type="cuda"))
+    with pytest.raises(ValueError, match=r"^--kv-cache-dtype kvarn_k4v2_g128_sink: .*scheduler output"):
+        check_sink(gpu, "kvarn_k4v2_g128_sink")
+    check_sink(gpu, "kvarn_k4v2_g128")
+    monkeypatch.setattr(serving, "scheduler_hooked", True)
+    check_sink(gpu, "kvarn_k4v2_g128_sink")
+    # a prefix hit inside a block would be copied without its sink
+    run = _run(block_size=128, user_block=True, unit=64)
+    run.parallel_config.world_size = 1
+    with pytest.raises(ValueError, match="copy-on-write"):
+        checks.check_run(run, "kvarn_k4v2_g64_sink")
+    checks.check_run(run, "kvarn_k4v2_g64")
+    with pytest.raises(ValueError, match="unknown KVarN cache dtype 'kvarn_k4v2_g128_snk'"):
+        cache_dtype_config("kvarn_k4v2_g128_snk")
+    for name in ("kvarn_k4v2_g128_ks", "kvarn_k4v2_g128_ks_sink"):  # key smoothing, one vector per sequence
+        cfg = cache_dtype_config(name)
+        assert cfg.seq_smooth and cfg.name == "kvarn_k4v2_g128_ks" and has_key_smoothing(name)
+        assert cfg.record_bytes == cache_dtype_config("kvarn_k4v2_g128").record_bytes + 128
+    assert not has_key_smoothing("kvarn_k4v2_g128_sink")
+
+
+def test_the_run_check_sets_the_block_size_unless_the_user_chose_it():
+    run = _run(block_size=16)
+    checks.check_run(run, "kvarn_k4v2_g64")
+    assert run.cache_config.block_size == 64
+    checks.check_run(_run(block_size=128, user_block=True, unit=256), "kvarn_k4v2_g128")
+    run = _run(block_size=256, user_block=True)
+    checks.check_run(run, "kvarn_k4v2_g128")
+    assert run.cache_config.block_size == 256, "a multiple of G is split into tiles by vLLM"
+
+
+def _first_backend_phase(cache, first_backend_block: int) -> None:
+    """vLLM 0.26's ``update_block_size_for_backend`` phase 1: an unset block size becomes the first attention
+    layer's backend's preferred one (with skipped layers, vLLM's own: 16 tokens)."""
+    if not cache.user_specified_block_size:
+        cache.block_size = first_backend_block
+
+
+def test_skipped_layers_keep_the_tile_length_as_the_block_size():
+    run = _run(block_size=16)
+    run.cache_config.kv_cache_dtype_skip_layers = ["0"]  # layer 0 in vLLM's own backend, built first
+    checks.check_run(run, "kvarn_k4v2_g128")
+    _first_backend_phase(run.cache_config, 16)
+    assert run.cache_config.block_size == 128, "vLLM 0.26 re-picked the block size from the skipped layer's backend"
+    run = _run(block_size=16)  # without skipped layers the first backend is KVarN's, which prefers G: left unmarked
+    checks.check_run(run, "kvarn_k4v2_g128")
+    assert run.cache_config.block_size == 128 and not run.cache_config.user_specified_block_size
+    run = _run(block_size=256, user_block=True)  # the user's multiple of G stands as before
+    run.cache_config.kv_cache_dtype_skip_layers = ["0"]
+    checks.check_run(run, "kvarn_k4v2_g128")
+    assert run.cache_config.block_size == 256
+
+
+def _sched_run(max_num_seqs):
+    run = _run()
+    run.scheduler_config = SimpleNamespace(max_num_seqs=max_num_seqs)
+    return run
+
+
+@pytest.mark.parametrize(("env", "advice"), [("3", "at least 8"), ("0", "at least 8"), ("many", "positive integer")])
+def test_a_tail_pool_smaller_than_the_scheduler_can_fill_is_refused_at_start_up(monkeypatch, env, advice):
+    monkeypatch.setenv(checks.TAIL_SLOTS_ENV, env)
+    with pytest.raises(ValueError, match=advice):
+        checks.check_run(_sched_run(8), "kvarn_k4v2_g128")
+    monkeypatch.setenv(checks.TAIL_SLOTS_ENV, "8")
+    checks.check_run(_sched_run(8), "kvarn_k4v2_g128")
+    assert checks.tail_slot_count(_sched_run(8)) == 8
+    assert checks.tail_slot_count(_sched_run(8), per_request=True) == 8, "per-request slots ignore the variable"
+    monkeypatch.delenv(checks.TAIL_SLOTS_ENV)
+    assert checks.tail_slot_count(_sched_run(8), departures_reported=True) == 8, "one slot per request that can run"
+    assert checks.tail_slot_count(_sched_run(8)) == 16, "room for departed tails where departures go unreported"
+
+
+def test_a_model_with_key_biases_is_served_in_the_ks_form_unless_turned_off(monkeypatch):
+    """Qwen2-type configs (biased key projections): every KVarN dtype is served with ``_ks``; the note
+    names the reason and the opt-out; ``KVARN_KEY_SMOOTHING=off`` keeps the dtype and warns instead."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    def run(hf_config, dtype):
+        return SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config), cache_config=CacheDtype(dtype))
+
+    monkeypatch.delenv(checks.KEY_SMOOTHING_ENV, raising=False)
+    for dtype in CACHE_DTYPES:
+        served = checks.served_dtype(dtype, run(Qwen2Config(), dtype))
+        assert served in CACHE_DTYPES and has_key_smoothing(served)
+        assert has_sink(served) == has_sink(dtype)
+        assert cache_dtype_config(served).group_size == cache_dtype_config(dtype).group_size
+        assert checks.served_dtype(dtype, run(LlamaConfig(), dtype)) == dtype
+        assert checks.served_dtype(dtype, SimpleNamespace()) == dtype
+    assert with_key_smoothing("kvarn_k2v2_g128_sink") == "kvarn_k2v2_g128_ks_sink"
+
+    config = run(Qwen2Config(), "kvarn_k4v2_g128_sink")
+    note = checks.serve_key_smoothing(config)
+    assert config.cache_config.cache_dtype == "kvarn_k4v2_g128_ks_sink"
+    assert "'qwen2'" in note and "serving it as kvarn_k4v2_g128_ks_sink" in note and "KVARN_KEY_SMOOTHING=off" in note
+    assert checks.serve_key_smoothing(config) is None  # already smoothed: nothing more to say
+    plain = run(LlamaConfig(), "kvarn_k4v2_g128")
+    assert checks.serve_key_smoothing(plain) is None and plain.cache_config.cache_dtype == "kvarn_k4v2_g128"
+
+    monkeypatch.setenv(checks.KEY_SMOOTHING_ENV, "off")
+    config = run(Qwen2Config(), "kvarn_k2v2_g128")
+    note = checks.serve_key_smoothing(config)
+    assert config.cache_config.cache_dtype == "kvarn_k2v2_g128"
+    assert "KVARN_KEY_SMOOTHING=off" in note and "--kv-cache-dtype kvarn_k2v2_g128_ks" in note
+
+    monkeypatch.setenv(checks.KEY_SMOOTHING_ENV, "sometimes")
+    with pytest.raises(ValueError, match="KVARN_KEY_SMOOTHING must be one of auto, off"):
+        checks.serve_key_smoothing(run(Qwen2Config(), "kvarn_k4v2_g128"))
+    other = run(Qwen2Config(), "auto")  # not KVarN's: untouched, the variable not even read
+    assert checks.serve_key_smoothing(other) is None and other.cache_config.cache_dtype == "auto"
+
+
+@dataclass
+class CacheDtype:
+    cache_dtype: str
