@@ -27,6 +27,8 @@ import urllib.request
 
 import pytest
 
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
 PRESET = "kvarn_k4v2_g128"
 SERVED_NAME = "tiny"
 MAX_MODEL_LEN = 512
