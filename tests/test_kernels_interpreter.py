@@ -36,6 +36,7 @@ from kvarn.config import PRESETS, SUPPORTED_HEAD_DIMS, KVarNConfig
 
 KERNEL_MODULES = (
     "kvarn.kernels._common",
+    "kvarn.kernels.launch_rules",
     "kvarn.kernels.store",
     "kvarn.kernels.dequant",
     "kvarn.kernels.attention_tiles",
@@ -43,6 +44,7 @@ KERNEL_MODULES = (
     "kvarn.kernels.attention_merge",
     "kvarn.kernels.attention_decode",
     "kvarn.kernels.attention_prologue",
+    "kvarn.kernels.attention_checks",
     "kvarn.kernels.attention",
 )
 """Every module of ``kvarn/kernels`` with kernels, each after the ones it imports from."""
@@ -54,12 +56,11 @@ def _interpreted_kernels():
     store_mod = mods["kvarn.kernels.store"]
     if type(store_mod._encode_kernel).__name__ != "InterpretedFunction" and os.environ.get("TRITON_INTERPRET") == "1":
         mods = {n: importlib.reload(sys.modules[n]) for n in KERNEL_MODULES}
-    return [mods[n] for n in ("kvarn.kernels._common", "kvarn.kernels.store", "kvarn.kernels.dequant")] + [
-        mods["kvarn.kernels.attention"]
-    ]
+    names = ("_common", "store", "dequant", "attention", "launch_rules")
+    return [mods[f"kvarn.kernels.{n}"] for n in names]
 
 
-_common, store, dequant, attention = _interpreted_kernels()
+_common, store, dequant, attention, launch_rules = _interpreted_kernels()
 INTERPRETED = type(store._encode_kernel).__name__ == "InterpretedFunction"
 
 pytestmark = [
@@ -413,24 +414,25 @@ def test_tokens_m_default_rule(monkeypatch):
     """``tokens_m`` by default for decode launches on CUDA: every one at D = 128 (64-token tiles too)
     and at D = 256 (128-token tiles), over more than 2 waves at D = 64 (128-token tiles); 64-token
     tiles walked one a step with it (``pair_tiles_default``)."""
-    monkeypatch.setattr(attention, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(launch_rules, "_num_sms", lambda index: 132)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     k4v2 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
     d64 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=64)
     g64 = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=128)
-    wave2 = attention.TOKENS_M_MIN_WAVES * attention.PROGRAMS_PER_SM * 132
-    assert attention.tokens_m_default(k4v2, False, 512, cuda)  # batch 1 at 32K in vLLM: 8 heads x 64 splits
-    assert attention.tokens_m_default(d64, False, wave2 + 1, cuda)
-    assert not attention.tokens_m_default(d64, False, wave2, cuda)
+    wave2 = launch_rules.TOKENS_M_MIN_WAVES * launch_rules.PROGRAMS_PER_SM * 132
+    assert launch_rules.tokens_m_default(k4v2, False, 512, cuda)  # batch 1 at 32K in vLLM: 8 heads x 64 splits
+    assert launch_rules.tokens_m_default(d64, False, wave2 + 1, cuda)
+    assert not launch_rules.tokens_m_default(d64, False, wave2, cuda)
     d256 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=256)
-    assert attention.tokens_m_default(d256, False, 8, cuda)  # batch 1 at 4K, timed in session 13
-    assert not attention.tokens_m_default(k4v2, True, 10 * wave2, cuda)
-    assert attention.tokens_m_default(g64, False, 10 * wave2, cuda) and attention.tokens_m_default(g64, False, 8, cuda)
+    assert launch_rules.tokens_m_default(d256, False, 8, cuda)  # batch 1 at 4K, timed in session 13
+    assert not launch_rules.tokens_m_default(k4v2, True, 10 * wave2, cuda)
+    assert launch_rules.tokens_m_default(g64, False, 10 * wave2, cuda)
+    assert launch_rules.tokens_m_default(g64, False, 8, cuda)
     g64_d64 = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
-    assert not attention.tokens_m_default(g64_d64, False, 10 * wave2, cuda)
-    assert attention.pair_tiles_default(g64) and not attention.pair_tiles_default(g64, tokens_m=True)
-    assert not attention.pair_tiles_default(g64_d64) and not attention.pair_tiles_default(k4v2)
-    assert not attention.tokens_m_default(k4v2, False, 10 * wave2, cpu)
+    assert not launch_rules.tokens_m_default(g64_d64, False, 10 * wave2, cuda)
+    assert launch_rules.pair_tiles_default(g64) and not launch_rules.pair_tiles_default(g64, tokens_m=True)
+    assert not launch_rules.pair_tiles_default(g64_d64) and not launch_rules.pair_tiles_default(k4v2)
+    assert not launch_rules.tokens_m_default(k4v2, False, 10 * wave2, cpu)
 
 
 @pytest.mark.parametrize("merge", [True, False], ids=["merge", "epilogue"])
@@ -468,14 +470,14 @@ def test_fuse_query_rotation_one_warp_waves(monkeypatch):
     """One-warp launches at D = 128 keep the prologue where the in-kernel rotation's shared memory would cost the
     programs that get units a wave: none since session 26 (8 fused programs an SM); the rule checked with
     session 24's 7 fused programs an SM with 2-bit V and 6 with 4-bit V."""
-    monkeypatch.setattr(attention, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(launch_rules, "_num_sms", lambda index: 132)
     cuda = torch.device("cuda", 0)
     k4v2 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
     k4v4 = KVarNConfig.from_preset("kvarn_k4v4_g128", head_dim=128)
-    fuse = attention.fuse_query_rotation
+    fuse = launch_rules.fuse_query_rotation
     assert fuse(k4v2, 1056, 8, cuda, 1) and fuse(k4v4, 1056, 8, cuda, 1)  # 4 / 32K: 8 an SM either way
     assert not fuse(k4v2, 1056, 9, cuda, 1)  # longer splits: the prologue (FUSE_MAX_TILES)
-    monkeypatch.setattr(attention, "FUSED_ONE_WARP_PROGRAMS_PER_SM", {2: 7, 4: 6})
+    monkeypatch.setattr(launch_rules, "FUSED_ONE_WARP_PROGRAMS_PER_SM", {2: 7, 4: 6})
     assert not fuse(k4v2, 1056, 8, cuda, 1)  # 8 programs an SM with the prologue, 7 fused
     assert fuse(k4v2, 1056, 8, cuda, 4)  # other warp counts: the rule as before
     assert fuse(k4v2, 924, 8, cuda, 1)  # 7 an SM: one wave either way
@@ -488,11 +490,11 @@ def test_fuse_query_rotation_one_warp_waves(monkeypatch):
 
 def test_active_splits():
     """The splits of the longest sequence that get units, as ``_split_units`` hands them out."""
-    assert attention.active_splits(257, 64, 2) == 52  # 5 units each
-    assert attention.active_splits(257, 8, 1) == 8
-    assert attention.active_splits(257, 33, 3) == 33  # 8 units each
-    assert attention.active_splits(5, 8, 3) == 2
-    assert attention.active_splits(1, 8, 3) == 1
+    assert launch_rules.active_splits(257, 64, 2) == 52  # 5 units each
+    assert launch_rules.active_splits(257, 8, 1) == 8
+    assert launch_rules.active_splits(257, 33, 3) == 33  # 8 units each
+    assert launch_rules.active_splits(5, 8, 3) == 2
+    assert launch_rules.active_splits(1, 8, 3) == 1
 
 
 def test_min_split_tiles_default_rule():
@@ -501,10 +503,10 @@ def test_min_split_tiles_default_rule():
     path, 64-token tiles, multi-query launches, which never take ``tokens_m``)."""
     k4v2 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
     g64 = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=128)
-    assert attention.min_split_tiles_default(k4v2, True, 8) == attention.SHORT_SPLIT_TILES == 2
-    assert attention.min_split_tiles_default(k4v2, True, 16) == attention.MIN_SPLIT_TILES == 3
-    assert attention.min_split_tiles_default(k4v2, False, 16) == 1
-    assert attention.min_split_tiles_default(g64, True, 16) == 1
+    assert launch_rules.min_split_tiles_default(k4v2, True, 8) == launch_rules.SHORT_SPLIT_TILES == 2
+    assert launch_rules.min_split_tiles_default(k4v2, True, 16) == launch_rules.MIN_SPLIT_TILES == 3
+    assert launch_rules.min_split_tiles_default(k4v2, False, 16) == 1
+    assert launch_rules.min_split_tiles_default(g64, True, 16) == 1
     cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=64)
     state = build_cache(cfg, [70], 1, torch.float16, seed=1)
     args = attention_args(state, torch.randn(1, 2, 64).to(torch.float16), cfg)
@@ -516,15 +518,15 @@ def test_split_rule_on_an_h200(monkeypatch):
     """The decode launch the defaults pick on 132 SMs (8 KV heads, 128-token tiles): (splits, merge in
     the kernel, rotation in the kernel), the launches timed in ``benchmarks/RESULTS.md`` (2026-12-01,
     sessions 8 and 9)."""
-    monkeypatch.setattr(attention, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(launch_rules, "_num_sms", lambda index: 132)
     cuda = torch.device("cuda", 0)
     k4v2 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
 
     def launch(batch, ctx):
         programs, units = batch * 8, ctx // 128 + 1
-        splits = attention.default_splits(k4v2, programs, units, False, cuda)
-        merge = attention.merge_in_kernel(programs, splits, cuda)
-        fused = attention.fuse_query_rotation(k4v2, programs * splits, _common.cdiv(units, splits), cuda)
+        splits = launch_rules.default_splits(k4v2, programs, units, False, cuda)
+        merge = launch_rules.merge_in_kernel(programs, splits, cuda)
+        fused = launch_rules.fuse_query_rotation(k4v2, programs * splits, _common.cdiv(units, splits), cuda)
         return splits, merge, fused
 
     assert launch(1, 4096) == (33, True, True)  # one-tile splits: a launch under 2 programs per SM
@@ -543,24 +545,24 @@ def test_split_rule_on_an_h200(monkeypatch):
     # still tokens_m: 700 programs (2 whole waves would allow 1 split, 1.33 waves of 4 per SM, which
     # is not over the 792 programs of tokens_m)
     programs = 700
-    assert attention.default_splits(k4v2, programs, 257, False, cuda) == 2
+    assert launch_rules.default_splits(k4v2, programs, 257, False, cuda) == 2
     # launches that do not run the 128-register tokens_m kernel keep the rounded-up waves
-    assert attention.default_splits(k4v2, 128, 257, False, cuda, tokens_m=False) == 10
-    assert attention.default_splits(k4v2, 128, 257, False, cuda, num_warps=8) == 10
+    assert launch_rules.default_splits(k4v2, 128, 257, False, cuda, tokens_m=False) == 10
+    assert launch_rules.default_splits(k4v2, 128, 257, False, cuda, num_warps=8) == 10
     # 2 warps are capped too (DECODE_MAX_REGS): the whole waves, as timed for decode_shape_default
-    assert attention.default_splits(k4v2, 128, 257, False, cuda, num_warps=2) == 8
-    assert attention.default_splits(k4v2, 128, 257, False, cuda, num_warps=1) == 8  # and 1 warp (255 registers)
+    assert launch_rules.default_splits(k4v2, 128, 257, False, cuda, num_warps=2) == 8
+    assert launch_rules.default_splits(k4v2, 128, 257, False, cuda, num_warps=1) == 8  # and 1 warp (255 registers)
     per_tile = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128, smooth_keys=True)
-    assert attention.default_splits(per_tile, 128, 257, False, cuda) == 10
+    assert launch_rules.default_splits(per_tile, 128, 257, False, cuda) == 10
     # D = 256 keeps the rounded-up waves; 64-token tiles at D = 128 take tokens_m and its whole waves
     d256 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=256)
-    assert attention.default_splits(d256, 128, 257, False, cuda) == 10
+    assert launch_rules.default_splits(d256, 128, 257, False, cuda) == 10
     g64 = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=128)
-    assert attention.default_splits(g64, 128, 513, False, cuda) == 8  # 16 x 32K, timed in session 13
+    assert launch_rules.default_splits(g64, 128, 513, False, cuda) == 8  # 16 x 32K, timed in session 13
     # one-tile splits up to 2 programs per SM, 4 at D = 64 (half a tile's work; 4 / 1K timed in session 22)
     d64 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=64)
-    assert launch(4, 1024)[0] == 4 and attention.default_splits(d64, 32, 9, False, cuda) == 9
-    assert attention.default_splits(d64, 64, 9, False, cuda) == 4  # 8 / 1K: 576 programs, over 4 per SM
+    assert launch(4, 1024)[0] == 4 and launch_rules.default_splits(d64, 32, 9, False, cuda) == 9
+    assert launch_rules.default_splits(d64, 64, 9, False, cuda) == 4  # 8 / 1K: 576 programs, over 4 per SM
 
 
 def test_decode_shape_default_rule(monkeypatch):
@@ -569,9 +571,9 @@ def test_decode_shape_default_rule(monkeypatch):
     792 programs; else 2 warps for ``D = 64`` splits of 8+ tiles and ``D = 128`` splits of 16+ 128-token
     tiles; at 64-token tiles 2 warps for 2-bit values (4 warps for 4-bit) in splits of 16+ tiles, else 2
     warps from 396 programs (session 22; 792 before); 4 warps elsewhere; no stacking by default."""
-    monkeypatch.setattr(attention, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(launch_rules, "_num_sms", lambda index: 132)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    rule = attention.decode_shape_default
+    rule = launch_rules.decode_shape_default
     d64 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=64)
     g64 = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=128)
     k4v2 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
@@ -644,10 +646,10 @@ def test_decode_shape_default_reaches_the_launch(monkeypatch):
 def test_fold_offsets_default_rule():
     """``fold_offsets`` by default only with ``tokens_m`` at ``D = 128`` (measured faster only there)."""
     for preset in ("kvarn_k4v2_g128", "kvarn_k2v2_g128", "kvarn_k4v4_g128"):
-        assert attention.fold_offsets_default(KVarNConfig.from_preset(preset, head_dim=128), True)
-        assert not attention.fold_offsets_default(KVarNConfig.from_preset(preset, head_dim=128), False)
+        assert launch_rules.fold_offsets_default(KVarNConfig.from_preset(preset, head_dim=128), True)
+        assert not launch_rules.fold_offsets_default(KVarNConfig.from_preset(preset, head_dim=128), False)
     for d in (64, 256):
-        assert not attention.fold_offsets_default(KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=d), True)
+        assert not launch_rules.fold_offsets_default(KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=d), True)
 
 
 def test_paged_attention_merge_counters():
