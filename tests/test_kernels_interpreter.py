@@ -37,6 +37,8 @@ from kvarn.config import PRESETS, SUPPORTED_HEAD_DIMS, KVarNConfig
 KERNEL_MODULES = (
     "kvarn.kernels._common",
     "kvarn.kernels.launch_rules",
+    "kvarn.kernels.encode",
+    "kvarn.kernels.tail",
     "kvarn.kernels.store",
     "kvarn.kernels.dequant",
     "kvarn.kernels.attention_tiles",

@@ -380,3 +380,23 @@ def decode_shape_default(
         if programs >= PROGRAMS_PER_SM * _num_sms(device.index or 0):
             return 2, False
     return ATTN_NUM_WARPS, False
+
+
+ENCODE_SMALL_TILE = 128 * 128
+"""Tiles of up to this many elements (``D * G``) run the encoder with 4 warps per program, larger ones
+and smoothed K halves with 8 (``benchmarks/RESULTS.md`` has the sweeps)."""
+
+
+def default_encode_warps(cfg: KVarNConfig) -> int:
+    """Warps per program of the encode kernel unless the caller picks them (see ``ENCODE_SMALL_TILE``)."""
+    return 4 if cfg.head_dim * cfg.group_size <= ENCODE_SMALL_TILE and not cfg.smooth_keys else 8
+
+
+RECORD_SMALL_TILE = 64 * 128
+"""Tiles of up to this many elements (``G * D``) run the record-page kernel with 4 warps, larger ones with 8
+(offline sm_90 compile at G = D = 128: 4 warps spill, 8 do not)."""
+
+
+def record_pages_warps(cfg: KVarNConfig) -> int:
+    """Warps per program of the record-page kernel (see ``RECORD_SMALL_TILE``)."""
+    return 4 if cfg.group_size * cfg.head_dim <= RECORD_SMALL_TILE else 8
