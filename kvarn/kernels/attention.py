@@ -1,22 +1,24 @@
 """Triton attention over the paged KVarN cache: decode and multi-query (causal within the chunk).
 
-This module is the launcher: it checks the arguments, picks the launch shape, the split-K factor,
-where the queries are rotated and where the splits are merged, and runs one to three kernels:
+This module is the launcher: it checks the arguments (:mod:`~kvarn.kernels.attention_checks`), picks
+the launch shape, the split-K factor, where the queries are rotated and where the splits are merged
+(the rules of :mod:`~kvarn.kernels.launch_rules`), and runs one to three kernels:
 
-1. (only without ``FUSED_Q``, see :func:`fuse_query_rotation`)
+1. (only without ``FUSED_Q``, see :func:`~kvarn.kernels.launch_rules.fuse_query_rotation`)
    :mod:`~kvarn.kernels.attention_prologue`: rotate the queries and pre-scale them by
    ``softmax_scale * log2(e)`` (tf32 dot with the +-1 Hadamard, exact products);
 2. :mod:`~kvarn.kernels.attention_decode`: one program per (query block, KV head, split) (with
    ``FUSED_Q``: rotates and scales its own queries, the same products), then walks its share of the
-   tiles (the per-tile math is in :mod:`~kvarn.kernels.attention_tiles`). With ``MERGE`` (the
+   tiles (:mod:`~kvarn.kernels.attention_walk`; the per-tile math is in
+   :mod:`~kvarn.kernels.attention_tiles`). With ``MERGE`` (the
    default, :func:`merge_counters`) it also finishes the call (:mod:`~kvarn.kernels.attention_merge`):
    the last split of each (query block, KV head) to finish merges the splits, un-rotates and casts;
 3. (only without ``MERGE``) :mod:`~kvarn.kernels.attention_epilogue`: merge the splits (log-sum-exp),
    un-rotate (two tf32 dots on a hi/lo split) and cast to the query dtype.
 
 Every kernel gets the record layout as ``LAYOUT`` (:func:`kvarn.kernels._common.record_layout`).
-The tuning knobs are keyword arguments of :func:`paged_attention`, defaults as measured in
-``benchmarks/RESULTS.md``.
+The tuning knobs are keyword arguments of :func:`paged_attention`; their defaults are the rules of
+:mod:`~kvarn.kernels.launch_rules`, whose measurements are in the tuning table of ``docs/kernels.md``.
 """
 
 from __future__ import annotations
@@ -260,7 +262,8 @@ def paged_attention(
     or ``None``, the own-tile rule. A decode launch (one query per sequence) reads the step's token
     from the tail slot (written there before attention) and ignores ``key, value``; see :func:`_step_kv`.
 
-    Knobs (keyword only): ``num_splits`` forces the split-K factor (default :func:`default_splits`);
+    Knobs (keyword only; each default is the function of that name in :mod:`~kvarn.kernels.launch_rules`):
+    ``num_splits`` forces the split-K factor (default :func:`default_splits`);
     ``num_warps`` (default :func:`decode_shape_default`), ``num_stages`` launch the attention kernel;
     ``fuse_query`` forces where the queries are rotated (default :func:`fuse_query_rotation`);
     ``fuse_merge`` whether the attention launch merges the splits (else the epilogue launch; default
@@ -270,7 +273,7 @@ def paged_attention(
     :func:`pair_tiles_default`); ``tokens_m`` (decode only) puts the tokens on the M side of the
     score and value dots, the query heads on N (default :func:`tokens_m_default`);
     ``fold_offsets`` unpacks the K codes with one shift per code word and no subtraction
-    (:func:`~kvarn.kernels.attention_tiles._unpack_raw`) and takes their offsets out of the zero-point term instead
+    (:func:`~kvarn.kernels.attention_codes._unpack_raw`) and takes their offsets out of the zero-point term instead
     (default :func:`fold_offsets_default`; ``False`` centers each code before the dot, as the V codes always are:
     see :mod:`~kvarn.kernels.attention_tiles`); ``min_split_tiles``: the fewest tiles a split of a
     sequence walks (default :func:`min_split_tiles_default`); ``stack_tiles`` (decode with ``tokens_m``, at most 4
