@@ -6,9 +6,9 @@ type differs between the branches of a runtime ``if``, two returns of a function
 layout the backend rejects) would otherwise surface only on the GPU machine. One launch of each kernel
 family, with the constexpr switches the launchers set for it; the compile must produce a cubin.
 
-The compiles run in a child process (this file as a script): ``test_kernels_interpreter.py`` sets
-``TRITON_INTERPRET=1`` and redefines the kernels as interpreted functions when pytest imports it,
-and neither can be compiled.
+The compiles run in a child process (this file as a script): ``conftest.py`` sets ``TRITON_INTERPRET=1``
+without CUDA and ``interpreted.py`` (the interpreter tests' helper) redefines the kernels as interpreted
+functions when pytest imports it, and neither can be compiled.
 """
 
 import json
