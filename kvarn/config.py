@@ -107,10 +107,10 @@ class KVarNConfig:
     per-channel K, per-token V). The byte layout does not depend on them. ``smooth_keys`` divides
     each K tile by a per-channel vector before the rotation (an option measured in
     ``docs/fidelity.md``; it adds ``D`` bytes per record). ``smooth_scope`` says where the vector
-    comes from: ``"tile"``, each tile's own tokens (decode 1.2-3.3x slower than unsmoothed: the kernel
-    rotates the query once per tile, ``docs/kernels.md``), or ``"sequence"``, the sequence's first
+    comes from: ``"tile"``, each tile's own tokens (decode several times slower than unsmoothed: the
+    kernel rotates the query once per tile, ``docs/kernels.md``), or ``"sequence"``, the sequence's first
     tile without its first token (``reference/smooth.py``): every record of a sequence then carries
-    the same vector and the decode rotates the query once (1-6% slower than unsmoothed); the
+    the same vector and the decode rotates the query once (near the speed of unsmoothed); the
     ``_ks`` preset names select it.
     ``clip`` (on by default) lets the rows of a 2-bit half pick a clipped RTN range by squared
     error (:func:`kvarn.reference.rtn.choose_qparams`, grids :data:`KEY_CLIP` and

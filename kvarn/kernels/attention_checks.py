@@ -12,6 +12,7 @@ from kvarn.kernels._common import check_cache, check_dtype
 
 
 def check_args(query, cache, block_table, seq_lens, tail_k, tail_v, cfg, query_start_loc, kv=(None, None)) -> None:
+    """Raise unless :func:`~kvarn.kernels.attention.paged_attention`'s tensors fit the config and each other."""
     check_dtype("query", query)
     check_cache(cache, cfg)
     check_dtype("tail_k", tail_k)
@@ -91,7 +92,8 @@ def check_one_tile(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, g: int
 
 
 def check_counts(**counts) -> None:
-    """Each keyword's value is ``None`` or a positive int (the knobs of :func:`paged_attention` that count)."""
+    """Each keyword's value is ``None`` or a positive int (the knobs of :func:`~kvarn.kernels.attention.paged_attention`
+    that count)."""
     for name, value in counts.items():
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive int or None, got {value!r}")
@@ -110,7 +112,8 @@ def per_tile_smooth_knobs(cfg: KVarNConfig, fuse_query, tokens_m) -> tuple:
 
 
 def check_out(out: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | None:
-    """``out`` of :func:`paged_attention`, checked: the query's shape, dtype and device, unit last stride."""
+    """``out`` of :func:`~kvarn.kernels.attention.paged_attention`, checked: the query's shape, dtype and device, unit
+    last stride."""
     if out is None:
         return None
     if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device or out.stride(-1) != 1:

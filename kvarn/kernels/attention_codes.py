@@ -29,11 +29,8 @@ LOP3_AND_OR = tl.constexpr(0xEA)
 
 IN_PLACE_MAX_D = tl.constexpr(128)
 """Largest head dim whose centered codes :func:`_packed_dot` unpacks in place (one ``shr`` a code word for every
-high-byte field, a fp16 subtraction a code pair) rather than a field at a time (a ``shr`` a code pair and field).
-H200, session 27, two rounds each (``benchmarks/RESULTS.md``): k4v2 16 / 32K 159.0, 159.1 -> 152.7, 152.5 us,
-64 / 32K 575.4 -> 547.8, 553.2, k2v2 16 / 32K 151.4, 151.9 -> 145.6, 145.9, k4v2_g64 167.9, 168.1 -> 161.9, 161.5,
-D = 64 116.4, 117.1 -> 109.8, 109.9; 1 / 1K and 1 / 32K within noise. Not at ``D = 256``: 330.2, 331.2 ->
-385.3, 384.9 us (at 255 registers already; 40 bytes of stack in place, offline)."""
+high-byte field, a fp16 subtraction a code pair) rather than a field at a time (a ``shr`` a code pair and field):
+fewer instructions a code, but at ``D = 256``, already at 255 registers, in place was slower."""
 
 
 @triton.jit
@@ -84,7 +81,7 @@ def _field_dot(
 
     ``a: [M, K]`` fp16, ``w: [K, N]`` int16 -> ``[M, N]`` fp32 each; ``None`` accumulators start at 0.
     ``CODES_LEFT``: the codes are the left operand instead, ``w: [M, K]``, ``a: [K, N]``
-    (``field @ a``; the tokens-as-M form of :func:`_quantized_tiles_t`).
+    (``field @ a``; the tokens-as-M form of :func:`~kvarn.kernels.attention_walk._quantized_tiles_t`).
     """
     if CODES_LEFT:
         even = tl.dot(_unpack(w, f, BITS, 0, USE_ASM), a, even)
@@ -115,7 +112,7 @@ def _unpack_raw(w, f: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr):
     The field sits at bits ``S = f * BITS``; OR-ing it into an fp16 of exponent ``2^(10 - S)``
     (mantissa unit ``2^-S`` of it) gives ``2^(10 - S) + code`` exactly, with no shift and no
     subtraction: one ``lop3`` per two codes on the GPU. The offset ``2^(10 - S)`` is folded into
-    the zero-point term by the caller (:func:`_k_apply`).
+    the zero-point term by the caller (:func:`~kvarn.kernels.attention_tiles._k_apply`).
     """
     S: tl.constexpr = f * BITS
     MASK: tl.constexpr = ((1 << BITS) - 1) << S
@@ -167,12 +164,12 @@ def _packed_dot_raw(
 ):  # fmt: skip
     """:func:`_packed_dot` with the fields unpacked in place (:func:`_unpack_in_place`: no per-field shift).
 
-    With ``CODES_LEFT`` ``sum_f field_f(w) @ a_f`` (``w: [M, K]`` int16, ``a_f: [K, N]`` fp16),
-    else ``sum_f a_f @ field_f(w)`` (``a_f: [M, K]``, ``w: [K, N]``). Returns ``(even, odd)`` (codes
-    of the low and of the high byte of each word), ``[M, N]`` fp32 each. Without ``CENTER`` each
-    carries ``sum_f off_f sum_k a_f`` on top of the centered product, which the caller subtracts
-    (``off_f = 2^(10 - f * BITS) + 2^(BITS - 1)``, :func:`_k_apply`; scores only, module doc); with
-    it the codes are centered before the dot, as :func:`_packed_dot`'s.
+    With ``CODES_LEFT`` ``sum_f field_f(w) @ a_f`` (``w: [M, K]`` int16, ``a_f: [K, N]`` fp16), else
+    ``sum_f a_f @ field_f(w)`` (``a_f: [M, K]``, ``w: [K, N]``). Returns ``(even, odd)`` (codes of the low and of the
+    high byte of each word), ``[M, N]`` fp32 each. Without ``CENTER`` each carries ``sum_f off_f sum_k a_f`` on top of
+    the centered product, which the caller subtracts (``off_f = 2^(10 - f * BITS) + 2^(BITS - 1)``,
+    :func:`~kvarn.kernels.attention_tiles._k_apply`; scores only, module doc); with it the codes are centered before the
+    dot, as :func:`_packed_dot`'s.
     """
     wh = _high_bytes(w, USE_ASM)  # one shift for all the fields of the high bytes
     even, odd = _raw_dot(a0, w, wh, 0, BITS, USE_ASM, None, None, CODES_LEFT, CENTER)

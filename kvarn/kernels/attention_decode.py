@@ -64,9 +64,9 @@ def _program_rows(N: tl.constexpr, q_start, q_first, n_q, kvh, GQ: tl.constexpr,
 @triton.jit
 def _read_rows(rows, q_start, kvh, GQ: tl.constexpr, GQP: tl.constexpr, STACK: tl.constexpr):
     """The rows whose queries a program reads: ``rows = (q_row, head, row_ok)`` of :func:`_program_rows`, or
-    with ``STACK`` (decode) row ``r`` reading head ``r % GQP`` of the query (real where ``r % GQP < GQ``):
-    rows from ``GQP`` on carry the queries of the other tile of a step (:func:`_quantized_tiles_st`) and
-    are never written."""
+    with ``STACK`` (decode) row ``r`` reading head ``r % GQP`` of the query (real where ``r % GQP < GQ``): rows from
+    ``GQP`` on carry the queries of the other tile of a step (:func:`~kvarn.kernels.attention_walk._quantized_tiles_st`)
+    and are never written."""
     q_row, head, row_ok = rows
     if STACK:
         r = tl.arange(0, q_row.shape[0]) % GQP
@@ -117,7 +117,7 @@ def _split_units(
         n_units = n_full + 1
     else:
         n_full = (seq_len - 1) // G  # Triton's // and % truncate: an empty sequence reads nothing
-        n_slot = (seq_len - 1) % G + 1  # of the forms timed on the H200, the one as fast as before
+        n_slot = (seq_len - 1) % G + 1  # the fastest form timed (others cost registers)
         fp0 = n_full * G
         j0 = seq_len
         p_last = seq_len - 1
@@ -297,15 +297,15 @@ def _attn_kernel(
     (``s_ws = Nq * Hq``, ``hq = Hq``), ``final: [Nq, Hq, D]`` the output (strides ``s_o, s_oh``), ``counters:
     [query blocks * Hkv]`` int32 zeros (with ``MERGE``). ``GQ`` query heads per KV head, padded to ``GQP`` (a
     power of two); row ``r`` of a block is query ``r // GQP``, head ``r % GQP``. ``FLAGS = (SPLIT, MERGE, ROTATE,
-    OUT_BF16, INV_SQRT_D)``. ``TOKENS_M`` (decode only): tokens on the dots' M (:func:`_quantized_tiles_t`);
-    ``FOLD``: :func:`_quantized_tiles`. ``SMOOTH_Q`` (``SEQ_SMOOTH`` decode with the prologue): ``q_smooth``
+    OUT_BF16, INV_SQRT_D)``. ``TOKENS_M`` (decode only): tokens on the dots' M; ``FOLD``; ``STACK``: the walks of
+    :mod:`~kvarn.kernels.attention_walk`. ``SMOOTH_Q`` (``SEQ_SMOOTH`` decode with the prologue): ``q_smooth``
     holds the prologue's queries for the records (smoothed with the sequence's vector), laid out as ``q``; else
-    the program smooths its own (:func:`_sequence_query`). ``LATE_Q`` (``SMOOTH_Q``, or ``SEQ_SMOOTH`` with
-    ``FUSED_Q``): the unsmoothed queries are loaded only after the tile loop, for the sink and tail. ``HAS_KV``
-    (multi-query only): ``key, value: [Nq, Hkv, D]`` hold the step's own K/V in the pool form (contiguous, rows
-    as ``q``'s), read for the own-tile positions from the step's first on; else those are read from the tail
-    slot too (:func:`_split_units`). ``STACK``: :func:`_quantized_tiles_st`. ``TAIL_ROWS > 0``: own tiles in block
-    rows of ``tail_k, tail_v`` (strides ``p_*``), ``tail_slots: [B, cdiv(G, TAIL_ROWS)]`` (:func:`_fp_block_tile`).
+    the program smooths its own (:mod:`~kvarn.kernels.attention_query`). ``LATE_Q`` (``SMOOTH_Q``, or
+    ``SEQ_SMOOTH`` with ``FUSED_Q``): the unsmoothed queries are loaded only after the tile loop, for the sink and
+    tail. ``HAS_KV`` (multi-query only): ``key, value: [Nq, Hkv, D]`` hold the step's own K/V in the pool form
+    (contiguous, rows as ``q``'s), read for the own-tile positions from the step's first on; else those are read
+    from the tail slot too (:func:`_split_units`). ``TAIL_ROWS > 0``: own tiles in block rows of ``tail_k,
+    tail_v`` (strides ``p_*``), ``tail_slots: [B, cdiv(G, TAIL_ROWS)]`` (:func:`_fp_block_tile`).
     """
     G: tl.constexpr = LAYOUT.G
     ROTATE: tl.constexpr = FLAGS[2]

@@ -14,7 +14,7 @@ from kvarn.kernels._common import load_f32, pool_factor
 
 FP_TILE_TOKENS = tl.constexpr(16)
 """Tokens per step of a full-precision pool tile (keeps the key and value blocks small in registers: at 32 the
-one-warp kernel spills, offline)."""
+one-warp kernel spills)."""
 
 
 @triton.jit
@@ -24,15 +24,14 @@ def _fp_rows(
 ):  # fmt: skip
     """Online-softmax steps over ``n_valid`` full-precision keys and values at positions ``key0 ..``.
 
-    ``q_rows = (qn, rf)``: the rows' rotated, scaled queries ``qn * rf[:, None]`` with ``qn: [BLOCK_M, D]``
-    fp32, ``|qn| < 1``, and ``rf: [BLOCK_M]`` a power of two (:func:`_load_query`'s form); ``state = (m_i,
-    l_i, acc)`` (``[BLOCK_M]``, ``[BLOCK_M]``, ``[BLOCK_M, D]``) in and out. The first token's ``D`` values
-    (pool form, one KV head) are at ``k_ptr + base``, ``v_ptr + base`` (``base`` an int64 offset), the next
-    ``tok_stride`` further. With ``ROWS > 0`` the tokens are rows of blocks instead: token ``t`` is row
-    ``t % ROWS`` of block ``table[t // ROWS]``, at ``base + block * blk_stride + row * tok_stride``.
-    Row ``r`` sees positions ``lo_q[r] .. pos_q[r]`` (``lo_q=None``: from 0). Walks the tokens
-    ``FP_TILE_TOKENS`` at a time. (An offset rather than moved pointers: measured on the H200,
-    k4v2 ``tokens_m`` decode at batch 16 / 32K, 212 against 223 us.)
+    ``q_rows = (qn, rf)``: the rows' rotated, scaled queries ``qn * rf[:, None]`` with ``qn: [BLOCK_M, D]`` fp32,
+    ``|qn| < 1``, and ``rf: [BLOCK_M]`` a power of two (:func:`~kvarn.kernels.attention_query._load_query`'s form);
+    ``state = (m_i, l_i, acc)`` (``[BLOCK_M]``, ``[BLOCK_M]``, ``[BLOCK_M, D]``) in and out. The first token's ``D``
+    values (pool form, one KV head) are at ``k_ptr + base``, ``v_ptr + base`` (``base`` an int64 offset), the next
+    ``tok_stride`` further. With ``ROWS > 0`` the tokens are rows of blocks instead: token ``t`` is row ``t % ROWS`` of
+    block ``table[t // ROWS]``, at ``base + block * blk_stride + row * tok_stride``. Row ``r`` sees positions
+    ``lo_q[r] .. pos_q[r]`` (``lo_q=None``: from 0). Walks the tokens ``FP_TILE_TOKENS`` at a time (at an offset rather
+    than moved pointers: fewer registers, faster).
 
     An fp16 pool's keys and values enter the dots as they are, with ``qn`` and the probabilities
     (times the pool factor, a power of two) rounded to fp16, the rounding the quantized tiles' dots

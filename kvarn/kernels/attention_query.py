@@ -128,7 +128,7 @@ def _query_rows(query, LAYOUT: tl.constexpr):
     its power-of-two scale ``rf: [BLOCK_M]`` (the rotated, scaled queries are ``qn * rf[:, None]``).
 
     One return: Triton (3.6 and 3.9) type-checks a ``return`` that follows a constexpr branch which returned, so
-    two returns of two types fail to compile (a ``SCALED`` flag did, in the sequence-smoothed launches, session 27).
+    two returns of two types fail to compile (a ``SCALED`` flag did, in the sequence-smoothed launches).
     """
     q0, q1, q2, q3, rf = query
     if LAYOUT.K_PER_BYTE == 4:
@@ -213,12 +213,11 @@ def _records_query(
 ):
     """``(query, rec_query)``: the unsmoothed queries (sink and tail) and those the records are scored with.
 
-    Each is 4 x ``[BLOCK_M, DK]`` and ``[BLOCK_M]``. A ``SEQ_SMOOTH`` layout scores records with
-    the queries smoothed by the sequence's vector (in its first record, :func:`_first_record` of the
-    record walk ``walk``): from the prologue (``SMOOTH_Q``, at ``qs_base``) or made here
-    (:func:`_sequence_query`). With ``LATE_Q`` only those are loaded, so one query set is live in
-    the tile loop; ``query`` is then a stand-in and :func:`_fp_tiles` loads the unsmoothed queries
-    after the loop.
+    Each is 4 x ``[BLOCK_M, DK]`` and ``[BLOCK_M]``. A ``SEQ_SMOOTH`` layout scores records with the queries smoothed by
+    the sequence's vector (in its first record, :func:`_first_record` of the record walk ``walk``): from the prologue
+    (``SMOOTH_Q``, at ``qs_base``) or made here (:func:`_sequence_query`). With ``LATE_Q`` only those are loaded, so one
+    query set is live in the tile loop; ``query`` is then a stand-in and
+    :func:`~kvarn.kernels.attention_decode._fp_tiles` loads the unsmoothed queries after the loop.
     """
     if LATE_Q:
         if SMOOTH_Q:

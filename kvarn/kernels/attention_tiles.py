@@ -61,9 +61,10 @@ def _k_operands(q_f, side, f: tl.constexpr, LAYOUT: tl.constexpr, FOLD: tl.const
     """Query block ``q_f: [BLOCK_M, DK]`` of K field ``f`` (channels ``f * DK ..``) against a tile's :func:`_key_side`.
 
     Returns the score dot's fp16 operand ``q * k_scale`` and the fp32 zero-point term
-    ``q * (k_zero + 2^(K_BITS-1) k_scale)`` (the centering of :func:`_unpack`), ``[BLOCK_M, DK]`` each.
-    ``FOLD``: the zero-point term also subtracts :func:`_unpack_raw`'s offset times the fp16
-    operand (the very values the dot multiplies, so the offset cancels up to fp32 rounding).
+    ``q * (k_zero + 2^(K_BITS-1) k_scale)`` (the centering of :func:`~kvarn.kernels.attention_codes._unpack`),
+    ``[BLOCK_M, DK]`` each. ``FOLD``: the zero-point term also subtracts
+    :func:`~kvarn.kernels.attention_codes._unpack_raw`'s offset times the fp16 operand (the very values the dot
+    multiplies, so the offset cancels up to fp32 rounding).
     """
     ks, kz = _k_field(side, f, LAYOUT)  # [DK]
     return _k_apply(q_f, ks[None, :], kz[None, :], f, LAYOUT, FOLD)
@@ -233,8 +234,8 @@ def _k_operands_t(q_f, side, f: tl.constexpr, LAYOUT: tl.constexpr, FOLD: tl.con
     """:func:`_k_operands` transposed: ``q_f: [DK, N]`` -> ``(q k_scale)`` fp16 and the zero-point term, ``[DK, N]``.
 
     ``side``: the tile's :func:`_key_side`. ``FOLD``: the zero-point term also subtracts
-    :func:`_unpack_raw`'s offset times the fp16 operand (the very values the dot multiplies, so the
-    offset cancels up to fp32 rounding).
+    :func:`~kvarn.kernels.attention_codes._unpack_raw`'s offset times the fp16 operand (the very values the dot
+    multiplies, so the offset cancels up to fp32 rounding).
     """
     ks, kz = _k_field(side, f, LAYOUT)
     return _k_apply(q_f, ks[:, None], kz[:, None], f, LAYOUT, FOLD)
@@ -263,9 +264,8 @@ def _tile_scores_t(rec, query_t, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FO
     the MMA's rows and the query heads are its columns: no padded rows in the per-token work.
     ``FOLD``: unpack with :func:`_packed_dot_raw` (no shifts but one per word, no subtraction) and
     take the codes' offsets out of the zero-point term instead. ``rf`` is left out:
-    :func:`~kvarn.kernels.attention_decode._quantized_tiles_t` applies it in the softmax's max and ``exp2``
-    instead of an outer product with ``k_tok`` a tile (session 28, H200: k4v2 16 / 32K 152.1 -> 151.1 µs,
-    k2v2 145.6 -> 140.5).
+    :func:`~kvarn.kernels.attention_walk._quantized_tiles_t` applies it in the softmax's max and ``exp2``,
+    cheaper than an outer product with ``k_tok`` a tile.
     """
     q0, q1, q2, q3, _ = query_t
     PK: tl.constexpr = LAYOUT.K_PER_BYTE
@@ -426,7 +426,7 @@ def _tile_scores_st(
     not split without doing the unpack twice, and the columns the query heads leave free (``N = 8``
     at 4 heads) carry the second tile. The code words of both tiles are one ``[2, G / 2, DK]`` load
     from the two records (:func:`_pair`): a record chosen per row lost the 16-byte loads and spilled,
-    and joining two loaded tiles cost ~200 more instructions a step (sm_90, RESULTS.md session 14).
+    and joining two loaded tiles cost more instructions a step.
     ``side_a``, ``side_b``: the two tiles' :func:`_key_side`, read a step ahead by the caller.
     """
     q0, q1, q2, q3, _ = query_t

@@ -38,7 +38,7 @@ def _ahead_start(base, s_cb, bt_row, u0, u1, STEP: tl.constexpr, LAYOUT: tl.cons
     Each step then reads ahead (:func:`_ahead_step`, and the next tile's :func:`_value_side` after its
     value step), so no step waits on global memory for its tile's scales: they were 16-bit loads, too
     narrow for Triton's ``cp.async`` pipeline, and read in the step that used them they cost four
-    round trips a tile (``benchmarks/RESULTS.md``, session 20). The codes are prefetched by the pipeline.
+    round trips a tile. The codes are prefetched by the pipeline.
     """
     walk = u0 < u1
     rec = base + tl.load(bt_row + u0, mask=walk, other=0).to(tl.int64) * s_cb
@@ -71,7 +71,7 @@ def _quantized_tiles(
 ):
     """Online softmax over the quantized tiles ``u0 .. u1 - 1`` of one sequence.
 
-    ``query`` as returned by :func:`_load_query`; with smoothed records ``q_model`` (the
+    ``query`` as returned by :func:`~kvarn.kernels.attention_query._load_query`; with smoothed records ``q_model`` (the
     :func:`_model_query` rows) gives each tile its own score query (:func:`_smoothed_query`)
     instead. ``records = (cache, block_stride, head_stride,
     kv_head)``; ``bt_row`` points at the sequence's block table row. Returns the running max
@@ -130,7 +130,8 @@ def _quantized_tiles(
 
 @triton.jit
 def _transposed(query):
-    """:func:`_load_query`'s ``(q0, q1, q2, q3, rf)`` with the channel blocks transposed to ``[DK, N]``."""
+    """:func:`~kvarn.kernels.attention_query._load_query`'s ``(q0, q1, q2, q3, rf)`` with the channel blocks transposed
+    to ``[DK, N]``."""
     q0, q1, q2, q3, rf = query
     return tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3), rf
 
@@ -293,10 +294,10 @@ def _record_tiles(
     """The program's quantized tiles: :func:`_quantized_tiles_t` with ``TOKENS_M`` (:func:`_quantized_tiles_st`
     with ``STACK`` too), else :func:`_quantized_tiles`.
 
-    ``walk = (records, bt_row, u0, u1, pos_q)``; ``FOLD`` as in :func:`_quantized_tiles`; the raw queries
-    at ``q_base`` (rows ``row_ok``)
-    are read for per-tile smoothed records (``LAYOUT.K_SMOOTH >= 0``, which need ``FUSED_Q`` and not
-    ``TOKENS_M``); for ``SEQ_SMOOTH`` records ``query`` is already the sequence's (:func:`_sequence_query`).
+    ``walk = (records, bt_row, u0, u1, pos_q)``; ``FOLD`` as in :func:`_quantized_tiles`; the raw queries at ``q_base``
+    (rows ``row_ok``) are read for per-tile smoothed records (``LAYOUT.K_SMOOTH >= 0``, which need ``FUSED_Q`` and not
+    ``TOKENS_M``); for ``SEQ_SMOOTH`` records ``query`` is already the sequence's
+    (:func:`~kvarn.kernels.attention_query._sequence_query`).
     """
     records, bt_row, u0, u1, pos_q = walk
     if TOKENS_M:
