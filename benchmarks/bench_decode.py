@@ -24,6 +24,7 @@ from benchmarks._common import TOL, copy_bandwidth, environment, time_eager, tim
 from kvarn import reference as R
 from kvarn.config import KVarNConfig
 from kvarn.kernels import attention as A
+from kvarn.kernels import launch_rules
 from kvarn.reference.quantize import pool_exponent
 
 TAIL = 37
@@ -201,7 +202,7 @@ def bench_shape(
         "kvarn_pct_copy": 100 * kv_bytes / t_kv / 1e3 / copy_bw,
         "sdpa_GBps": fp16_bytes / t_sd / 1e3,
         "check_rel_err": err,
-        "splits": A.default_splits(cfg, batch * hkv, n_full + 1, False, q.device),
+        "splits": launch_rules.default_splits(cfg, batch * hkv, n_full + 1, False, q.device),
     }
 
 
@@ -334,7 +335,7 @@ def intercept_main(out_path: str, env: dict, copy_bw: float, preset: str, batch:
     """
     cfg = KVarNConfig.from_preset(preset, head_dim=128)
     programs = batch * 8 * splits
-    wave = 8 * A._num_sms(torch.cuda.current_device())
+    wave = 8 * launch_rules._num_sms(torch.cuda.current_device())
     if programs > wave:
         print(f"warning: {programs} programs exceed one wave of 8 an SM ({wave}); b is not the loop's cost alone")
     seen = {}

@@ -29,8 +29,8 @@ from triton.compiler import ASTSource
 
 from kvarn.config import KVarNConfig
 from kvarn.kernels._common import record_layout
-from kvarn.kernels.attention import DECODE_MAX_REGS
 from kvarn.kernels.attention_decode import _attn_kernel
+from kvarn.kernels.launch_rules import DECODE_MAX_REGS
 
 OPS = ["LOP3", "HADD2", "SHF", "LDG", "LDL", "STL", "BAR", "FFMA", "FMUL", "FADD", "PRMT", "SHFL", "IMAD"]
 INTS = [

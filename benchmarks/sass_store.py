@@ -22,8 +22,8 @@ from triton.compiler import ASTSource
 
 from benchmarks.sass_decode import sass_and_resources
 from kvarn.config import KVarNConfig
-from kvarn.kernels import store as S
 from kvarn.kernels._common import inv_sqrt, record_layout
+from kvarn.kernels.encode import _encode_kernel
 
 OPS = [
     "FFMA",
@@ -52,7 +52,7 @@ def compile_encode(
 
     ``extra`` overrides constexpr arguments (``HAS_SMOOTH_SRC``, ``SMOOTH_PHASE``, ...).
     """
-    kernel = S._encode_kernel if kernel is None else kernel
+    kernel = _encode_kernel if kernel is None else kernel
     names = kernel.arg_names
     const = dict(HAS_SRC_IDX=True, HAS_DST_IDX=True, IS_BF16=False, LAYOUT=record_layout(cfg))
     const.update(HAS_SMOOTH_SRC=False, SMOOTH_PHASE=1)  # as store._launch_encode_phase without smooth_src

@@ -5,7 +5,7 @@ Triton kernels and ``QuantizedKV.records`` holds, tile for tile, the bytes the c
 (:func:`kvarn.ops.store_tiles`). The one exception is a tile the caches would clip (fp16 values
 whose rotation leaves fp16's range, values past ``2^24``, fp16 values under ``2^-14``): it is
 divided by a power of two before it is stored and the power of two is folded into its column
-scales, so it comes back at full range (``docs/api.md`` lists every input class and its behaviour).
+scales, so it comes back at full range (``docs/guide/api.md`` lists every input class and its behaviour).
 """
 
 from __future__ import annotations
@@ -289,7 +289,7 @@ def _check_tensor(name: str, x: object, min_rank: int = 3) -> torch.Tensor:
     if bad:
         raise ValueError(
             f"{name} holds {bad} NaN/inf values; kvarn.quantize refuses non-finite input "
-            "(the cache store path maps NaN to 0 and saturates inf instead, see docs/api.md)"
+            "(the cache store path maps NaN to 0 and saturates inf instead, see docs/guide/api.md)"
         )
     amax = float(x.abs().amax()) if x.numel() else 0.0
     if amax > INPUT_LIMIT:
@@ -336,7 +336,7 @@ def _range_scaled(tiles: torch.Tensor, cfg: KVarNConfig) -> tuple[torch.Tensor, 
     if tiny:
         warnings.warn(
             f"kvarn.quantize: {tiny} tile(s) have no value above 2^-120 (~{TINY_WARN:.2g}); their column "
-            "scales are bf16 subnormals and keep fewer bits than the format's (docs/api.md)",
+            "scales are bf16 subnormals and keep fewer bits than the format's (docs/guide/api.md)",
             RuntimeWarning,
             stacklevel=3,
         )

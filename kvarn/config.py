@@ -27,13 +27,13 @@ the codes of rows ``j, j + R/p, j + 2R/p, ...`` in bit fields ``[0, b), [b, 2b),
 first of them in the lowest bits. A kernel unpacks with one shift and one mask per field and
 gets ``p`` contiguous row slices, each ready for ``tl.dot`` without interleaving.
 
-Reconstruction in the rotated frame (see ``docs/algorithm.md``)::
+Reconstruction in the rotated frame (see ``docs/internals/algorithm.md``)::
 
     K~[t, d] = (k_codes[d, t] * k_scale[d] + k_zero[d]) * k_tok[t]
     V~[t, d] = (v_codes[t, d] * v_scale[t] + v_zero[t]) * v_chan[d]
 
 With ``smooth_keys=True`` (an option, off in every preset) the K tile is divided by ``s`` along
-its model-frame channels before the rotation and multiplied back after it (``docs/algorithm.md``,
+its model-frame channels before the rotation and multiplied back after it (``docs/internals/algorithm.md``,
 "Key smoothing"); ``k_smooth`` adds ``D`` bytes to the record.
 
 Column scales are stored in bf16 and row parameters in fp16. Each tile moves a power of two
@@ -71,7 +71,7 @@ PRESETS: dict[str, Preset] = {
 KEY_SMOOTH_SUFFIX = "_ks"
 """A preset name ending in it (``kvarn_k4v2_g128_ks``) is the preset with key smoothing, one vector per
 sequence (``smooth_keys=True, smooth_scope="sequence"``): for models whose rotated keys lose to plain
-RTN, such as Qwen2.5 (``docs/fidelity.md``)."""
+RTN, such as Qwen2.5 (``docs/guide/fidelity.md``)."""
 SINK_SUFFIX = "_sink"
 """A cache-dtype name ending in it (``kvarn_k4v2_g128_sink``) also keeps the first tile of every sequence in
 full precision (vLLM only); the records are those of the name without it."""
@@ -80,11 +80,11 @@ CACHE_DTYPES: tuple[str, ...] = tuple(
 )
 """Every KVarN cache-dtype name (vLLM's ``--kv-cache-dtype``): each preset, optionally with ``_ks`` (key
 smoothing, one vector per sequence) and then ``_sink`` (the first tile of every sequence also kept in
-full precision), see ``docs/vllm.md``."""
+full precision), see ``docs/guide/vllm.md``."""
 KEY_BIAS_MODEL_TYPES = frozenset({"qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl", "qwen2_audio"})
 """Hugging Face ``model_type`` values whose q/k/v projections always carry biases (Qwen1.5, Qwen2,
 Qwen2.5 and their variants; Qwen3 dropped them). On Qwen2.5-Coder-0.5B those biases give key channels
-means up to ~150 and make rotated keys lose to plain RTN (``docs/fidelity.md``)."""
+means up to ~150 and make rotated keys lose to plain RTN (``docs/guide/fidelity.md``)."""
 DEFAULT_PRESET = "kvarn_k4v2_g128"
 DEFAULT_HEAD_DIM = 128
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -98,7 +98,7 @@ KEY_CLIP = (20, 10)
 VALUE_CLIP = (40, 9)
 """Clipped-range grid of 2-bit V rows: up to ``8 / 40`` (20%) of the width. V rows stop short of the
 squared-error optimum (about 40% on Gaussian rows): attention averages V over tokens, where rounding
-errors cancel and a clipping bias does not; measured in ``docs/fidelity.md``."""
+errors cancel and a clipping bias does not; measured in ``docs/guide/fidelity.md``."""
 
 SCALE_FIELDS = ("k_scale", "k_zero", "k_tok", "v_scale", "v_zero", "v_chan")
 SMOOTH_FIELD = "k_smooth"
@@ -116,15 +116,15 @@ class KVarNConfig:
     switches exist for ablations and baselines (with both off the format is KIVI-style RTN:
     per-channel K, per-token V). The byte layout does not depend on them. ``smooth_keys`` divides
     each K tile by a per-channel vector before the rotation (an option measured in
-    ``docs/fidelity.md``; it adds ``D`` bytes per record). ``smooth_scope`` says where the vector
-    comes from: ``"tile"``, each tile's own tokens (decode 1.2-3.3x slower than unsmoothed: the kernel
-    rotates the query once per tile, ``docs/kernels.md``), or ``"sequence"``, the sequence's first
+    ``docs/guide/fidelity.md``; it adds ``D`` bytes per record). ``smooth_scope`` says where the vector
+    comes from: ``"tile"``, each tile's own tokens (decode several times slower than unsmoothed: the
+    kernel rotates the query once per tile, ``docs/internals/kernels.md``), or ``"sequence"``, the sequence's first
     tile without its first token (``reference/smooth.py``): every record of a sequence then carries
-    the same vector and the decode rotates the query once (1-6% slower than unsmoothed); the
+    the same vector and the decode rotates the query once (near the speed of unsmoothed); the
     ``_ks`` preset names select it.
     ``clip`` (on by default) lets the rows of a 2-bit half pick a clipped RTN range by squared
     error (:func:`kvarn.reference.rtn.choose_qparams`, grids :data:`KEY_CLIP` and
-    :data:`VALUE_CLIP`; same bytes and decoder; no effect on 4-bit halves; ``docs/fidelity.md``).
+    :data:`VALUE_CLIP`; same bytes and decoder; no effect on 4-bit halves; ``docs/guide/fidelity.md``).
 
     Example:
         >>> cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)

@@ -129,7 +129,7 @@ EXPLANATION = (
     "every token's range over V's outlier channels, which the Hadamard rotation spreads out: the V error is what",
     "moves the attention output here. On SmolLM2-135M KVarN's edge over Hadamard + RTN comes mostly from the",
     "attention-sink token (a small key that draws much of the attention, which KVarN's per-token scales keep",
-    "precise): compare the tail and sink+tail rows of `kvarn report` (docs/fidelity.md).",
+    "precise): compare the tail and sink+tail rows of `kvarn report` (docs/guide/fidelity.md).",
 )
 """Printed under the summary; ``tests/test_ops_cli.py`` checks the table's numbers bear its first two sentences out."""
 

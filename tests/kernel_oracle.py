@@ -1,6 +1,6 @@
 """The kernel oracle: builders and checks that hold the Triton kernels to the reference (no tests here).
 
-``test_kernels_interpreter.py`` runs them on the CPU under ``TRITON_INTERPRET=1`` on tiny shapes,
+``test_kernels_{attention,store,dequant}.py`` run them on the CPU under ``TRITON_INTERPRET=1`` on tiny shapes,
 ``test_kernels_gpu.py`` on CUDA at full size, ``test_vllm_gpu.py`` through the vLLM backend. The
 tolerances they assert, with their derivations, are in ``tolerances.py``.
 """

@@ -94,7 +94,7 @@ def test_zero_input_is_exact():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_constant_input_is_finite_and_close(dtype):
     # Not bit-exact: the rotated frame is rounded to the input dtype and row parameters to fp16
-    # (docs/api.md). The error stays within a few units of fp16 rounding of the value.
+    # (docs/guide/api.md). The error stays within a few units of fp16 rounding of the value.
     for a in (-7.5, 0.25, 300.0):
         k = torch.full((256, 2, 128), a, dtype=dtype)
         k2, v2 = kvarn.quantize((k, k)).dequantize()

@@ -22,7 +22,7 @@ RECORD_BYTES = {
     ("kvarn_k2v2_g128", 128): 9728,
     ("kvarn_k2v2_g128", 256): 256 * 128 * 4 // 8 + 2 * (3 * 256 + 3 * 128),
 }
-# Bytes per token per KV head at D=128, as tabled in docs/cache_layout.md.
+# Bytes per token per KV head at D=128, as tabled in docs/internals/cache_layout.md.
 BYTES_PER_TOKEN_D128 = {
     "kvarn_k4v2_g128": 108,
     "kvarn_k4v4_g128": 140,

@@ -6,9 +6,9 @@ type differs between the branches of a runtime ``if``, two returns of a function
 layout the backend rejects) would otherwise surface only on the GPU machine. One launch of each kernel
 family, with the constexpr switches the launchers set for it; the compile must produce a cubin.
 
-The compiles run in a child process (this file as a script): ``test_kernels_interpreter.py`` sets
-``TRITON_INTERPRET=1`` and redefines the kernels as interpreted functions when pytest imports it,
-and neither can be compiled.
+The compiles run in a child process (this file as a script): ``conftest.py`` sets ``TRITON_INTERPRET=1``
+without CUDA and ``interpreted.py`` (the interpreter tests' helper) redefines the kernels as interpreted
+functions when pytest imports it, and neither can be compiled.
 """
 
 import json
@@ -71,7 +71,7 @@ PAGES = {
     "records_d256": ("_record_pages_kernel", "kvarn_k4v2_g64", 256, 8, {"HAS_SINK": False, "ROTATE": True}),
     "rows_from_model": ("_row_pages_kernel", "kvarn_k4v2_g128", 128, 4, {"FROM_MODEL": True, "HAS_SLOTS": False}),
     "rows_from_pool": ("_row_pages_kernel", "kvarn_k4v2_g64", 64, 4, {"FROM_MODEL": False, "HAS_SLOTS": True}),
-    "write_tail_d256": ("_prepare_kernel", "kvarn_k4v2_g64", 256, 4, {"ROTATE": True, "SLOT_ROWS": 64}),  # store.py
+    "write_tail_d256": ("_prepare_kernel", "kvarn_k4v2_g64", 256, 4, {"ROTATE": True, "SLOT_ROWS": 64}),  # tail.py
     "write_tail_block_rows": ("_prepare_kernel", "kvarn_k4v2_g128", 128, 4, {"ROTATE": True, "SLOT_ROWS": 27}),
     "gather_tail_tiles": ("_gather_tiles_kernel", "kvarn_k4v2_g128", 128, 4, {"G": 128, "D": 128, "R": 27, "ROWS": 32}),
 }
@@ -91,16 +91,16 @@ def _cfg(preset, d: int):
 
 
 def _compile_pages(kernel_name: str, preset: str, d: int, num_warps: int, extra: dict):
-    """One launch of a :mod:`kvarn.kernels.pages` kernel (or ``store._prepare_kernel``, whose pool form
+    """One launch of a :mod:`kvarn.kernels.pages` kernel (or a :mod:`kvarn.kernels.tail` kernel, whose pool form
     they share; bf16 pages and pool), compiled for sm_90."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kvarn.kernels import pages, store
+    from kvarn.kernels import pages, tail
     from kvarn.kernels._common import inv_sqrt, record_layout
 
-    kernel = getattr(pages, kernel_name, None) or getattr(store, kernel_name)
+    kernel = getattr(pages, kernel_name, None) or getattr(tail, kernel_name)
     cfg = _cfg(preset, d)
     const = dict(LAYOUT=record_layout(cfg), INV_SQRT_D=inv_sqrt(d), ROWS=64, IN_BF16=True, POOL_BF16=True)
     const |= dict(PAGE_BF16=True) | extra

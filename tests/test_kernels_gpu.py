@@ -483,7 +483,7 @@ def test_ops_auto_picks_triton_on_cuda():
 
 
 # Key smoothing (``smooth_keys=True``): implemented in the kernels and tested under the interpreter
-# (``test_kernels_interpreter.py -k smooth``); these are the same checks at full size on the GPU.
+# (``test_kernels_{attention,store,dequant}.py -k smooth``); these are the same checks at full size on the GPU.
 
 
 def _smooth_cfg(preset: str, d: int) -> KVarNConfig:

@@ -42,7 +42,15 @@ PAGE_ROW_ABS = 2.0**-16
 of ``D <= 256`` terms in different orders (and a record's hi/lo split, ``2^-22`` relative per term) differ
 by at most ``~D * 2^-24`` of the row's scale in the worst case; 2^-16 bounds D = 256 with room."""
 
-KERNEL_MODULES = ("kvarn.kernels._common", "kvarn.kernels.store", "kvarn.kernels.dequant", "kvarn.kernels.pages")
+KERNEL_MODULES = (
+    "kvarn.kernels._common",
+    "kvarn.kernels.launch_rules",
+    "kvarn.kernels.encode",
+    "kvarn.kernels.tail",
+    "kvarn.kernels.store",
+    "kvarn.kernels.dequant",
+    "kvarn.kernels.pages",
+)
 
 
 def _kernels():

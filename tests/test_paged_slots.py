@@ -28,7 +28,7 @@ def test_request_slots_plan_without_block_ids_on_the_host():
 
 @pytest.mark.parametrize("sink,decode_in_blocks", [(False, False), (True, False), (False, True)])
 def test_tails_in_blocks_attend_and_store_as_the_pool_bit_for_bit(sink, decode_in_blocks):
-    """Tails kept in the blocks after each partial tile (``docs/tail_blocks.md``, step 1): gathered into a step
+    """Tails kept in the blocks after each partial tile (``docs/internals/vllm_backend.md``): gathered into a step
     pool before the step, scattered back after it, a random schedule of three requests (prompt chunks inside
     tiles, chunks that complete a tile and start the next, decode, whole tiles) attends as with a pool slot per
     request, bit for bit, and writes the same records (so no tail row lands in a record). With

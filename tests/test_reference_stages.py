@@ -268,7 +268,7 @@ def test_roundtrip_error_bounded(tile_kind, bits):
 @pytest.mark.parametrize("outlier", [10.0, 30.0])
 def test_normalization_helps_on_outlier_columns(bits, outlier):
     # An outlier column (a V channel) inflates every row's range; the column scales absorb it.
-    # Measured crossover (docs/algorithm.md): from ~100x at 2 bits the tile's Frobenius error is
+    # Measured crossover (docs/internals/algorithm.md): from ~100x at 2 bits the tile's Frobenius error is
     # mostly the outlier column's own, which the normalization scales up with the column.
     m = make_tile(128, 128, "gaussian", int(outlier))
     m[:, 5] *= outlier

@@ -401,7 +401,7 @@ def write_markdown(runs: list[dict], out: pathlib.Path, command: str) -> pathlib
         if run.get("key_bias"):
             lines += [
                 f"Key biases: {run['key_bias']}: the `_ks` presets are meant for it, and kvarn's vLLM plugin "
-                "serves them for such a model by itself (`docs/fidelity.md`, `docs/vllm.md`).",
+                "serves them for such a model by itself (`docs/guide/fidelity.md`, `docs/guide/vllm.md`).",
                 "",
             ]
         lines += [f"![{f}]({f})" for f in run.get("plots", [])]
@@ -492,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         if run["key_bias"] is not None:
             print(
                 f"{name}: {run['key_bias']}: the _ks presets are meant for it (kvarn.recommended_preset; "
-                "kvarn's vLLM plugin serves them by itself; docs/fidelity.md)"
+                "kvarn's vLLM plugin serves them by itself; docs/guide/fidelity.md)"
             )
         del model
     (out / "results.json").write_text(json.dumps(runs, indent=1) + "\n")

@@ -46,8 +46,7 @@ passed as ``do_not_specialize`` to the kernels that take them. Triton otherwise 
 per class of each integer argument (``== 1``, a multiple of 16, other), so vLLM's steps, whose counts
 vary, would compile new variants while serving. The kernels use them in scalar arithmetic, loop
 bounds and row masks, not in the addresses of vector loads along ``D``, so the specialization is not
-expected to matter for speed (not timed on its own: session 19's GPU runs checked correctness and
-compile counts). Names a kernel does not take are ignored."""
+expected to matter for speed (not timed on its own). Names a kernel does not take are ignored."""
 
 NEG_BIG = tl.constexpr(-1.0e30)
 """Start value of a running maximum: finite, so ``exp2(NEG_BIG - NEG_BIG)`` is 1, not NaN."""
@@ -62,7 +61,7 @@ class RecordLayout(NamedTuple):
     """One config's record layout as kernel constants, passed to every launch as ``LAYOUT: tl.constexpr``.
 
     Kernels read ``LAYOUT.K_SCALE`` etc.; the values come from :class:`~kvarn.config.KVarNConfig`
-    only (see ``docs/cache_layout.md``). Offsets are in bytes from the start of a record.
+    only (see ``docs/internals/cache_layout.md``). Offsets are in bytes from the start of a record.
     """
 
     D: int
@@ -117,7 +116,7 @@ def index_list(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` for host ints (``triton.cdiv`` is a constexpr function in newer Triton: ~2 µs a host call)."""
+    """``ceil(a / b)`` for host ints (``triton.cdiv`` is a constexpr function in newer Triton, slow from the host)."""
     return -(-a // b)
 
 

@@ -2,10 +2,10 @@
 
 A launcher (:func:`kvarn.kernels.attention.paged_attention`) checks its arguments, picks the
 launch (split count, variant flags), allocates its workspaces and launches one to three Triton
-kernels. Eagerly, on the H200's host (``benchmarks/RESULTS.md``), the Python costs ~50-90 µs a call
-and Triton's argument binding ~35-50 µs a kernel, against ~10-15 µs for the launch itself. None of
-that depends on the tensors' values: only on their shapes, strides, dtypes, devices and 16-byte
-alignment (what Triton specializes on) and on the call's other arguments.
+kernels. Eagerly, the launcher's Python and Triton's argument binding cost several times the launch
+itself (the tuning table of ``docs/internals/kernels.md`` has the figures). None of that depends on the
+tensors' values: only on their shapes, strides, dtypes, devices and 16-byte alignment (what Triton
+specializes on) and on the call's other arguments.
 
 So the second call of a shape (the first only notes its key: vLLM's mixed batches change shape
 nearly every step, and recording shapes that never come back would only add cost) runs the

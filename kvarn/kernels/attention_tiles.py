@@ -1,32 +1,23 @@
-"""One tile's share of paged attention: unpack codes, scores, values, full-precision tiles.
+"""One quantized tile's share of paged attention: its scores and its values' weighted sum.
 
-``@triton.jit`` helpers of :mod:`kvarn.kernels.attention_decode` (Triton inlines them). A program
+``@triton.jit`` helpers of :mod:`kvarn.kernels.attention_walk` (Triton inlines them). A program
 holds ``BLOCK_M`` rows, each one (query, query head) pair of one KV head. Per quantized tile, in
-the rotated frame with ``q`` pre-scaled by ``softmax_scale * log2(e)`` (``docs/algorithm.md``,
+the rotated frame with ``q`` pre-scaled by ``softmax_scale * log2(e)`` (``docs/internals/algorithm.md``,
 "Attention over the cache")::
 
     s[t]  = k_tok[t] * ( sum_d (q_d k_scale[d]) code[d, t] + sum_d q_d k_zero[d] )
     o~   += v_chan * ( sum_t (p_t v_scale[t]) code[t, :] + sum_t p_t v_zero[t] )
 
-The code products are ``tl.dot`` on codes converted to fp16 (exact for 2- and 4-bit integers),
-centered (``code - 2^(b-1)``, with the mean folded into the fp32 zero-point term) so the dot and
-the zero term do not cancel. Planar packing hands each bit field over as a contiguous slice: a K
-field is a block of channels (the score dot's reduction axis), a V field a block of tokens (the
-value dot's reduction axis). Codes are read as 16-bit words: K words pair two neighbouring tokens
-(the score dot runs on even and odd tokens), V words two neighbouring channels (the value dot
-fills even and odd output channels), so one 32-bit mask unpacks two codes on the GPU.
-Fields are unpacked in place (:func:`_unpack_raw`: a field at bit ``S`` becomes ``2^(10 - S) + code``
-with no shift) and centered by one fp16 subtraction (head dims up to ``IN_PLACE_MAX_D``; above it,
-shifted down a field at a time, :func:`_unpack`). With ``FOLD`` the K fields are not centered per code:
-the offsets leave the zero-point term instead. V fields are always centered: folded, every value
-product carries the offset (up to 1024 times a code step) with the same sign, and the tensor cores'
-fp32 accumulation, which truncates, turned that into a bias that grows with the context (H200,
-records-dominated synthetic caches, k4v2: 4.7e-2 of max |out| at 4 / 32K against 6e-4 centered;
-``benchmarks/RESULTS.md``, session 26). The scores' products change sign with the query and stay within
-the tolerances folded.
-
-Tail and sink tiles (full precision in the pool) and the step's own keys and values (pool form):
-fp16 pools in fp16 dots (:func:`_fp_rows`), bf16 pools in tf32 dots (exact for bf16 values).
+The code products are the dots of :mod:`kvarn.kernels.attention_codes`. Planar packing hands each
+bit field over as a contiguous slice: a K field is a block of channels (the score dot's reduction
+axis), a V field a block of tokens (the value dot's reduction axis). Codes are read as 16-bit
+words: K words pair two neighbouring tokens (the score dot runs on even and odd tokens), V words two
+neighbouring channels (the value dot fills even and odd output channels). With ``FOLD`` the K
+fields are not centered per code: the offsets leave the zero-point term instead. V fields are
+always centered: folded, every value product carries the offset (up to 1024 times a code step)
+with the same sign, and the tensor cores' truncating fp32 accumulation turned that into a bias that
+grows with the context. The scores' products change sign with the query and stay within the
+tolerances folded.
 """
 
 from __future__ import annotations
@@ -34,196 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvarn.kernels._common import load_f32, pool_factor
-
-FP16_1024 = tl.constexpr(0x6400)
-"""fp16 bits of 1024.0. OR-ing an integer ``c < 1024`` into them gives the fp16 value ``1024 + c``."""
-FP16_1024_PAIR = tl.constexpr(0x64006400)
-"""``FP16_1024`` in both halves of a 32-bit word (1677747200): unpacks two codes in one ``lop3``."""
-LOP3_AND_OR = tl.constexpr(0xEA)
-"""``lop3`` truth table of ``(a & b) | c``."""
-IN_PLACE_MAX_D = tl.constexpr(128)
-"""Largest head dim whose centered codes :func:`_packed_dot` unpacks in place (one ``shr`` a code word for every
-high-byte field, a fp16 subtraction a code pair) rather than a field at a time (a ``shr`` a code pair and field).
-H200, session 27, two rounds each (``benchmarks/RESULTS.md``): k4v2 16 / 32K 159.0, 159.1 -> 152.7, 152.5 us,
-64 / 32K 575.4 -> 547.8, 553.2, k2v2 16 / 32K 151.4, 151.9 -> 145.6, 145.9, k4v2_g64 167.9, 168.1 -> 161.9, 161.5,
-D = 64 116.4, 117.1 -> 109.8, 109.9; 1 / 1K and 1 / 32K within noise. Not at ``D = 256``: 330.2, 331.2 ->
-385.3, 384.9 us (at 255 registers already; 40 bytes of stack in place, offline)."""
-FP_TILE_TOKENS = tl.constexpr(16)
-"""Tokens per step of a full-precision pool tile (keeps the key and value blocks small in registers: at 32 the
-one-warp kernel spills, offline)."""
-
-
-@triton.jit
-def _unpack(w, f: tl.constexpr, BITS: tl.constexpr, HIGH: tl.constexpr, USE_ASM: tl.constexpr):
-    """Bit field ``f`` of the low (``HIGH=0``) or high byte of 16-bit words ``w`` as centered fp16 codes.
-
-    ``(field | 0x6400)`` read as fp16 is ``1024 + field``; subtracting ``1024 + 2^(BITS-1)`` is exact
-    and centers the codes (``-8 .. 7`` for 4 bits): the dot then does not carry the row's mean,
-    which the caller folds into the fp32 zero-point term instead (``zero + 2^(BITS-1) * scale``).
-    Uncentered, the dot and the zero term nearly cancel on centered rows and the fp16 rounding
-    of ``q * k_scale`` is amplified many times. On the GPU
-    two 16-bit words share a 32-bit register: one ``shr`` + one ``lop3`` unpack both (LLVM would
-    split the shift per 16-bit lane); the interpreter takes the plain expression.
-    """
-    SHIFT: tl.constexpr = f * BITS + 8 * HIGH
-    MASK: tl.constexpr = (1 << BITS) - 1
-    MASK_PAIR: tl.constexpr = MASK | (MASK << 16)
-    if USE_ASM:
-        if SHIFT == 0:
-            x = tl.inline_asm_elementwise(
-                f"lop3.b32 $0, $1, {MASK_PAIR}, {FP16_1024_PAIR}, {LOP3_AND_OR};",
-                "=r,r",
-                [w],
-                dtype=tl.int16,
-                is_pure=True,
-                pack=2,
-            )
-        else:
-            x = tl.inline_asm_elementwise(
-                f"{{ .reg .b32 t; shr.b32 t, $1, {SHIFT}; "
-                f"lop3.b32 $0, t, {MASK_PAIR}, {FP16_1024_PAIR}, {LOP3_AND_OR}; }}",
-                "=r,r",
-                [w],
-                dtype=tl.int16,
-                is_pure=True,
-                pack=2,
-            )
-    else:
-        x = ((w >> SHIFT) & MASK) | FP16_1024
-    return x.to(tl.float16, bitcast=True) - (1024.0 + (1 << (BITS - 1)))
-
-
-@triton.jit
-def _field_dot(
-    a, w, f: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr, even, odd, CODES_LEFT: tl.constexpr = False
-):
-    """``even += a @ field f of the low bytes of w``, ``odd += a @ field f of the high bytes``.
-
-    ``a: [M, K]`` fp16, ``w: [K, N]`` int16 -> ``[M, N]`` fp32 each; ``None`` accumulators start at 0.
-    ``CODES_LEFT``: the codes are the left operand instead, ``w: [M, K]``, ``a: [K, N]``
-    (``field @ a``; the tokens-as-M form of :func:`_quantized_tiles_t`).
-    """
-    if CODES_LEFT:
-        even = tl.dot(_unpack(w, f, BITS, 0, USE_ASM), a, even)
-        odd = tl.dot(_unpack(w, f, BITS, 1, USE_ASM), a, odd)
-    else:
-        even = tl.dot(a, _unpack(w, f, BITS, 0, USE_ASM), even)
-        odd = tl.dot(a, _unpack(w, f, BITS, 1, USE_ASM), odd)
-    return even, odd
-
-
-@triton.jit
-def _high_bytes(w, USE_ASM: tl.constexpr):
-    """The high byte of each 16-bit word of ``w`` in its low byte (bits 8-15 are left undefined).
-
-    On the GPU one ``shr.b32`` moves the high bytes of two words in a 32-bit register at once.
-    """
-    if USE_ASM:
-        x = tl.inline_asm_elementwise("shr.b32 $0, $1, 8;", "=r,r", [w], dtype=tl.int16, is_pure=True, pack=2)
-    else:
-        x = w >> 8
-    return x
-
-
-@triton.jit
-def _unpack_raw(w, f: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr):
-    """Bit field ``f`` of the low byte of 16-bit words ``w`` as fp16 ``2^(10 - f * BITS) + code``, in place.
-
-    The field sits at bits ``S = f * BITS``; OR-ing it into an fp16 of exponent ``2^(10 - S)``
-    (mantissa unit ``2^-S`` of it) gives ``2^(10 - S) + code`` exactly, with no shift and no
-    subtraction: one ``lop3`` per two codes on the GPU. The offset ``2^(10 - S)`` is folded into
-    the zero-point term by the caller (:func:`_k_apply`).
-    """
-    S: tl.constexpr = f * BITS
-    MASK: tl.constexpr = ((1 << BITS) - 1) << S
-    EXP: tl.constexpr = (25 - S) << 10
-    if USE_ASM:
-        x = tl.inline_asm_elementwise(
-            f"lop3.b32 $0, $1, {MASK | (MASK << 16)}, {EXP | (EXP << 16)}, {LOP3_AND_OR};",
-            "=r,r",
-            [w],
-            dtype=tl.int16,
-            is_pure=True,
-            pack=2,
-        )
-    else:
-        x = (w & MASK) | EXP
-    return x.to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _unpack_in_place(w, f: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr, CENTER: tl.constexpr):
-    """:func:`_unpack_raw`, and with ``CENTER`` its offset ``2^(10 - S)`` and ``2^(BITS - 1)`` taken off in fp16:
-    the centered codes of :func:`_unpack`, bit for bit (small integers, exact), with no per-field shift."""
-    x = _unpack_raw(w, f, BITS, USE_ASM)
-    if CENTER:
-        OFF: tl.constexpr = (1024 >> (f * BITS)) + (1 << (BITS - 1))
-        x = x - OFF
-    return x
-
-
-@triton.jit
-def _raw_dot(
-    a, w, wh, f: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr, even, odd, CODES_LEFT: tl.constexpr,
-    CENTER: tl.constexpr,
-):  # fmt: skip
-    """:func:`_field_dot` on :func:`_unpack_in_place`'s codes; ``wh`` is :func:`_high_bytes` of ``w``."""
-    if CODES_LEFT:
-        even = tl.dot(_unpack_in_place(w, f, BITS, USE_ASM, CENTER), a, even)
-        odd = tl.dot(_unpack_in_place(wh, f, BITS, USE_ASM, CENTER), a, odd)
-    else:
-        even = tl.dot(a, _unpack_in_place(w, f, BITS, USE_ASM, CENTER), even)
-        odd = tl.dot(a, _unpack_in_place(wh, f, BITS, USE_ASM, CENTER), odd)
-    return even, odd
-
-
-@triton.jit
-def _packed_dot_raw(
-    w, a0, a1, a2, a3, P: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr, CODES_LEFT: tl.constexpr = True,
-    CENTER: tl.constexpr = False,
-):  # fmt: skip
-    """:func:`_packed_dot` with the fields unpacked in place (:func:`_unpack_in_place`: no per-field shift).
-
-    With ``CODES_LEFT`` ``sum_f field_f(w) @ a_f`` (``w: [M, K]`` int16, ``a_f: [K, N]`` fp16),
-    else ``sum_f a_f @ field_f(w)`` (``a_f: [M, K]``, ``w: [K, N]``). Returns ``(even, odd)`` (codes
-    of the low and of the high byte of each word), ``[M, N]`` fp32 each. Without ``CENTER`` each
-    carries ``sum_f off_f sum_k a_f`` on top of the centered product, which the caller subtracts
-    (``off_f = 2^(10 - f * BITS) + 2^(BITS - 1)``, :func:`_k_apply`; scores only, module doc); with
-    it the codes are centered before the dot, as :func:`_packed_dot`'s.
-    """
-    wh = _high_bytes(w, USE_ASM)  # one shift for all the fields of the high bytes
-    even, odd = _raw_dot(a0, w, wh, 0, BITS, USE_ASM, None, None, CODES_LEFT, CENTER)
-    even, odd = _raw_dot(a1, w, wh, 1, BITS, USE_ASM, even, odd, CODES_LEFT, CENTER)
-    if P == 4:
-        even, odd = _raw_dot(a2, w, wh, 2, BITS, USE_ASM, even, odd, CODES_LEFT, CENTER)
-        even, odd = _raw_dot(a3, w, wh, 3, BITS, USE_ASM, even, odd, CODES_LEFT, CENTER)
-    return even, odd
-
-
-@triton.jit
-def _packed_dot(
-    a0, a1, a2, a3, w, P: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr, CODES_LEFT: tl.constexpr,
-    D: tl.constexpr,
-):  # fmt: skip
-    """``sum_f a_f @ field_f(w)`` over the ``P`` planar bit fields of the code words ``w: [K, N]`` int16.
-
-    ``a_f: [M, K]`` fp16 is the operand of field ``f`` (``a2, a3`` unused when ``P = 2``). Returns
-    ``(even, odd)``: the products with the codes of the low and of the high byte of each word,
-    ``[M, N]`` fp32 each, on centered codes. Serves both the score dot (K) and the value dot (V). With
-    ``CODES_LEFT`` the products are ``field_f(w) @ a_f`` (``w: [M, K]``, ``a_f: [K, N]``). Head dim
-    ``D`` up to ``IN_PLACE_MAX_D``: codes unpacked in place (:func:`_packed_dot_raw` with ``CENTER``),
-    above it shifted down a field at a time (:func:`_field_dot`); the same values either way.
-    """
-    if D <= IN_PLACE_MAX_D:
-        even, odd = _packed_dot_raw(w, a0, a1, a2, a3, P, BITS, USE_ASM, CODES_LEFT, True)
-    else:
-        even, odd = _field_dot(a0, w, 0, BITS, USE_ASM, None, None, CODES_LEFT)
-        even, odd = _field_dot(a1, w, 1, BITS, USE_ASM, even, odd, CODES_LEFT)
-        if P == 4:
-            even, odd = _field_dot(a2, w, 2, BITS, USE_ASM, even, odd, CODES_LEFT)
-            even, odd = _field_dot(a3, w, 3, BITS, USE_ASM, even, odd, CODES_LEFT)
-    return even, odd
+from kvarn.kernels.attention_codes import _packed_dot, _packed_dot_raw
 
 
 @triton.jit
@@ -259,9 +61,10 @@ def _k_operands(q_f, side, f: tl.constexpr, LAYOUT: tl.constexpr, FOLD: tl.const
     """Query block ``q_f: [BLOCK_M, DK]`` of K field ``f`` (channels ``f * DK ..``) against a tile's :func:`_key_side`.
 
     Returns the score dot's fp16 operand ``q * k_scale`` and the fp32 zero-point term
-    ``q * (k_zero + 2^(K_BITS-1) k_scale)`` (the centering of :func:`_unpack`), ``[BLOCK_M, DK]`` each.
-    ``FOLD``: the zero-point term also subtracts :func:`_unpack_raw`'s offset times the fp16
-    operand (the very values the dot multiplies, so the offset cancels up to fp32 rounding).
+    ``q * (k_zero + 2^(K_BITS-1) k_scale)`` (the centering of :func:`~kvarn.kernels.attention_codes._unpack`),
+    ``[BLOCK_M, DK]`` each. ``FOLD``: the zero-point term also subtracts
+    :func:`~kvarn.kernels.attention_codes._unpack_raw`'s offset times the fp16 operand (the very values the dot
+    multiplies, so the offset cancels up to fp32 rounding).
     """
     ks, kz = _k_field(side, f, LAYOUT)  # [DK]
     return _k_apply(q_f, ks[None, :], kz[None, :], f, LAYOUT, FOLD)
@@ -431,8 +234,8 @@ def _k_operands_t(q_f, side, f: tl.constexpr, LAYOUT: tl.constexpr, FOLD: tl.con
     """:func:`_k_operands` transposed: ``q_f: [DK, N]`` -> ``(q k_scale)`` fp16 and the zero-point term, ``[DK, N]``.
 
     ``side``: the tile's :func:`_key_side`. ``FOLD``: the zero-point term also subtracts
-    :func:`_unpack_raw`'s offset times the fp16 operand (the very values the dot multiplies, so the
-    offset cancels up to fp32 rounding).
+    :func:`~kvarn.kernels.attention_codes._unpack_raw`'s offset times the fp16 operand (the very values the dot
+    multiplies, so the offset cancels up to fp32 rounding).
     """
     ks, kz = _k_field(side, f, LAYOUT)
     return _k_apply(q_f, ks[:, None], kz[:, None], f, LAYOUT, FOLD)
@@ -461,9 +264,8 @@ def _tile_scores_t(rec, query_t, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, FO
     the MMA's rows and the query heads are its columns: no padded rows in the per-token work.
     ``FOLD``: unpack with :func:`_packed_dot_raw` (no shifts but one per word, no subtraction) and
     take the codes' offsets out of the zero-point term instead. ``rf`` is left out:
-    :func:`~kvarn.kernels.attention_decode._quantized_tiles_t` applies it in the softmax's max and ``exp2``
-    instead of an outer product with ``k_tok`` a tile (session 28, H200: k4v2 16 / 32K 152.1 -> 151.1 µs,
-    k2v2 145.6 -> 140.5).
+    :func:`~kvarn.kernels.attention_walk._quantized_tiles_t` applies it in the softmax's max and ``exp2``,
+    cheaper than an outer product with ``k_tok`` a tile.
     """
     q0, q1, q2, q3, _ = query_t
     PK: tl.constexpr = LAYOUT.K_PER_BYTE
@@ -624,7 +426,7 @@ def _tile_scores_st(
     not split without doing the unpack twice, and the columns the query heads leave free (``N = 8``
     at 4 heads) carry the second tile. The code words of both tiles are one ``[2, G / 2, DK]`` load
     from the two records (:func:`_pair`): a record chosen per row lost the 16-byte loads and spilled,
-    and joining two loaded tiles cost ~200 more instructions a step (sm_90, RESULTS.md session 14).
+    and joining two loaded tiles cost more instructions a step.
     ``side_a``, ``side_b``: the two tiles' :func:`_key_side`, read a step ahead by the caller.
     """
     q0, q1, q2, q3, _ = query_t
@@ -753,93 +555,3 @@ def _causal(s_e, s_o, pos_q, key0, GH: tl.constexpr):
     s_e = tl.where(kpos[None, :] <= pos_q[:, None], s_e, float("-inf"))
     s_o = tl.where(kpos[None, :] + 1 <= pos_q[:, None], s_o, float("-inf"))
     return s_e, s_o
-
-
-@triton.jit
-def _fp_rows(
-    q_rows, state, k_ptr, v_ptr, base, tok_stride, n_valid, key0, pos_q, lo_q, POOL_BF16: tl.constexpr,
-    table=None, blk_stride=0, ROWS: tl.constexpr = 0,
-):  # fmt: skip
-    """Online-softmax steps over ``n_valid`` full-precision keys and values at positions ``key0 ..``.
-
-    ``q_rows = (qn, rf)``: the rows' rotated, scaled queries ``qn * rf[:, None]`` with ``qn: [BLOCK_M, D]``
-    fp32, ``|qn| < 1``, and ``rf: [BLOCK_M]`` a power of two (:func:`_load_query`'s form); ``state = (m_i,
-    l_i, acc)`` (``[BLOCK_M]``, ``[BLOCK_M]``, ``[BLOCK_M, D]``) in and out. The first token's ``D`` values
-    (pool form, one KV head) are at ``k_ptr + base``, ``v_ptr + base`` (``base`` an int64 offset), the next
-    ``tok_stride`` further. With ``ROWS > 0`` the tokens are rows of blocks instead: token ``t`` is row
-    ``t % ROWS`` of block ``table[t // ROWS]``, at ``base + block * blk_stride + row * tok_stride``.
-    Row ``r`` sees positions ``lo_q[r] .. pos_q[r]`` (``lo_q=None``: from 0). Walks the tokens
-    ``FP_TILE_TOKENS`` at a time. (An offset rather than moved pointers: measured on the H200,
-    k4v2 ``tokens_m`` decode at batch 16 / 32K, 212 against 223 us.)
-
-    An fp16 pool's keys and values enter the dots as they are, with ``qn`` and the probabilities
-    (times the pool factor, a power of two) rounded to fp16, the rounding the quantized tiles' dots
-    make too; the pool factor and ``rf`` scale the fp32 scores. A bf16 pool's go through tf32 dots
-    with the fp32 queries (bf16 keys are exact in tf32; bf16 queries would keep 8 bits).
-    """
-    m_i, l_i, acc = state
-    qn, rf = q_rows
-    D: tl.constexpr = qn.shape[1]
-    if POOL_BF16:
-        q_op = qn * rf[:, None]  # a bf16 pool holds the rotated values as they are (pool factor 1)
-    else:
-        unpool = pool_factor(D, POOL_BF16)  # the pool form back to the rotated values
-        q_op = qn.to(tl.float16)
-        s_scale = rf * unpool  # the scores' fp32 scale: the queries' and the pool's powers of two
-    dd = tl.arange(0, D)
-    ft = tl.arange(0, FP_TILE_TOKENS)
-    for c in range(0, n_valid, FP_TILE_TOKENS):
-        tt = c + ft
-        tok_ok = tt < n_valid
-        if ROWS > 0:
-            blk = tl.load(table + tt // ROWS, mask=tok_ok, other=0).to(tl.int64)
-            off = (base + blk * blk_stride + (tt % ROWS) * tok_stride)[:, None] + dd[None, :]
-        else:
-            off = base + tt[:, None] * tok_stride + dd[None, :]
-        if POOL_BF16:
-            kt = load_f32(k_ptr + off, tok_ok[:, None], POOL_BF16)  # [FP_TILE_TOKENS, D]
-            vt = load_f32(v_ptr + off, tok_ok[:, None], POOL_BF16)
-            s = tl.dot(q_op, tl.trans(kt), input_precision="tf32")  # [BLOCK_M, FP_TILE_TOKENS]
-        else:
-            kt = tl.load(k_ptr + off, mask=tok_ok[:, None], other=0.0)
-            vt = tl.load(v_ptr + off, mask=tok_ok[:, None], other=0.0)
-            s = tl.dot(q_op, tl.trans(kt)) * s_scale[:, None]
-        ok = tok_ok[None, :] & ((key0 + tt)[None, :] <= pos_q[:, None])
-        if lo_q is not None:
-            ok = ok & ((key0 + tt)[None, :] >= lo_q[:, None])
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if POOL_BF16:
-            pv = tl.dot(p, vt, input_precision="tf32")
-        else:
-            pv = tl.dot((p * unpool).to(tl.float16), vt)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _fp_tile(q_rows, state, pool, slot, n_valid, key0, pos_q, POOL_BF16: tl.constexpr, lo_q=None):
-    """:func:`_fp_rows` over the first ``n_valid`` tokens of pool slot ``slot`` (positions ``key0 ..``).
-
-    ``pool = (tail_k, tail_v, slot_stride, token_stride, head_stride, kv_head)`` names the pool
-    and the KV head.
-    """
-    tail_k, tail_v, p_slot, p_tok, p_head, kvh = pool
-    base = slot.to(tl.int64) * p_slot + kvh.to(tl.int64) * p_head
-    return _fp_rows(q_rows, state, tail_k, tail_v, base, p_tok, n_valid, key0, pos_q, lo_q, POOL_BF16)
-
-
-@triton.jit
-def _fp_block_tile(q_rows, state, pool, table, n_valid, key0, pos_q, ROWS: tl.constexpr, POOL_BF16: tl.constexpr):
-    """:func:`_fp_rows` over the first ``n_valid`` tokens of a tile kept as rows of blocks (``ROWS`` a
-    block; token ``t`` in block ``table[t // ROWS]``), ``pool`` as for :func:`_fp_tile` with the block
-    view's strides."""
-    tail_k, tail_v, p_slot, p_tok, p_head, kvh = pool
-    base = kvh.to(tl.int64) * p_head
-    return _fp_rows(
-        q_rows, state, tail_k, tail_v, base, p_tok, n_valid, key0, pos_q, None, POOL_BF16, table, p_slot, ROWS
-    )

@@ -16,7 +16,7 @@ element is written once; reads are the records (or pool tiles) and the source ro
   the pool tile instead: pool-form values are exact in tf32, so one dot per product.
 - :func:`write_row_pages`, grid ``(cdiv(R * Hkv, PREPARE_ROWS), 2)``: ``PREPARE_ROWS`` (row, KV
   head) pairs of K or V per program. ``FROM_MODEL``: the model-frame rows take the pool form by
-  ``store.prepare_rows``, the helper ``write_tail``'s kernel calls (with the same block of rows and
+  ``tail.prepare_rows``, the helper ``write_tail``'s kernel calls (with the same block of rows and
   the same 4 warps, so the same tensor-core rotation): a step's token gets the bits
   ``write_tail`` would store in a tail slot (the own-tile rule). Then, as for pool rows (the
   head slot's tokens), ``* pool_factor``, ``@ H`` (one tf32 dot, exact products), cast, store at
@@ -56,11 +56,8 @@ from kvarn.kernels._common import (
     store_model,
 )
 from kvarn.kernels.dequant import _dequant_values, dequant_block
-from kvarn.kernels.store import PREPARE_ROWS, prepare_rows
-
-RECORD_SMALL_TILE = 64 * 128
-"""Tiles of up to this many elements (``G * D``) run the record-page kernel with 4 warps, larger ones with 8
-(offline sm_90 compile at G = D = 128: 4 warps spill, 8 do not)."""
+from kvarn.kernels.launch_rules import record_pages_warps
+from kvarn.kernels.tail import PREPARE_ROWS, prepare_rows
 
 
 @triton.jit
@@ -368,7 +365,7 @@ def write_record_pages(
         PAGE_BF16=k_pages.dtype == torch.bfloat16,
         POOL_BF16=pool.dtype == torch.bfloat16,
         INV_SQRT_D=inv_sqrt(cfg.head_dim),
-        num_warps=4 if cfg.group_size * cfg.head_dim <= RECORD_SMALL_TILE else 8,
+        num_warps=record_pages_warps(cfg),
         enable_fp_fusion=False,
     )
 

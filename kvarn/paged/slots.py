@@ -4,7 +4,7 @@ A caller that gives every live request a stable index (vLLM's GPU model runner) 
 :func:`plan_request_slots` instead of :class:`~kvarn.paged.plan.TilePlanner`: the request's slot is
 its index, nothing is claimed or evicted, and no block id is read on the host.
 
-Tails in blocks (``docs/tail_blocks.md``; vLLM's CPU engine with ``KVARN_TAIL_BLOCKS=1``): a
+Tails in blocks (``docs/internals/vllm_backend.md``; vLLM's CPU engine with ``KVARN_TAIL_BLOCKS=1``): a
 sequence's partial tile lives in the blocks after its own (:func:`tail_geometry` rows each), and
 :meth:`PagedKV.gather_tails <kvarn.paged.storage.PagedKV.gather_tails>` /
 :meth:`PagedKV.scatter_tails <kvarn.paged.storage.PagedKV.scatter_tails>` move it into and out of a
@@ -34,7 +34,7 @@ def tail_geometry(cfg: KVarNConfig, pool_itemsize: int = 2) -> tuple[int, int]:
     whole tile (``group_size`` tokens: the own-tile rule keeps a completed tile in full precision until
     attention has read it). At k4v2_g128, head_dim 128, 16-bit pools: 27 rows a block, 5 blocks.
 
-    The layout of tails in vLLM's blocks (``docs/tail_blocks.md``, used by
+    The layout of tails in vLLM's blocks (``docs/internals/vllm_backend.md``, used by
     :mod:`kvarn.integration.vllm.tail_blocks`): :meth:`PagedKV.tail_block_view` reads a cache's records
     as such rows, :func:`tail_rows` and :func:`block_tails` find a step's.
     """
@@ -69,7 +69,7 @@ def tail_rows(
     """The :class:`TailRows` of sequences of ``lens: [B]`` tokens whose step-pool slots are ``slots: [B]``.
 
     A sequence's partial tile (``lens % G`` tokens) keeps token ``j`` in ``block_table[b, lens // G + 1 +
-    j // rows_per_block]``, row ``j % rows_per_block`` (``docs/tail_blocks.md``). ``since: [B]``: only
+    j // rows_per_block]``, row ``j % rows_per_block`` (``docs/internals/vllm_backend.md``). ``since: [B]``: only
     the tokens at positions ``>= since`` (a step's new tokens: all that a scatter after the step must
     write back, the older rows of the same tile being in their blocks already). Computed once a step
     and used by every layer's :meth:`PagedKV.gather_tails` / :meth:`PagedKV.scatter_tails`; the index

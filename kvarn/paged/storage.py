@@ -353,7 +353,7 @@ class PagedKV:
         return self.to_model_frame(k), self.to_model_frame(v)
 
     def tail_block_view(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The records' bytes as tail rows (``docs/tail_blocks.md``): ``k, v: [num_blocks, rows, Hkv, D]``.
+        """The records' bytes as tail rows (``docs/internals/vllm_backend.md``): ``k, v: [num_blocks, rows, Hkv, D]``.
 
         Strided views of :attr:`cache` in the pool dtype: row ``r`` of block ``b`` and KV head ``h``
         holds one tail token's K then V (pool form) at bytes ``r * 2 D e ..`` of that head's record

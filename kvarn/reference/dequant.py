@@ -6,7 +6,7 @@ row and one scale per column::
     M~[i, j] = (code[i, j] * scale[i] + zero[i]) * col[j]
 
 For K the rows are channels and the columns tokens; for V the rows are tokens and the columns
-channels (``docs/algorithm.md``). The result is in the rotated frame; un-rotate with
+channels (``docs/internals/algorithm.md``). The result is in the rotated frame; un-rotate with
 :func:`kvarn.reference.hadamard.rotate`.
 """
 

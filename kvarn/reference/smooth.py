@@ -6,7 +6,7 @@ Quantizing keys per channel without a rotation (KIVI-style) gives those channels
 and so a small error, which the large query then multiplies. The Hadamard rotation spreads the
 rounding error of every channel evenly over all channels, so those channels receive the average
 error and the score error grows with the large query: on Qwen2.5-Coder-0.5B layer 0, 4-bit keys,
-the attention output error is 0.71 rotated against 0.06 unrotated (``docs/fidelity.md``).
+the attention output error is 0.71 rotated against 0.06 unrotated (``docs/guide/fidelity.md``).
 
 What. Before the rotation each model-frame channel ``d`` of the tile is divided by::
 
@@ -28,7 +28,7 @@ divide every tile by it: each record still stores it (the records stay self-cont
 decoder is unchanged), and a kernel reads it from the sequence's first record and rotates the
 query once. It depends only on the first tile's tokens, so a shared prefix shares it (prefix
 caching stays exact). On the report's text later tiles' own vectors stay within about one fp8
-step of it (``docs/fidelity.md``, "One smoothing vector per sequence").
+step of it (``docs/guide/fidelity.md``, "One smoothing vector per sequence").
 
 In the rotated frame the store uses (the cache keeps K rotated)::
 

@@ -2,7 +2,7 @@
 
 vLLM calls :func:`register` (entry point ``vllm.general_plugins``) in every process it starts.
 Importing this package imports nothing from vLLM; :func:`register` does, and installs what
-:mod:`kvarn.integration.vllm.hooks` describes. See ``docs/vllm.md``.
+:mod:`kvarn.integration.vllm.hooks` describes. See ``docs/internals/vllm_backend.md``.
 
 The package, one responsibility a module: ``plugin`` (the entry point), ``hooks`` (every patch of
 vLLM), ``checks`` (start-up validation), ``state`` (what a process keeps), ``scheduler`` (what the

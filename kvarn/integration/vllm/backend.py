@@ -101,7 +101,7 @@ def check_sink(vllm_config, preset: str) -> None:
 
 
 def tail_blocks_enabled(vllm_config, preset: str) -> bool:
-    """Whether this run keeps tails in vLLM's own blocks (``docs/tail_blocks.md``).
+    """Whether this run keeps tails in vLLM's own blocks (``docs/internals/vllm_backend.md``).
 
     Each running request then holds ``N`` more blocks (:func:`kvarn.paged.tail_geometry`, counted by
     vLLM's scheduler through :mod:`kvarn.integration.vllm.tail_blocks`) instead of a slot of a pool

@@ -43,7 +43,7 @@ evicted block is dropped from vLLM's prefix cache in the same step
 tile whose sink is gone. That needs the scheduler's block pool in the worker's process (vLLM's ``uni``
 executor with one worker, which the checks require). On the GPU runner the sink slots and sink writes of
 a decode step go into the persistent buffers its CUDA graphs read; rows of dummy and capture batches get
-slot ``-1``. See ``docs/vllm.md``.
+slot ``-1``. See ``docs/internals/vllm_backend.md``.
 """
 
 from __future__ import annotations

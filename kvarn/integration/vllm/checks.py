@@ -40,7 +40,7 @@ TAIL_SLOTS_ENV = "KVARN_TAIL_SLOTS"
 SINK_SLOTS_ENV = "KVARN_SINK_SLOTS"
 TAIL_BLOCKS_ENV = "KVARN_TAIL_BLOCKS"
 """Where running requests keep their tails: ``1`` in vLLM's own blocks, ``0`` in a pool, unset as the engine
-suits (:func:`kvarn.integration.vllm.backend.tail_blocks_enabled`, ``docs/tail_blocks.md``)."""
+suits (:func:`kvarn.integration.vllm.backend.tail_blocks_enabled`, ``docs/internals/vllm_backend.md``)."""
 SUPPORTED_MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -158,7 +158,7 @@ def served_dtype(cache_dtype: str, vllm_config) -> str:
 
     ``cache_dtype`` itself, except on a model whose keys likely carry large per-channel biases
     (:func:`kvarn.config.key_bias_reason`: Qwen1.5/2/2.5, ``attention_bias``): there rotated keys lose
-    to plain RTN at 4 bits and collapse at 2 (``docs/fidelity.md``), so the layer is served in the
+    to plain RTN at 4 bits and collapse at 2 (``docs/guide/fidelity.md``), so the layer is served in the
     ``_ks`` form (:func:`kvarn.config.with_key_smoothing`), unless ``$KVARN_KEY_SMOOTHING`` is ``off``.
     """
     if has_key_smoothing(cache_dtype) or key_smoothing_mode() == "off" or _key_bias(vllm_config) is None:
@@ -195,12 +195,12 @@ def key_smoothing_note(cache_dtype: str, vllm_config) -> str | None:
         return (
             f"--kv-cache-dtype {cache_dtype}: {reason}; serving it as {smoothed} (keys smoothed with one vector "
             f"per sequence: rotated keys with large per-channel offsets lose to plain RTN at 4 bits and "
-            f"collapse at 2, Qwen2.5 in kvarn's docs/fidelity.md). {KEY_SMOOTHING_ENV}=off serves it as named"
+            f"collapse at 2, Qwen2.5 in kvarn's docs/guide/fidelity.md). {KEY_SMOOTHING_ENV}=off serves it as named"
         )
     return (
         f"--kv-cache-dtype {cache_dtype} with {KEY_SMOOTHING_ENV}=off: {reason}; rotated keys with large "
         f"per-channel offsets lose to plain RTN at 4 bits and collapse at 2 (Qwen2.5 in kvarn's "
-        f"docs/fidelity.md). Unset {KEY_SMOOTHING_ENV} or use --kv-cache-dtype {smoothed} to smooth them"
+        f"docs/guide/fidelity.md). Unset {KEY_SMOOTHING_ENV} or use --kv-cache-dtype {smoothed} to smooth them"
     )
 
 

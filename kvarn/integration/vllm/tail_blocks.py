@@ -1,4 +1,4 @@
-"""Full-precision tails in vLLM's own blocks: the vLLM side (``docs/tail_blocks.md``, step 2).
+"""Full-precision tails in vLLM's own blocks: the vLLM side (``docs/internals/vllm_backend.md``).
 
 The default on vLLM's GPU engine (V2 model runner, presets without ``_sink``, cache blocks of one
 tile); on the CPU engine with ``KVARN_TAIL_BLOCKS=1``
