@@ -19,6 +19,7 @@ import sys
 import time
 
 from kvarn.config import key_bias_reason
+from kvarn.eval.longctx import TASKS
 from kvarn.eval.methods import ALL_BASELINES, DEFAULT_METHODS, get_method, served_method, with_served_methods
 from kvarn.eval.models import BUNDLED_MODELS, DEFAULT_MODEL
 
@@ -106,6 +107,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="full-precision regions, comma-separated: 'tail' (last incomplete tile only) and/or 'sink' "
         "(first tile too); default sink",
     )
+    p.add_argument(
+        "--task",
+        choices=TASKS,
+        default="kl",
+        help="kl (default): this teacher-forced protocol; passkey, niah, vartrack: long-context retrieval; drift: "
+        "error along a long generation (kvarn report --task niah --help lists their options)",
+    )
     p.add_argument("--prefix", type=int, default=1024, help="prefix tokens, a multiple of 128 (default 1024)")
     p.add_argument("--continuation", type=int, default=256, help="teacher-forced tokens after it (default 256)")
     p.add_argument("--greedy", type=int, default=64, help="greedy tokens to compare, 0 to skip (default 64)")
@@ -137,6 +145,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         if r not in ("tail", "sink"):
             p.error(f"--regions takes 'tail' and/or 'sink', got {r!r}")
     return args
+
+
+def _task(argv: list[str]) -> str:
+    """The ``--task`` of ``argv`` (default ``kl``); exits with status 2 on an unknown task."""
+    p = argparse.ArgumentParser(prog="kvarn report", add_help=False)
+    p.add_argument("--task", choices=TASKS, default="kl")
+    return p.parse_known_args(argv)[0].task
 
 
 def _slug(name: str) -> str:
@@ -338,6 +353,10 @@ def write_markdown(runs: list[dict], out: pathlib.Path, command: str) -> pathlib
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvarn report ARGS...``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if _task(argv) != "kl":
+        from kvarn.eval.longctx import main as run_task
+
+        return run_task(argv, progress_factory=_Progress, commit=_commit)
     args = _parse(argv)
     try:
         import torch
