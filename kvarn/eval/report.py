@@ -19,7 +19,7 @@ import sys
 import time
 
 from kvarn.config import key_bias_reason
-from kvarn.eval.longctx import TASKS
+from kvarn.eval.longctx_report import TASKS
 from kvarn.eval.methods import ALL_BASELINES, DEFAULT_METHODS, get_method, served_method, with_served_methods
 from kvarn.eval.models import BUNDLED_MODELS, DEFAULT_MODEL
 
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvarn report ARGS...``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if _task(argv) != "kl":
-        from kvarn.eval.longctx import main as run_task
+        from kvarn.eval.longctx_report import main as run_task
 
         return run_task(argv, progress_factory=_Progress, commit=_commit)
     args = _parse(argv)
