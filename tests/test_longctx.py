@@ -302,6 +302,7 @@ def _report(argv, tmp_path, monkeypatch, capsys):
         (["--task", "niah", "--filler", "essays"], "invalid choice: 'essays'"),
         (["--task", "niah", "--model", "llama-70b"], "unknown model 'llama-70b'"),
         (["--samples", "3"], "unrecognized arguments: --samples 3"),  # kl: the long-context options do not apply
+        (["--task", "kl", "--regions", "middle"], "--regions takes 'tail' and/or 'sink', got 'middle'"),
     ],
 )
 def test_misuse_exits_2_before_a_model_loads(argv, message, tmp_path, monkeypatch, capsys):
@@ -316,6 +317,19 @@ def test_misuse_exits_2_before_a_model_loads(argv, message, tmp_path, monkeypatc
     assert rc == 2
     assert "usage: kvarn report" in out.err and message in out.err
     assert not (tmp_path / "r").exists()
+
+
+def test_method_lists():
+    from kvarn.eval.longctx_report import _parse
+    from kvarn.eval.methods import ALL_BASELINES, DEFAULT_METHODS
+
+    default = _parse(["--task", "niah"])
+    assert default.method_list[:4] == ["fp16", "fp8_e4m3", "fp8_e4m3_amax", "kvarn_k4v2_g128"]
+    assert set(default.method_list) == {*DEFAULT_METHODS, "kvarn_k4v2_g128_ks", "kvarn_k2v2_g128_ks"}
+    assert default.region_list == ["tail", "sink"]
+    every = _parse(["--task", "drift", "--methods", "all"]).method_list
+    assert set(ALL_BASELINES) < set(every) and "kvarn_k4v4_g64_ks" in every
+    assert _parse(["--task", "niah", "--methods", "fp16, kivi_k4v2_g128"]).method_list == ["fp16", "kivi_k4v2_g128"]
 
 
 def _table(stdout: str, first_header: str) -> list[list[str]]:

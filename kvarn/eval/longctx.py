@@ -258,6 +258,10 @@ def retrieval(
 ) -> dict:
     """Run ``task`` at every length over ``samples`` samples: per-sample records and a summary per run and length."""
     built = [[tasks.make_sample(task, tok, n, i, seed, filler) for i in range(samples)] for n in lengths]
+    log(
+        f"{task}: {samples} sample(s) at each of {', '.join(map(str, lengths))} tokens, {len(runs) + 1} runs a sample "
+        "(the exact model and each method); a time estimate follows the first sample"
+    )
     steps = sum(_sample_steps(s, runs) for row in built for s in row)
     bar = (progress_factory or PlainProgress)(total=steps)
     records, seconds = [], {}
@@ -441,6 +445,10 @@ def drift(
         return _n_chunks(0, prefix, group) + new_tokens + _n_chunks(prefix, prefix + new_tokens - 1, group)
 
     steps = samples * (run_steps(BLOCK) + sum(run_steps(r.method.group_size) for r in runs))
+    log(
+        f"drift: {samples} prefix(es) of {prefix} tokens, {new_tokens} generated tokens, {len(runs) + 1} runs a "
+        "prefix (the exact model and each method); a time estimate follows the first method"
+    )
     bar = (progress_factory or PlainProgress)(total=steps)
     ticks = _Ticks(bar)
     records = []

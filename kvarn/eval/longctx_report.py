@@ -39,7 +39,7 @@ from kvarn.eval.longctx import (
     plan_runs,
     retrieval,
 )
-from kvarn.eval.methods import get_method
+from kvarn.eval.methods import ALL_BASELINES, get_method, with_served_methods
 
 TASKS = ("kl", *tasks.TASKS, "drift")
 DEFAULT_LENGTHS = (1024, 2048)
@@ -301,8 +301,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--methods",
         default=None,
-        help="comma-separated methods (see kvarn report --help); default: the report's default methods plus each "
-        "kvarn_* preset's _ks form",
+        help="comma-separated methods (see kvarn report --help) or 'all' (the report's, each kvarn_* preset also "
+        "as _ks); default: the report's default methods, each kvarn_* preset followed by its _ks form",
     )
     p.add_argument("--regions", default="tail,sink", help="'tail' and/or 'sink', comma-separated; default both")
     p.add_argument(
@@ -394,7 +394,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         if limit is not None and max(args.length_list) > limit:
             what = "--prefix + --new-tokens" if args.task == "drift" else "--lengths"
             p.error(f"{what}: {max(args.length_list)} tokens exceed {m}'s context length of {limit} tokens")
-    args.method_list = default_methods() if args.methods is None else [m.strip() for m in args.methods.split(",")]
+    if args.methods is None:
+        args.method_list = default_methods()
+    elif args.methods == "all":
+        args.method_list = with_served_methods([*ALL_BASELINES, "kvarn_k4v4_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g64"])
+    else:
+        args.method_list = [m.strip() for m in args.methods.split(",")]
     args.method_list = [m for m in args.method_list if m]
     if not args.method_list:
         p.error("--methods lists no method")
