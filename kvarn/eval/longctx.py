@@ -485,7 +485,7 @@ def drift(
                     free = copy.deepcopy(cache)
                     lp = _teacher_forced(model, cache, logits, generated, run.method.group_size, prefix, ticks.tick)
                     kl = _kl_rows(ref, lp)
-                    top1 = float((lp.argmax(-1) == ref.argmax(-1)).float().mean())
+                    same = (lp.argmax(-1) == ref.argmax(-1)).float()
                     del cache, lp
                     bar.describe(f"drift #{index}: {run.label}, free run")
                     own = _free_run(model, free, logits, new_tokens, eos, ngram, generated, ticks.tick)
@@ -496,7 +496,8 @@ def drift(
                         "kl": kl.tolist(),
                         "kl_windows": _windows(kl.tolist()),
                         "kl_mean": float(kl.mean()),
-                        "top1": top1,
+                        "top1": float(same.mean()),
+                        "top1_windows": _windows(same.tolist()),
                         "first_divergence": diverged,
                         "seconds": round(time.perf_counter() - r0, 3),
                     }
@@ -545,6 +546,7 @@ def summarize_drift(records: list[dict], runs: list[Run], new_tokens: int) -> li
                 "kl_at": {str(p): v for p, v in at.items()},
                 "kl_mean": sum(r["kl_mean"] for r in rows) / len(rows),
                 "top1": sum(r["top1"] for r in rows) / len(rows),
+                "top1_windows": [sum(w) / len(w) for w in zip(*(r["top1_windows"] for r in rows), strict=True)],
                 "first_divergence": firsts,
                 "first_divergence_median": statistics.median(firsts),
             }

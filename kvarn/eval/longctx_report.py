@@ -200,6 +200,7 @@ def plot_drift(result: dict, out: pathlib.Path, stem: str) -> list[str]:
     by = {e["label"]: e for e in result["summary"]}
     title = f"{result['model']}: KL along the exact model's own {result['new_tokens']}-token generation"
     plt, fig, panels, colors, markers = _figure(result, title)
+    diverged = False
     for ax, region in panels:
         for r in _panel_rows(result, region):
             e, m = by[r["label"]], r["method"]
@@ -210,10 +211,13 @@ def plot_drift(result: dict, out: pathlib.Path, stem: str) -> list[str]:
             if first < result["new_tokens"]:
                 k = min(int(first) // WINDOW, len(ys) - 1)
                 ax.plot([first], [ys[k]], "x", color=colors[m], markersize=8, mew=2)
+                diverged = True
         ax.set_yscale("log")
         ax.set(xlabel="generated position (means over 64-token windows)", title=REGION_LABEL[region])
         ax.set_xlim(0, result["new_tokens"])
         ax.grid(alpha=0.3, which="both")
+    if diverged:  # a legend entry for the markers
+        panels[0][0].plot([], [], "x", color="k", markersize=8, mew=2, label="first greedy divergence")
     panels[0][0].set_ylabel("KL(exact || method), window mean (nats)")
     return _finish(plt, fig, out, f"{stem}_drift.png")
 
