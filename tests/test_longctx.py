@@ -233,6 +233,9 @@ def test_answer_done():
     assert not tasks.answer_done("niah", " The number")
     assert tasks.answer_done("vartrack", " ABCDE, FGHIJ.")
     assert not tasks.answer_done("vartrack", " ABCDE, FGHIJ")
+    assert not tasks.answer_done("vartrack", "\n1.")  # a numbered list has begun
+    assert not tasks.answer_done("vartrack", "\n1. ABCDE\n2.")
+    assert tasks.answer_done("vartrack", "\n1. ABCDE\n2. FGHIJ\n\n")
     with pytest.raises(ValueError, match="task must be one of"):
         tasks.normalize("kl", "x")
 

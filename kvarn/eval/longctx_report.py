@@ -228,21 +228,21 @@ def _lossless(info: dict) -> bool:
 
 PROTOCOL = {
     "retrieval": (
-        "Each prompt is fed the way a vLLM request is: in chunks of one 128-token tile, each chunk attending over "
-        "the earlier tiles as the method stored them and over its own tile exactly, then the answer decoded "
-        "greedily token by token (at most {max_new} tokens, stopping once the answer is complete). K/V are "
-        "rounded to fp16 before storing; 'tail' keeps the incomplete last tile in full precision, 'sink+tail' "
-        "the first tile too (fp16 is the same in both and runs once). The exact model runs in its own dtype "
-        "with an unquantized cache. Cells: accuracy (exact match of the normalised answer), in parentheses the "
-        "share of samples where the method gave the exact model's answer. Context length = prompt plus answer "
-        "budget. Needle depths follow a seeded golden-ratio sequence, the same at every length."
+        "Each prompt is fed the way a vLLM request is: in chunks of one tile (128 tokens; 64 for the _g64 "
+        "presets), each chunk attending over the earlier tiles as the method stored them and over its own tile "
+        "exactly, then the answer decoded greedily token by token (at most {max_new} tokens, stopping once the "
+        "answer is complete). K/V are rounded to fp16 before storing; 'tail' keeps the incomplete last tile in "
+        "full precision, 'sink+tail' the first tile too (fp16 is the same in both and runs once). The exact model "
+        "runs in its own dtype with an unquantized cache. Cells: accuracy (exact match of the normalised answer), "
+        "in parentheses the share of samples where the method gave the exact model's answer. Context length = "
+        "prompt plus answer budget. Needle depths follow a seeded golden-ratio sequence, the same at every length."
     ),
     "drift": (
         "From a {prefix}-token prefix of the text, the exact model (own dtype, unquantized cache) generates "
         "{new} tokens greedily (no end-of-sequence token{ngram}). Each method is teacher-forced on that text "
-        "the way a vLLM request is fed (128-token tiles, each chunk attending over the earlier tiles as stored "
-        "and its own tile exactly): KL(exact || method) at position p is the mean over the 64 positions up to "
-        "p; top-1 is agreement with the exact next-token argmax over all positions. First divergence: the "
+        "the way a vLLM request is fed (one tile a chunk, each chunk attending over the earlier tiles as stored "
+        "and over its own tile exactly): KL(exact || method) at position p is the mean over the 64 positions up "
+        "to p; top-1 is agreement with the exact next-token argmax over all positions. First divergence: the "
         "first position where the method's own greedy run (same rule) picks another token than the exact run "
         "({new} = none)."
     ),
