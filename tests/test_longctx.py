@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -253,6 +254,15 @@ def test_ngram_guard_blocks_only_repeats():
     for t in (1, 1, 1, 1):
         off.push(t)
     assert off.banned() == set()
+
+
+def test_time_estimate_extrapolates_by_length():
+    from kvarn.eval.longctx import COST_EXPONENT, _sample_seconds
+
+    assert _sample_seconds({1024: 100.0}, 1024) == 100.0
+    assert _sample_seconds({1024: 100.0}, 4096) == pytest.approx(100.0 * 4**COST_EXPONENT)
+    assert _sample_seconds({1024: 100.0, 2048: 300.0}, 8192) == pytest.approx(300.0 * 9)  # measured: 3x a doubling
+    assert _sample_seconds({1024: 100.0, 2048: 300.0}, 1536) == pytest.approx(300.0 * 0.75 ** math.log2(3))
 
 
 def test_runs_lossless_methods_once():

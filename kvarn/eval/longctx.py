@@ -29,6 +29,7 @@ the prefix (same rule) until its first token that differs from the exact run's.
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import sys
 import time
@@ -280,7 +281,7 @@ def retrieval(
                     rest = _remaining(built, seconds, sample)
                     log(
                         f"{task}: first sample at {sample.length} tokens took {took:.0f} s ({len(runs) + 1} runs); "
-                        f"remaining run time {_fmt_minutes(rest)} (extrapolated in proportion to context length)"
+                        f"remaining run time {_fmt_minutes(rest)} (extrapolated to longer contexts)"
                     )
     finally:
         bar.close()
@@ -297,14 +298,31 @@ def retrieval(
     }
 
 
-def _remaining(built, seconds: dict, done: tasks.Sample) -> float:
-    """Seconds left after sample ``done``: each sample costs what the nearest measured length did, scaled by length."""
+COST_EXPONENT = 1.3
+"""A sample's time grows about as length ** 1.3 on a CPU (every chunk attends over all before it); used to
+extrapolate until two lengths are measured, then the measured exponent is."""
+
+
+def _sample_seconds(seconds: dict[int, float], length: int) -> float:
+    """Expected seconds of one sample at ``length`` from the first sample's time at each measured length."""
+    if length in seconds:
+        return seconds[length]
+    known = sorted(seconds)
+    exponent = COST_EXPONENT
+    if len(known) >= 2:
+        a, b = known[-2], known[-1]
+        exponent = math.log(seconds[b] / seconds[a]) / math.log(b / a) if seconds[a] > 0 else COST_EXPONENT
+    ref = min(known, key=lambda n: (abs(math.log(n / length)), -n))
+    return seconds[ref] * (length / ref) ** exponent
+
+
+def _remaining(built, seconds: dict[int, float], done: tasks.Sample) -> float:
+    """Seconds left after sample ``done`` (see :func:`_sample_seconds`)."""
     left, seen = 0.0, False
     for row in built:
         for s in row:
             if seen:
-                ref = min(seconds, key=lambda n: (abs(n - s.length), -n))
-                left += seconds[ref] * s.length / ref
+                left += _sample_seconds(seconds, s.length)
             seen = seen or s is done
     return left
 
