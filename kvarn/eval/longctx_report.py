@@ -209,9 +209,11 @@ def plot_drift(result: dict, out: pathlib.Path, stem: str) -> list[str]:
             ax.plot(xs, ys, marker=markers[m], markersize=3, color=colors[m], label=m)
             first = e["first_divergence_median"]
             if first < result["new_tokens"]:
-                k = min(int(first) // WINDOW, len(ys) - 1)
-                ax.plot([first], [ys[k]], "x", color=colors[m], markersize=8, mew=2)
-                diverged = True
+                on_line = [(x, y) for x, y in zip(xs, ys, strict=True) if y == y]  # the marker sits on the line
+                if on_line:
+                    y = math.exp(_interp(first, [x for x, _ in on_line], [math.log(y) for _, y in on_line]))
+                    ax.plot([first], [y], "x", color=colors[m], markersize=8, mew=2)
+                    diverged = True
         ax.set_yscale("log")
         ax.set(xlabel="generated position (means over 64-token windows)", title=REGION_LABEL[region])
         ax.set_xlim(0, result["new_tokens"])
@@ -220,6 +222,16 @@ def plot_drift(result: dict, out: pathlib.Path, stem: str) -> list[str]:
         panels[0][0].plot([], [], "x", color="k", markersize=8, mew=2, label="first greedy divergence")
     panels[0][0].set_ylabel("KL(exact || method), window mean (nats)")
     return _finish(plt, fig, out, f"{stem}_drift.png")
+
+
+def _interp(x: float, xs: list[float], ys: list[float]) -> float:
+    """Piecewise-linear ``y`` at ``x`` (held constant outside ``xs``, which ascend)."""
+    if x <= xs[0]:
+        return ys[0]
+    for x0, x1, y0, y1 in zip(xs, xs[1:], ys, ys[1:], strict=False):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return ys[-1]
 
 
 def _lossless(info: dict) -> bool:
