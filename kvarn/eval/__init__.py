@@ -8,6 +8,10 @@
 - :mod:`kvarn.eval.harness`: the measurements (KL, perplexity, top-1 and greedy agreement,
   attention-output error per layer and tile position, static and accumulated).
 - :mod:`kvarn.eval.report`: ``kvarn report``, the table, ``report.md`` and the plots.
+- :mod:`kvarn.eval.tasks`: seeded long-context tasks (passkey, multi-key needle-in-a-haystack,
+  variable tracking) and their exact-match scorer.
+- :mod:`kvarn.eval.longctx`: those tasks and generation drift run along a vLLM request's cache
+  path; :mod:`kvarn.eval.longctx_report`: ``kvarn report --task ...``, its tables and plots.
 
 Everything here imports transformers lazily, so ``import kvarn.eval`` needs torch alone.
 """

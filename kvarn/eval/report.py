@@ -21,6 +21,7 @@ import time
 
 from kvarn.config import key_bias_reason
 from kvarn.eval.harness import BLOCK
+from kvarn.eval.longctx_report import TASKS
 from kvarn.eval.methods import ALL_BASELINES, DEFAULT_METHODS, get_method, served_method, with_served_methods
 from kvarn.eval.models import BUNDLED_MODELS, DEFAULT_MODEL, needs_conversion
 
@@ -109,6 +110,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "(first tile too); default sink",
     )
     p.add_argument(
+        "--task",
+        choices=TASKS,
+        default="kl",
+        help="kl (default): this teacher-forced protocol; passkey, niah, vartrack: long-context retrieval; drift: "
+        "error along a long generation (kvarn report --task niah --help lists their options)",
+    )
+    p.add_argument(
         "--prefix", type=int, default=1024, help=f"prefix tokens, a positive multiple of {BLOCK} (default 1024)"
     )
     p.add_argument(
@@ -172,6 +180,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         if r not in ("tail", "sink"):
             p.error(f"--regions takes 'tail' and/or 'sink', got {r!r}")
     return args
+
+
+def _task(argv: list[str]) -> str:
+    """The ``--task`` of ``argv`` (default ``kl``); exits with status 2 on an unknown task."""
+    p = argparse.ArgumentParser(prog="kvarn report", add_help=False)
+    p.add_argument("--task", choices=TASKS, default="kl")
+    return p.parse_known_args(argv)[0].task
 
 
 def _slug(name: str) -> str:
@@ -413,6 +428,10 @@ def write_markdown(runs: list[dict], out: pathlib.Path, command: str) -> pathlib
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvarn report ARGS...``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if _task(argv) != "kl":
+        from kvarn.eval.longctx_report import main as run_task
+
+        return run_task(argv, progress_factory=_Progress, commit=_commit)
     args = _parse(argv)
     try:
         import torch

@@ -1,0 +1,575 @@
+"""Long-context retrieval and generation drift of a quantized KV cache, along the path a vLLM request takes.
+
+The measurements behind ``kvarn report --task passkey|niah|vartrack|drift``
+(:mod:`kvarn.eval.longctx_report` writes their tables, plots and ``report.md``).
+
+**The cache path of a request.** The prompt is fed in chunks of one tile (the method's ``G``
+tokens, 128 for every default method): each chunk attends over its earlier tiles as the method
+stored them and over its own tile exactly (the own-tile rule), then the answer is decoded token by
+token, each token seeing the earlier tiles quantized and its own tile from the full-precision tail.
+Methods are :mod:`kvarn.eval.methods`' caches (:meth:`Method.make_cache`), K/V rounded to fp16
+before storing; ``tail`` keeps only the incomplete last tile in full precision, ``sink`` the first
+tile as well. A lossless method (``fp16``) is the same in both settings and runs once. The
+yardstick ("exact") is the model in its own dtype with an unquantized cache.
+
+**Retrieval** (:mod:`kvarn.eval.tasks`): every method answers every sample greedily (at most the
+task's few answer tokens, stopping once the answer is complete or at an end-of-sequence token);
+scored by exact match, and by agreement with the exact model's own (normalised) answer.
+
+**Drift**: from a prefix of the text, the exact model generates ``new_tokens`` tokens greedily
+(an end-of-sequence token is never picked, and by default no 4-gram of the generation repeats:
+a small model's plain greedy run falls into a loop within a hundred tokens, which would make
+every later position trivially predictable). Each method is then teacher-forced on that text
+(prefix, then the generated tokens in tile-aligned chunks): KL(exact || method) of the next-token
+distributions at every generated position, averaged over windows of 64 positions, and top-1
+agreement with the exact run's distributions. Each method also decodes its own greedy run from
+the prefix (same rule) until its first token that differs from the exact run's.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvarn.eval import tasks
+from kvarn.eval.harness import BLOCK, _chunks
+from kvarn.eval.methods import DEFAULT_METHODS, Method, get_method, with_served_methods
+
+DRIFT_PREFIX = 256
+DRIFT_TOKENS = 1024
+NO_REPEAT_NGRAM = 4
+WINDOW = 64
+"""Drift's KL is averaged over windows of this many generated positions."""
+DRIFT_POSITIONS = (64, 256, 512, 1024)
+"""Generated positions whose window (the 64 positions up to it) the drift table shows."""
+REGION_LABEL = {"tail": "tail", "sink": "sink+tail"}
+
+
+def default_methods() -> list[str]:
+    """The report's default methods with each KVarN preset's ``_ks`` form right after it."""
+    return with_served_methods(list(DEFAULT_METHODS))
+
+
+@dataclass(frozen=True)
+class Run:
+    """One method in one full-precision region setting."""
+
+    method: Method
+    region: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.method.name} [{REGION_LABEL[self.region]}]"
+
+
+def lossless(method: Method) -> bool:
+    """Whether ``method`` stores tiles as they are (fp16): the sink then changes nothing."""
+    return method.config is None and method.fp8 is None
+
+
+def plan_runs(methods: list[str], regions: list[str]) -> list[Run]:
+    """Every (method, region), a lossless method in the first region only."""
+    runs = []
+    for name in methods:
+        method = get_method(name)
+        runs += [Run(method, region) for region in (regions[:1] if lossless(method) else regions)]
+    return runs
+
+
+class _Ticks:
+    """Counts one run's progress steps, so that steps it skipped (an answer that stopped early) are ticked too."""
+
+    def __init__(self, bar):
+        self.bar, self.n = bar, 0
+
+    def tick(self) -> None:
+        self.n += 1
+        self.bar.tick()
+
+    def settle(self, planned: int) -> None:
+        while self.n < planned:
+            self.tick()
+        self.n = 0
+
+
+class PlainProgress:
+    """Progress as lines on stderr (used when no progress factory is given)."""
+
+    def __init__(self, total: int, quiet: bool = False):
+        self.total, self.n, self.quiet, self.t0 = total, 0, quiet, time.perf_counter()
+
+    def tick(self) -> None:
+        self.n += 1
+
+    def describe(self, label: str) -> None:
+        if not self.quiet:
+            print(f"  {label} ({time.perf_counter() - self.t0:.0f} s)", file=sys.stderr)
+
+    def close(self) -> None:
+        pass
+
+
+def _forward(model, ids, cache, last_only: bool = False):
+    """Logits ``[n, V]`` of the chunk ``ids`` (``[1, V]``, its last position's, with ``last_only``)."""
+    import torch
+
+    tokens = torch.as_tensor(ids, device=model.device).view(1, -1)
+    # the LM head over a whole prompt chunk costs a tenth of the model's work (a quarter at Qwen's vocabulary)
+    out = model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=1 if last_only else 0)
+    return out.logits[0].float()
+
+
+def _prefill(model, ids: list[int], cache, group: int, tick: Callable) -> object:
+    """Feed ``ids`` in ``group``-token tile-aligned chunks; the last position's logits ``[1, V]``."""
+    logits = None
+    for a, b in _chunks(0, len(ids), group):
+        logits = _forward(model, ids[a:b], cache, last_only=True)
+        tick()
+    return logits
+
+
+def _exact_cache():
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+def _method_cache(run: Run, model, scales):
+    import torch
+
+    return run.method.make_cache(
+        sink=run.region == "sink",
+        dtype=torch.float16,
+        scales=scales,
+        keep_decoded=True,
+        num_layers=model.config.num_hidden_layers,
+    )
+
+
+def _amax_scales(cache) -> list[tuple[float, float]]:
+    """Per layer (K amax / 448, V amax / 448) of an exact cache: the calibration of ``fp8_e4m3_amax``."""
+    return [(float(layer.keys.abs().max()) / 448.0, float(layer.values.abs().max()) / 448.0) for layer in cache.layers]
+
+
+def _eos_ids(model, tok) -> set[int]:
+    ids = set()
+    for source in (getattr(model.generation_config, "eos_token_id", None), tok.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(int(i) for i in source)
+    return ids
+
+
+def _greedy_answer(model, tok, cache, logits, sample: tasks.Sample, eos: set[int], tick: Callable) -> list[int]:
+    """Greedy tokens after the prompt until the answer is complete, an end-of-sequence token, or the budget."""
+    out: list[int] = []
+    for step in range(sample.max_new_tokens):
+        nxt = int(logits[-1].argmax())
+        if nxt in eos:
+            break
+        out.append(nxt)
+        tick()
+        if tasks.answer_done(sample.task, tok.decode(out)) or step == sample.max_new_tokens - 1:
+            break
+        logits = _forward(model, [nxt], cache)
+    return out
+
+
+def _answer_record(tok, sample: tasks.Sample, tokens: list[int], seconds: float) -> dict:
+    text = tok.decode(tokens)
+    scored = tasks.score(sample.task, text, sample.answer)
+    record = {"output": text, "tokens": tokens, **scored, "seconds": round(seconds, 3)}
+    if sample.task == "vartrack":
+        record["distractor"] = bool(tasks.variables(text) & set(sample.distractors))
+    else:
+        record["distractor"] = scored["pred"] in sample.distractors
+    return record
+
+
+def _n_chunks(start: int, stop: int, group: int) -> int:
+    return len(list(_chunks(start, stop, group)))
+
+
+def _sample_steps(sample: tasks.Sample, runs: list[Run]) -> int:
+    chunks = sum(_n_chunks(0, sample.prompt_tokens, g) for g in [BLOCK, *(r.method.group_size for r in runs)])
+    return chunks + (len(runs) + 1) * sample.max_new_tokens
+
+
+def retrieval_sample(model, tok, sample: tasks.Sample, runs: list[Run], bar) -> dict:
+    """The exact model and every run answering ``sample``: one JSON-ready record."""
+    import torch
+
+    ids = tasks.encode(tok, sample)
+    eos = _eos_ids(model, tok)
+    record = {
+        "length": sample.length,
+        "index": sample.index,
+        "depth": sample.depth,
+        "needle_depths": [n.depth for n in sample.needles if n.role == "answer"],
+        "prompt_tokens": sample.prompt_tokens,
+        "answer": list(sample.answer),
+        "distractors": list(sample.distractors),
+        "runs": {},
+    }
+    ticks = _Ticks(bar)
+
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        bar.describe(f"{sample.task} {sample.length} #{sample.index}: exact")
+        cache = _exact_cache()
+        logits = _prefill(model, ids, cache, BLOCK, ticks.tick)
+        scales = _amax_scales(cache)
+        tokens = _greedy_answer(model, tok, cache, logits, sample, eos, ticks.tick)
+        ticks.settle(_n_chunks(0, len(ids), BLOCK) + sample.max_new_tokens)
+        exact = record["exact"] = _answer_record(tok, sample, tokens, time.perf_counter() - t0)
+        del cache
+        for run in runs:
+            t0 = time.perf_counter()
+            bar.describe(f"{sample.task} {sample.length} #{sample.index}: {run.label}")
+            cache = _method_cache(run, model, scales)
+            logits = _prefill(model, ids, cache, run.method.group_size, ticks.tick)
+            tokens = _greedy_answer(model, tok, cache, logits, sample, eos, ticks.tick)
+            ticks.settle(_n_chunks(0, len(ids), run.method.group_size) + sample.max_new_tokens)
+            got = _answer_record(tok, sample, tokens, time.perf_counter() - t0)
+            got["same_as_exact"] = got["pred"] == exact["pred"]
+            got["same_tokens"] = tokens == exact["tokens"]
+            record["runs"][run.label] = got
+            del cache
+    return record
+
+
+def _fmt_minutes(seconds: float) -> str:
+    return f"about {max(1, round(seconds / 60))} min" if seconds >= 60 else f"about {seconds:.0f} s"
+
+
+def retrieval(
+    model,
+    tok,
+    task: str,
+    runs: list[Run],
+    lengths: list[int],
+    samples: int,
+    seed: int = 0,
+    filler: str | None = None,
+    progress_factory: Callable | None = None,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Run ``task`` at every length over ``samples`` samples: per-sample records and a summary per run and length."""
+    built = [[tasks.make_sample(task, tok, n, i, seed, filler) for i in range(samples)] for n in lengths]
+    log(
+        f"{task}: {samples} sample(s) at each of {', '.join(map(str, lengths))} tokens, {len(runs) + 1} runs a sample "
+        "(the exact model and each method); a time estimate follows the first sample"
+    )
+    steps = sum(_sample_steps(s, runs) for row in built for s in row)
+    bar = (progress_factory or PlainProgress)(total=steps)
+    records, seconds = [], {}
+    t_start = time.perf_counter()
+    try:
+        for row in built:
+            for sample in row:
+                t0 = time.perf_counter()
+                records.append(retrieval_sample(model, tok, sample, runs, bar))
+                took = time.perf_counter() - t0
+                if sample.length not in seconds:
+                    seconds[sample.length] = took
+                    rest = _remaining(built, seconds, sample)
+                    log(
+                        f"{task}: first sample at {sample.length} tokens took {took:.0f} s ({len(runs) + 1} runs); "
+                        f"remaining run time {_fmt_minutes(rest)} (extrapolated to longer contexts)"
+                    )
+    finally:
+        bar.close()
+    return {
+        "task": task,
+        "lengths": lengths,
+        "samples": samples,
+        "seed": seed,
+        "filler": filler or tasks.DEFAULT_FILLER[task],
+        "runs": [_run_info(r, model) for r in runs],
+        "records": records,
+        "summary": summarize(records, runs, lengths),
+        "seconds": time.perf_counter() - t_start,
+    }
+
+
+COST_EXPONENT = 1.3
+"""A sample's time grows about as length ** 1.3 on a CPU (every chunk attends over all before it); used to
+extrapolate until two lengths are measured, then the measured exponent is."""
+
+
+def _sample_seconds(seconds: dict[int, float], length: int) -> float:
+    """Expected seconds of one sample at ``length`` from the first sample's time at each measured length."""
+    if length in seconds:
+        return seconds[length]
+    known = sorted(seconds)
+    exponent = COST_EXPONENT
+    if len(known) >= 2:
+        a, b = known[-2], known[-1]
+        exponent = math.log(seconds[b] / seconds[a]) / math.log(b / a) if seconds[a] > 0 else COST_EXPONENT
+    ref = min(known, key=lambda n: (abs(math.log(n / length)), -n))
+    return seconds[ref] * (length / ref) ** exponent
+
+
+def _remaining(built, seconds: dict[int, float], done: tasks.Sample) -> float:
+    """Seconds left after sample ``done`` (see :func:`_sample_seconds`)."""
+    left, seen = 0.0, False
+    for row in built:
+        for s in row:
+            if seen:
+                left += _sample_seconds(seconds, s.length)
+            seen = seen or s is done
+    return left
+
+
+def _run_info(run: Run, model) -> dict:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return {
+        "label": run.label,
+        "method": run.method.name,
+        "family": run.method.family,
+        "region": run.region,
+        "bits_per_element": run.method.bits_per_element(head_dim, cfg.num_hidden_layers),
+    }
+
+
+def summarize(records: list[dict], runs: list[Run], lengths: list[int]) -> list[dict]:
+    """Per run (and the exact model) and length: accuracy, agreement with the exact answer, distractor answers."""
+    out = []
+    for label in ["exact", *(r.label for r in runs)]:
+        for n in lengths:
+            rows = [r["exact"] if label == "exact" else r["runs"][label] for r in records if r["length"] == n]
+            if not rows:
+                continue
+            exact_rows = [r["exact"] for r in records if r["length"] == n]
+            entry = {
+                "label": label,
+                "length": n,
+                "n": len(rows),
+                "accuracy": sum(r["correct"] for r in rows) / len(rows),
+                "agreement": sum(a["pred"] == e["pred"] for a, e in zip(rows, exact_rows, strict=True)) / len(rows),
+                "distractor": sum(r["distractor"] for r in rows) / len(rows),
+            }
+            if "recall" in rows[0]:
+                entry["recall"] = sum(r["recall"] for r in rows) / len(rows)
+            out.append(entry)
+    return out
+
+
+def _kl_rows(ref_logprobs, logprobs):
+    """``[n]`` KL(exact || method) of each position's next-token distribution."""
+    return (ref_logprobs.exp() * (ref_logprobs - logprobs)).sum(-1)
+
+
+def _pick(logits, eos: set[int], banned: set[int]) -> int:
+    """The greedy token, never an end-of-sequence token or a banned one."""
+    row = logits.clone()
+    for t in eos | banned:
+        row[t] = float("-inf")
+    return int(row.argmax())
+
+
+class _NgramGuard:
+    """The tokens that would complete an ``n``-gram already generated (none when ``n`` is 0)."""
+
+    def __init__(self, n: int):
+        self.n, self.tokens, self.seen = n, [], {}
+
+    def push(self, token: int) -> None:
+        self.tokens.append(token)
+        if self.n > 0 and len(self.tokens) >= self.n:
+            gram = tuple(self.tokens[-self.n :])
+            self.seen.setdefault(gram[:-1], set()).add(gram[-1])
+
+    def banned(self) -> set[int]:
+        if self.n <= 0 or len(self.tokens) < self.n - 1:
+            return set()
+        return self.seen.get(tuple(self.tokens[len(self.tokens) - self.n + 1 :]), set())
+
+
+def _free_run(model, cache, logits, n: int, eos: set[int], ngram: int, stop_at: list[int] | None, tick) -> list[int]:
+    """Greedy decoding of up to ``n`` tokens from ``logits`` (the prefix's last row); with ``stop_at``, stop
+    after the first token that differs from it."""
+    guard, out = _NgramGuard(ngram), []
+    row = logits[-1]
+    for i in range(n):
+        nxt = _pick(row, eos, guard.banned())
+        out.append(nxt)
+        guard.push(nxt)
+        tick()
+        if (stop_at is not None and nxt != stop_at[i]) or i == n - 1:
+            break
+        row = _forward(model, [nxt], cache)[-1]
+    return out
+
+
+def _teacher_forced(model, cache, logits, generated: list[int], group: int, prefix: int, tick) -> object:
+    """``[N, V]`` log-probabilities of each generated position: the prefix's last row, then the generated
+    tokens fed in tile-aligned chunks (positions counted from the start of the sequence)."""
+    import torch
+
+    rows = [torch.log_softmax(logits[-1:], -1)]
+    for a, b in _chunks(prefix, prefix + len(generated) - 1, group):
+        rows.append(torch.log_softmax(_forward(model, generated[a - prefix : b - prefix], cache), -1))
+        tick()
+    return torch.cat(rows)
+
+
+def drift_prefixes(tok, text: str, prefix: int, samples: int, seed: int) -> list[list[int]]:
+    """``samples`` prefixes of ``prefix`` tokens, each from a seeded paragraph start of ``text``."""
+    import random
+
+    starts = [0] + [i + 1 for i, c in enumerate(text) if c == "\n" and text[i + 1 : i + 2] not in ("", "\n")]
+    rng = random.Random(f"drift/{seed}")
+    out = []
+    order = rng.sample(starts, len(starts))
+    for start in order:
+        ids = tok(text[start:]).input_ids
+        if len(ids) >= prefix:
+            out.append(ids[:prefix])
+        if len(out) == samples:
+            return out
+    raise ValueError(
+        f"the text has fewer than {samples} paragraph starts followed by {prefix} tokens; give a longer text or "
+        "a shorter --prefix"
+    )
+
+
+def drift(
+    model,
+    tok,
+    runs: list[Run],
+    prefix: int = DRIFT_PREFIX,
+    new_tokens: int = DRIFT_TOKENS,
+    samples: int = 1,
+    seed: int = 0,
+    text: str | None = None,
+    ngram: int = NO_REPEAT_NGRAM,
+    progress_factory: Callable | None = None,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Teacher-forced KL along the exact model's own generation, and each run's first greedy divergence."""
+    import torch
+
+    from kvarn.eval.harness import bundled_text
+
+    prefixes = drift_prefixes(tok, bundled_text() if text is None else text, prefix, samples, seed)
+    eos = _eos_ids(model, tok)
+
+    def run_steps(group: int) -> int:  # prefix chunks, generation or free run, teacher-forced chunks
+        return _n_chunks(0, prefix, group) + new_tokens + _n_chunks(prefix, prefix + new_tokens - 1, group)
+
+    steps = samples * (run_steps(BLOCK) + sum(run_steps(r.method.group_size) for r in runs))
+    log(
+        f"drift: {samples} prefix(es) of {prefix} tokens, {new_tokens} generated tokens, {len(runs) + 1} runs a "
+        "prefix (the exact model and each method); a time estimate follows the first method"
+    )
+    bar = (progress_factory or PlainProgress)(total=steps)
+    ticks = _Ticks(bar)
+    records = []
+    t_start = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            for index, ids in enumerate(prefixes):
+                t0 = time.perf_counter()
+                bar.describe(f"drift #{index}: exact, generating {new_tokens} tokens")
+                cache = _exact_cache()
+                logits = _prefill(model, ids, cache, BLOCK, ticks.tick)
+                scales = _amax_scales(cache)
+                forced = copy.deepcopy(cache)
+                generated = _free_run(model, cache, logits, new_tokens, eos, ngram, None, ticks.tick)
+                bar.describe(f"drift #{index}: exact, teacher-forced")
+                ref = _teacher_forced(model, forced, logits, generated, BLOCK, prefix, ticks.tick)
+                ticks.settle(run_steps(BLOCK))
+                del cache, forced
+                t_exact = time.perf_counter() - t0
+                grams = [tuple(generated[i : i + 4]) for i in range(len(generated) - 3)]
+                record = {
+                    "index": index,
+                    "prefix_ids": ids,
+                    "generated": generated,
+                    "generated_text": tok.decode(generated),
+                    "distinct_4grams": len(set(grams)) / max(len(grams), 1),
+                    "runs": {},
+                }
+                for run_index, run in enumerate(runs):
+                    r0 = time.perf_counter()
+                    bar.describe(f"drift #{index}: {run.label}, teacher-forced")
+                    cache = _method_cache(run, model, scales)
+                    logits = _prefill(model, ids, cache, run.method.group_size, ticks.tick)
+                    free = copy.deepcopy(cache)
+                    lp = _teacher_forced(model, cache, logits, generated, run.method.group_size, prefix, ticks.tick)
+                    kl = _kl_rows(ref, lp)
+                    same = (lp.argmax(-1) == ref.argmax(-1)).float()
+                    del cache, lp
+                    bar.describe(f"drift #{index}: {run.label}, free run")
+                    own = _free_run(model, free, logits, new_tokens, eos, ngram, generated, ticks.tick)
+                    ticks.settle(run_steps(run.method.group_size))
+                    del free
+                    diverged = len(own) - 1 if own[-1] != generated[len(own) - 1] else None
+                    record["runs"][run.label] = {
+                        "kl": kl.tolist(),
+                        "kl_windows": _windows(kl.tolist()),
+                        "kl_mean": float(kl.mean()),
+                        "top1": float(same.mean()),
+                        "top1_windows": _windows(same.tolist()),
+                        "first_divergence": diverged,
+                        "seconds": round(time.perf_counter() - r0, 3),
+                    }
+                    if index == 0 and run_index == 0:
+                        t_run = time.perf_counter() - r0
+                        left = (len(runs) - 1) * t_run + (samples - 1) * (t_exact + len(runs) * t_run)
+                        log(
+                            f"drift: the exact run took {t_exact:.0f} s, {run.label} {t_run:.0f} s; remaining run "
+                            f"time at most {_fmt_minutes(left)} (a method's free run stops at its first divergence)"
+                        )
+                record["seconds"] = round(time.perf_counter() - t0, 3)
+                records.append(record)
+    finally:
+        bar.close()
+    return {
+        "task": "drift",
+        "prefix": prefix,
+        "new_tokens": new_tokens,
+        "samples": samples,
+        "seed": seed,
+        "no_repeat_ngram": ngram,
+        "window": WINDOW,
+        "runs": [_run_info(r, model) for r in runs],
+        "records": records,
+        "summary": summarize_drift(records, runs, new_tokens),
+        "seconds": time.perf_counter() - t_start,
+    }
+
+
+def _windows(values: list[float]) -> list[float]:
+    return [sum(values[i : i + WINDOW]) / len(values[i : i + WINDOW]) for i in range(0, len(values), WINDOW)]
+
+
+def summarize_drift(records: list[dict], runs: list[Run], new_tokens: int) -> list[dict]:
+    """Per run: KL per window (mean over samples), KL at :data:`DRIFT_POSITIONS`, top-1, first divergence."""
+    out = []
+    for run in runs:
+        rows = [r["runs"][run.label] for r in records]
+        windows = [sum(w) / len(w) for w in zip(*(r["kl_windows"] for r in rows), strict=True)]
+        at = {p: windows[p // WINDOW - 1] if p <= new_tokens else None for p in DRIFT_POSITIONS}
+        firsts = [new_tokens if r["first_divergence"] is None else r["first_divergence"] for r in rows]
+        out.append(
+            {
+                "label": run.label,
+                "kl_windows": windows,
+                "kl_at": {str(p): v for p, v in at.items()},
+                "kl_mean": sum(r["kl_mean"] for r in rows) / len(rows),
+                "top1": sum(r["top1"] for r in rows) / len(rows),
+                "top1_windows": [sum(w) / len(w) for w in zip(*(r["top1_windows"] for r in rows), strict=True)],
+                "first_divergence": firsts,
+                "first_divergence_median": statistics.median(firsts),
+            }
+        )
+    return out

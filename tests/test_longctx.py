@@ -1,0 +1,427 @@
+"""Long-context tasks (kvarn.eval.tasks) and their runner (kvarn.eval.longctx): generators, scorer, CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+
+from kvarn.eval import tasks
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def byte_tok(tmp_path_factory):
+    """The tiny model's byte-level tokenizer (one token per byte, no chat template)."""
+    pytest.importorskip("transformers")
+    from tiny_model import build_tiny_model
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(build_tiny_model(tmp_path_factory.mktemp("tiny") / "m"))
+
+
+@pytest.fixture(scope="module")
+def bpe_tok():
+    """A byte-level BPE trained on the bundled text (merges words, one token per digit, as Llama and Qwen
+    tokenizers do) with a chat template."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from kvarn.eval.harness import bundled_text
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=800,
+        special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([bundled_text()], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _token_index(tok, sample: tasks.Sample, char: int) -> int:
+    """Token index holding character ``char`` of the prompt, found independently of the generator."""
+    special = not getattr(tok, "chat_template", None)
+    enc = tok(sample.prompt, add_special_tokens=special, return_offsets_mapping=True)
+    for i, (a, b) in enumerate(enc["offset_mapping"]):
+        if a <= char < b:
+            return i
+    raise AssertionError(f"no token covers character {char}")
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("task", tasks.TASKS)
+def test_samples_are_seeded(bpe_tok, task):
+    a = tasks.make_sample(task, bpe_tok, 1024, 3, seed=7)
+    assert tasks.make_sample(task, bpe_tok, 1024, 3, seed=7) == a
+    other_seed = tasks.make_sample(task, bpe_tok, 1024, 3, seed=8)
+    other_index = tasks.make_sample(task, bpe_tok, 1024, 4, seed=7)
+    assert other_seed.prompt != a.prompt and other_seed.answer != a.answer
+    assert other_index.prompt != a.prompt and other_index.depth != a.depth
+    # the asked needle's depth depends on (seed, index) only: the same at every length
+    assert tasks.make_sample(task, bpe_tok, 1536, 3, seed=7).depth == a.depth == tasks.sample_depth(7, 3)
+
+
+def test_depths_spread_over_the_context():
+    for n in (4, 8, 20):
+        depths = sorted(tasks.sample_depth(0, i) for i in range(n))
+        gaps = [b - a for a, b in zip([0.0, *depths], [*depths, 1.0], strict=True)]
+        assert max(gaps) < 2.5 / n, (n, depths)
+    assert tasks.sample_depth(0, 5) != tasks.sample_depth(1, 5)
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("task", tasks.TASKS)
+@pytest.mark.parametrize("length", [768, 2048])
+def test_needles_sit_at_their_depth_by_token_position(bpe_tok, task, length):
+    from kvarn.eval.tasks import NEUTRAL_SENTENCES, _prose_sentences
+
+    units = _prose_sentences() if tasks.DEFAULT_FILLER[task] == "prose" else NEUTRAL_SENTENCES
+    unit = max(len(bpe_tok(" " + u).input_ids) for u in units)  # the filler's step
+    for index in range(4):
+        s = tasks.make_sample(task, bpe_tok, length, index)
+        assert s.prompt_tokens == len(tasks.encode(bpe_tok, s))
+        assert length - s.max_new_tokens - unit <= s.prompt_tokens <= length - s.max_new_tokens  # filled, fits
+        c0, c1 = s.context
+        t0, t1 = _token_index(bpe_tok, s, c0), _token_index(bpe_tok, s, c1 - 1) + 1
+        for needle in s.needles:
+            assert s.prompt[needle.start : needle.start + len(needle.text)] == needle.text
+            measured = (_token_index(bpe_tok, s, needle.start) - t0) / (t1 - t0)
+            assert measured == pytest.approx(needle.depth, abs=1e-9)
+        at = next(i for i, n in enumerate(s.needles) if n.role == "answer")
+        # the asked needle (vartrack: its chain's first assignment) at the filler boundary nearest the stated
+        # depth: off by at most half a filler sentence (and a token a needle for tokenization at the joins),
+        # unless the needles before (after) it do not fit between the start (end) and that depth
+        before = sum(len(bpe_tok(" " + n.text).input_ids) for n in s.needles[:at])
+        after = sum(len(bpe_tok(" " + n.text).input_ids) for n in s.needles[at + 1 :])
+        crowded = max(0.0, s.depth * (t1 - t0) + after - (t1 - t0), before - s.depth * (t1 - t0))
+        off = abs(s.needles[at].depth - s.depth) * (t1 - t0)
+        assert off <= unit / 2 + len(s.needles) + crowded, (index, s.depth)
+        assert 0 <= c0 < c1 < s.prompt.index(s.query)
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("which", ["bpe_tok", "byte_tok"])
+@pytest.mark.parametrize("task", tasks.TASKS)
+def test_the_answer_round_trips_through_the_tokenizer(request, which, task):
+    tok = request.getfixturevalue(which)
+    for index in range(3):
+        s = tasks.make_sample(task, tok, 1024, index)
+        special = not getattr(tok, "chat_template", None)
+        enc = tok(s.prompt, add_special_tokens=special, return_offsets_mapping=True)
+        for value in s.answer:
+            spans = s.spans(value)
+            assert spans, value
+            for a, b in spans:  # the tokens covering the span decode to it (a merged leading space aside)
+                covering = [i for i, (x, y) in enumerate(enc["offset_mapping"]) if x < b and y > a]
+                decoded = tok.decode([enc["input_ids"][i] for i in covering])
+                assert decoded.lstrip() == value and enc["offset_mapping"][covering[-1]][1] == b
+
+
+@pytest.mark.hf
+def test_passkey_and_niah_answers_appear_only_in_their_needles(bpe_tok):
+    for index in range(4):
+        s = tasks.passkey(bpe_tok, 1024, index)
+        (key,) = s.answer
+        assert 5 <= len(key) <= 7 and key.isdigit()
+        assert s.prompt.count(key) == 2 == len(s.spans(key))  # said twice in its one needle, nowhere else
+        n = tasks.niah(bpe_tok, 1024, index, num_needles=4)
+        (value,) = n.answer
+        assert len(n.distractors) == 3 and value not in n.distractors and len(set(n.distractors)) == 3
+        assert n.prompt.count(value) == 1
+        keys = [re.match(r"The secret number for (\S+) is", x.text).group(1) for x in n.needles]
+        asked = re.search(r"secret number for (\S+)\?", n.query).group(1)
+        assert len(set(keys)) == 4 and keys.count(asked) == 1
+        assert next(x for x in n.needles if x.role == "answer").value == value
+        assert n.prompt.endswith(f"The secret number for {asked} is")
+
+
+@pytest.mark.hf
+def test_vartrack_answer_is_what_the_assignments_say(bpe_tok):
+    """Resolve every assignment in the prompt, in order: the variables holding the asked value are the answer."""
+    for index in range(4):
+        s = tasks.vartrack(bpe_tok, 1024, index, hops=3, chains=3)
+        values: dict[str, str] = {}
+        for name, rhs in re.findall(r"VAR ([A-Z]{5}) = (VAR [A-Z]{5}|\d+)\.", s.prompt):
+            values[name] = values[rhs[4:]] if rhs.startswith("VAR ") else rhs
+        asked = re.search(r"hold the value (\d+)\?", s.query).group(1)
+        assert len(values) == 12 and len(s.answer) == 4 and len(s.distractors) == 8
+        assert {v for v, x in values.items() if x == asked} == set(s.answer)
+        assert not set(s.answer) & set(s.distractors)
+        assert {x for v, x in values.items() if v in s.distractors}.isdisjoint({asked})
+
+
+@pytest.mark.hf
+def test_chat_template_where_the_tokenizer_has_one(bpe_tok, byte_tok):
+    chat = tasks.passkey(bpe_tok, 1024, 0)
+    assert chat.prompt.startswith("<|im_start|>user\n") and chat.prompt.endswith(
+        "<|im_start|>assistant\nThe pass key is"
+    )
+    assert tasks.encode(bpe_tok, chat)[0] == bpe_tok.convert_tokens_to_ids("<|im_start|>")
+    plain = tasks.passkey(byte_tok, 1024, 0)
+    assert "<|im_start|>" not in plain.prompt and plain.prompt.endswith("\n\nThe pass key is")
+    asked = []
+
+    class Spy:  # the tokenizer's own special tokens (BOS) only where no chat template supplies them
+        chat_template = None
+
+        def __call__(self, text, add_special_tokens):
+            asked.append(add_special_tokens)
+            return byte_tok(text, add_special_tokens=add_special_tokens)
+
+    tasks.encode(Spy(), plain)
+    tasks.encode(bpe_tok, chat)
+    assert asked == [True]
+
+
+@pytest.mark.hf
+def test_a_length_too_short_for_the_task_says_so(bpe_tok):
+    with pytest.raises(ValueError, match=r"a 200-token context leaves no room for filler.*use a longer length"):
+        tasks.niah(bpe_tok, 200, 0)
+
+
+@pytest.mark.parametrize(
+    ("output", "pred", "correct"),
+    [
+        (" 4817263.", "4817263", True),
+        ("4,817,263 is the number", "4817263", True),
+        ("\n  4817263\nDone", "4817263", True),
+        (" 48172634.", "48172634", False),  # one digit more
+        (" 481726.", "481726", False),
+        ("12, then 4817263", "12", False),  # the first number counts
+        (" not given.", "", False),
+        ("", "", False),
+    ],
+)
+def test_number_scoring(output, pred, correct):
+    for task in ("passkey", "niah"):
+        assert tasks.score(task, output, ("4817263",)) == {"pred": pred, "correct": correct}
+
+
+def test_vartrack_scoring_is_a_set_match():
+    gold = ("ABCDE", "FGHIJ", "KLMNO")
+    assert tasks.score("vartrack", " KLMNO, ABCDE and FGHIJ.", gold) == {
+        "pred": "ABCDE,FGHIJ,KLMNO",
+        "correct": True,
+        "recall": 1.0,
+    }
+    assert tasks.score("vartrack", "ABCDE, ABCDE, FGHIJ, KLMNO", gold)["correct"]  # repeats do not matter
+    missing = tasks.score("vartrack", "ABCDE, FGHIJ", gold)
+    assert not missing["correct"] and missing["recall"] == pytest.approx(2 / 3)
+    extra = tasks.score("vartrack", "ABCDE, FGHIJ, KLMNO, PQRST", gold)
+    assert not extra["correct"] and extra["recall"] == 1.0
+    assert tasks.score("vartrack", "abcde, fghij, klmno", gold) == {"pred": "", "correct": False, "recall": 0.0}
+    assert not tasks.score("vartrack", "ABCDEF, FGHIJ, KLMNO", gold)["correct"]  # six letters is no variable
+
+
+def test_answer_done():
+    assert not tasks.answer_done("passkey", " 48172")
+    assert tasks.answer_done("passkey", " 4817263.")
+    assert not tasks.answer_done("niah", " The number")
+    assert tasks.answer_done("vartrack", " ABCDE, FGHIJ.")
+    assert not tasks.answer_done("vartrack", " ABCDE, FGHIJ")
+    assert not tasks.answer_done("vartrack", "\n1.")  # a numbered list has begun
+    assert not tasks.answer_done("vartrack", "\n1. ABCDE\n2.")
+    assert tasks.answer_done("vartrack", "\n1. ABCDE\n2. FGHIJ\n\n")
+    with pytest.raises(ValueError, match="task must be one of"):
+        tasks.normalize("kl", "x")
+
+
+def test_ngram_guard_blocks_only_repeats():
+    from kvarn.eval.longctx import _NgramGuard
+
+    g = _NgramGuard(3)
+    for t in (1, 2, 3, 1):
+        g.push(t)
+    assert g.banned() == set()
+    g.push(2)
+    assert g.banned() == {3}  # "1 2 3" happened: after "1 2" the 3 would repeat it
+    off = _NgramGuard(0)
+    for t in (1, 1, 1, 1):
+        off.push(t)
+    assert off.banned() == set()
+
+
+def test_time_estimate_extrapolates_by_length():
+    from kvarn.eval.longctx import COST_EXPONENT, _sample_seconds
+
+    assert _sample_seconds({1024: 100.0}, 1024) == 100.0
+    assert _sample_seconds({1024: 100.0}, 4096) == pytest.approx(100.0 * 4**COST_EXPONENT)
+    assert _sample_seconds({1024: 100.0, 2048: 300.0}, 8192) == pytest.approx(300.0 * 9)  # measured: 3x a doubling
+    assert _sample_seconds({1024: 100.0, 2048: 300.0}, 1536) == pytest.approx(300.0 * 0.75 ** math.log2(3))
+
+
+def test_runs_lossless_methods_once():
+    from kvarn.eval.longctx import default_methods, plan_runs
+
+    methods = default_methods()
+    assert methods[methods.index("kvarn_k4v2_g128") + 1] == "kvarn_k4v2_g128_ks"
+    assert methods[methods.index("kvarn_k2v2_g128") + 1] == "kvarn_k2v2_g128_ks"
+    labels = [r.label for r in plan_runs(["fp16", "fp8_e4m3", "kvarn_k4v2_g128"], ["tail", "sink"])]
+    assert labels == [
+        "fp16 [tail]",
+        "fp8_e4m3 [tail]",
+        "fp8_e4m3 [sink+tail]",
+        "kvarn_k4v2_g128 [tail]",
+        "kvarn_k4v2_g128 [sink+tail]",
+    ]
+
+
+def _report(argv, tmp_path, monkeypatch, capsys):
+    """``kvarn report ARGS`` through the CLI entry; exit status and captured output."""
+    from kvarn import cli
+
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    try:
+        rc = cli.main(["report", *argv, "--out", str(tmp_path / "r"), "--quiet"])
+    except SystemExit as e:
+        rc = e.code
+    return rc, capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--task", "haystack"], "invalid choice: 'haystack'"),
+        (["--task", "niah", "--lengths", "1k"], "--lengths takes comma-separated token counts"),
+        (["--task", "niah", "--lengths", "128"], "every length must be at least 256 tokens"),
+        (["--task", "niah", "--lengths", "1024,1024"], "lists a length twice"),
+        (["--task", "niah", "--lengths", "16384"], "16384 tokens exceed smollm2-135m's context length of 8192"),
+        (["--task", "passkey", "--samples", "0"], "--samples must be at least 1"),
+        (["--task", "niah", "--prefix", "256"], "--prefix applies to --task drift"),
+        (["--task", "vartrack", "--new-tokens", "64"], "--new-tokens applies to --task drift"),
+        (["--task", "drift", "--lengths", "1024"], "--lengths applies to the retrieval tasks"),
+        (["--task", "drift", "--filler", "prose"], "--filler applies to the retrieval tasks"),
+        (["--task", "drift", "--prefix", "100"], "--prefix must be a positive multiple of 128"),
+        (["--task", "drift", "--new-tokens", "10"], "--new-tokens must be at least 64"),
+        (["--task", "drift", "--no-repeat-ngram", "1"], "--no-repeat-ngram must be 0 (off) or at least 2"),
+        (["--task", "drift", "--prefix", "8192"], "exceed smollm2-135m's context length"),
+        (["--task", "niah", "--methods", "kvarn_k3v3_g128"], "unknown method 'kvarn_k3v3_g128'"),
+        (["--task", "niah", "--regions", "middle"], "--regions takes 'tail' and/or 'sink'"),
+        (["--task", "niah", "--filler", "essays"], "invalid choice: 'essays'"),
+        (["--task", "niah", "--model", "llama-70b"], "unknown model 'llama-70b'"),
+        (["--samples", "3"], "unrecognized arguments: --samples 3"),  # kl: the long-context options do not apply
+        (["--task", "kl", "--regions", "middle"], "--regions takes 'tail' and/or 'sink', got 'middle'"),
+    ],
+)
+def test_misuse_exits_2_before_a_model_loads(argv, message, tmp_path, monkeypatch, capsys):
+    from kvarn.eval import models
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(models, "load_model", no_loading)
+    monkeypatch.setattr(models, "model_dir", no_loading)
+    rc, out = _report(argv, tmp_path, monkeypatch, capsys)
+    assert rc == 2
+    assert "usage: kvarn report" in out.err and message in out.err
+    assert not (tmp_path / "r").exists()
+
+
+def test_method_lists():
+    from kvarn.eval.longctx_report import _parse
+    from kvarn.eval.methods import ALL_BASELINES, DEFAULT_METHODS
+
+    default = _parse(["--task", "niah"])
+    assert default.method_list[:4] == ["fp16", "fp8_e4m3", "fp8_e4m3_amax", "kvarn_k4v2_g128"]
+    assert set(default.method_list) == {*DEFAULT_METHODS, "kvarn_k4v2_g128_ks", "kvarn_k2v2_g128_ks"}
+    assert default.region_list == ["tail", "sink"]
+    every = _parse(["--task", "drift", "--methods", "all"]).method_list
+    assert set(ALL_BASELINES) < set(every) and "kvarn_k4v4_g64_ks" in every
+    assert _parse(["--task", "niah", "--methods", "fp16, kivi_k4v2_g128"]).method_list == ["fp16", "kivi_k4v2_g128"]
+
+
+def _table(stdout: str, first_header: str) -> list[list[str]]:
+    """The markdown table printed after ``first_header``: rows of cells (separator row dropped)."""
+    lines = stdout[stdout.index(f"| {first_header} |") :].splitlines()
+    rows = []
+    for line in lines:
+        if not line.startswith("|"):
+            break
+        if not line.startswith("|---"):
+            rows.append([c.strip() for c in line.strip("|").split("|")])
+    return rows
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("task", tasks.TASKS)
+def test_retrieval_task_end_to_end_on_a_tiny_model(task, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    from tiny_model import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "tiny")
+    argv = ["--task", task, "--model", str(folder), "--methods", "fp16,kvarn_k2v2_g128", "--regions", "tail,sink"]
+    rc, out = _report([*argv, "--lengths", "768,640", "--samples", "2", "--seed", "3"], tmp_path, monkeypatch, capsys)
+    assert rc == 0, out.err
+    rows = _table(out.out, "method")
+    assert rows[0] == ["method", "family", "bits/elem", "regions", "640 tokens", "768 tokens", "mean"]
+    assert [r[0] for r in rows[1:]] == ["exact", "fp16", "kvarn_k2v2_g128", "kvarn_k2v2_g128"]
+    assert [r[3] for r in rows[1:]] == ["-", "tail", "tail", "sink+tail"]
+    assert all(re.fullmatch(r"\d+% \(\d+%\)", cell) for r in rows[2:] for cell in r[4:6])
+    out_dir = tmp_path / "r"
+    report = (out_dir / "report.md").read_text()
+    assert f"# kvarn long-context report: {task}" in report and "| 640 | 1 |" in report
+    (res,) = json.loads((out_dir / "results.json").read_text())
+    assert res["task"] == task and res["lengths"] == [640, 768] and res["seed"] == 3
+    assert [(r["length"], r["index"]) for r in res["records"]] == [(640, 0), (640, 1), (768, 0), (768, 1)]
+    for r in res["records"]:
+        assert set(r["runs"]) == {"fp16 [tail]", "kvarn_k2v2_g128 [tail]", "kvarn_k2v2_g128 [sink+tail]"}
+        assert r["runs"]["fp16 [tail]"]["same_tokens"]  # fp16 storage of a 2-layer model answers like the exact one
+        assert len(r["exact"]["tokens"]) <= tasks.MAX_NEW_TOKENS[task]
+        assert r["prompt_tokens"] + tasks.MAX_NEW_TOKENS[task] <= r["length"]
+    assert len(res["summary"]) == 4 * 2
+    assert [p for p in res["plots"]] == [f"tiny_{task}_accuracy.png"]
+    assert (out_dir / res["plots"][0]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # seeded: the same command gives the same prompts and answers
+    rc, _ = _report(
+        [*argv, "--lengths", "640", "--samples", "1", "--seed", "3"], tmp_path / "again", monkeypatch, capsys
+    )
+    (again,) = json.loads((tmp_path / "again" / "r" / "results.json").read_text())
+    assert again["records"][0]["answer"] == res["records"][0]["answer"]
+    assert again["records"][0]["exact"] == {
+        **res["records"][0]["exact"],
+        "seconds": again["records"][0]["exact"]["seconds"],
+    }
+
+
+@pytest.mark.hf
+def test_drift_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    from tiny_model import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "tiny")
+    argv = ["--task", "drift", "--model", str(folder), "--methods", "fp16,kvarn_k2v2_g128", "--regions", "tail,sink"]
+    rc, out = _report([*argv, "--prefix", "128", "--new-tokens", "192"], tmp_path, monkeypatch, capsys)
+    assert rc == 0, out.err
+    rows = _table(out.out, "method")
+    assert rows[0][:4] == ["method", "family", "bits/elem", "regions"]
+    assert rows[0][4:] == ["KL @64", "KL @256", "KL @512", "KL @1024", "mean KL", "top-1", "first divergence (of 192)"]
+    assert [r[3] for r in rows[1:]] == ["tail", "tail", "sink+tail"]  # no exact row: it is the yardstick
+    assert all(r[5:8] == ["-", "-", "-"] for r in rows[1:])  # positions past the 192 generated tokens
+    (res,) = json.loads((tmp_path / "r" / "results.json").read_text())
+    (record,) = res["records"]
+    assert len(record["generated"]) == 192 and len(record["prefix_ids"]) == 128
+    grams = [tuple(record["generated"][i : i + 4]) for i in range(189)]
+    assert len(set(grams)) == len(grams)  # the default greedy rule repeats no 4-gram
+    by = {e["label"]: e for e in res["summary"]}
+    fp16, k2, k2sink = by["fp16 [tail]"], by["kvarn_k2v2_g128 [tail]"], by["kvarn_k2v2_g128 [sink+tail]"]
+    assert len(record["runs"]["fp16 [tail]"]["kl"]) == 192 and len(fp16["kl_windows"]) == 3
+    assert abs(fp16["kl_mean"]) < 1e-6 and fp16["top1"] == 1.0
+    assert k2["kl_mean"] > 1e-4 and k2["kl_mean"] > k2sink["kl_mean"]
+    assert 0 <= k2["first_divergence"][0] < 192  # a 2-bit cache of a random model does not follow 192 tokens
+    assert (tmp_path / "r" / "tiny_drift.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "KL(exact || method) at position p" in (tmp_path / "r" / "report.md").read_text()
