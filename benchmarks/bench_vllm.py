@@ -29,6 +29,9 @@ time-per-output-token part; ``TPOT_GRID``
 (default ``4096:1,8,32``; e.g. ``4096:1,8,32;32768:1,8``) picks its contexts and batches (a batch
 whose tokens exceed the cache is recorded as not fitting, not timed); ``CAP_PROMPT`` (default 4096)
 and ``CAP_OUT`` (default 256) are the capacity run's prompt and output lengths. One engine serves every part.
+The long-output workload (short prompts, long answers: where a cache that holds more requests pays most):
+``CAP_ONLY=1 CAP_DECODE=0 CAP_PROMPT=1024 CAP_OUT=8192 KV_GIB=21 ... bench qwen3-8b DTYPE OUT.json``, a KV
+budget at which bf16's cache holds 16 such requests.
 
 ``bench``: Llama-3-8B or Qwen3-8B shapes, vLLM's defaults otherwise: KV token capacity (``num_gpu_blocks
 * block_size``), prefill tokens/s of one 16K prompt, time per output token (prefix-cached prompts,

@@ -426,12 +426,13 @@ def serving_capacity_bound(g: Serving) -> list[str] | None:
     picked = {
         d: f
         for d, fs in sorted(g.records.items(), key=lambda kv: dtype_order(kv[0]))
-        if (f := _latest(fs, lambda o: "cap_decode_tok_s" in o))
+        if (f := _latest(fs, lambda o: "cap_out_tok_s" in o))
     }
     if "auto" not in picked:
         return None
     base = picked["auto"].obj
     idx, footer = _sources_footer(picked)
+    decode = any("cap_decode_tok_s" in f.obj for f in picked.values())  # a run may skip the decode phase
     shapes = sorted({(f.obj.get("cap_prompt"), f.obj.get("cap_out")) for f in picked.values()}, key=str)
     shape = ", ".join(f"{num(p)} + {num(o)}" for p, o in shapes)
 
@@ -444,8 +445,14 @@ def serving_capacity_bound(g: Serving) -> list[str] | None:
 
     rows = [
         ("requests held at once", "cap_requests", 0, True),
-        ("decode phase, output tokens/s", "cap_decode_tok_s", 0, True),
-        ("decode phase, ms a step", "cap_decode_tpot_ms", 2, False),
+        *(
+            [
+                ("decode phase, output tokens/s", "cap_decode_tok_s", 0, True),
+                ("decode phase, ms a step", "cap_decode_tpot_ms", 2, False),
+            ]
+            if decode
+            else []
+        ),
         ("end to end, output tokens/s", "cap_out_tok_s", 0, True),
         ("end to end, seconds", "cap_s", 1, False),
         ("preemptions", "cap_preemptions", 0, False),
@@ -455,9 +462,10 @@ def serving_capacity_bound(g: Serving) -> list[str] | None:
     return [
         f"### {g.model}: capacity-bound serving",
         "",
-        f"KV budget: {g.budget}. As many requests of {shape} (prompt + generated) tokens as the cache holds at",
-        "once; the decode phase runs the same requests again on their prefix-cached prompts. In parentheses: the",
-        "figure over bf16's.",
+        f"KV budget: {g.budget}. As many requests of {shape} (prompt + generated) tokens as the cache holds,",
+        "submitted at once"
+        + ("; the decode phase runs the same requests again on their prefix-cached prompts." if decode else "."),
+        "In parentheses: the figure over bf16's.",
         "",
         *table(["", *[dtype_label(d) for d in picked]], body),
         "",
