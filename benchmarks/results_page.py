@@ -426,7 +426,7 @@ def serving_capacity_bound(g: Serving) -> list[str] | None:
     picked = {
         d: f
         for d, fs in sorted(g.records.items(), key=lambda kv: dtype_order(kv[0]))
-        if (f := _latest(fs, lambda o: "cap_out_tok_s" in o))
+        if (f := _latest(fs, lambda o: "cap_out_tok_s" in o or "cap_decode_tok_s" in o))
     }
     if "auto" not in picked:
         return None
