@@ -4,8 +4,8 @@ Ground floor up: ``config`` -> ``reference`` and ``kernels`` side by side (neith
 other) -> ``ops`` (the one dispatch point) -> ``paged`` and the public API -> ``integration`` ->
 evaluation and the CLI. Imports only point down or stay inside their own floor's package; no
 module imports in a circle; only ``ops`` (and the reference itself) imports ``kvarn.reference``.
-``paged`` stands on ``config`` and ``ops`` alone and imports no serving or modelling library; the
-every module stays under :data:`MAX_LINES`.
+``paged`` stands on ``config`` and ``ops`` alone and imports no serving or modelling library; every
+module stays under :data:`MAX_LINES`.
 """
 
 from __future__ import annotations
