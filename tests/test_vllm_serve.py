@@ -59,6 +59,7 @@ STREAMED = (_prompt(120, shift=3), 40)  # the stream crosses the first tile boun
 AFTER_CANCEL = [(_prompt(140 + 50 * i, shift=5 + i), 24) for i in range(3)]
 CHAT = [{"role": "user", "content": _prompt(150, shift=40)}]
 CHAT_TOKENS = 20
+HELD = (_prompt(200, shift=11), 250)  # long enough that it is still running when /metrics is read
 
 
 def _serve_args(model_dir: pathlib.Path, template: pathlib.Path) -> list[str]:
@@ -215,17 +216,22 @@ def served(server):
         return {"text": r.choices[0].text, "usage": r.usage.model_dump(), "finish": r.choices[0].finish_reason}
 
     with concurrent.futures.ThreadPoolExecutor(len(CONCURRENT)) as pool:
-        # one request first, so the metrics below see a running request holding blocks
-        futures = [pool.submit(complete, CONCURRENT[0])]
-        usage_seen = 0.0
-        deadline = time.time() + 60
-        while not futures[0].done() and usage_seen == 0 and time.time() < deadline:
-            usage_seen = server.metrics().get("vllm:kv_cache_usage_perc", 0.0)
-            time.sleep(0.05)
-        futures += [pool.submit(complete, req) for req in CONCURRENT[1:]]
-        out["concurrent"] = [f.result() for f in futures]
-    out["usage_while_running"] = usage_seen
+        out["concurrent"] = list(pool.map(complete, CONCURRENT))
     out["metrics_after_concurrent"] = server.wait_idle()
+
+    # a request held mid-stream: it has generated tokens and has more to go, so its blocks are in use while the
+    # metrics are read (a short request can finish between two reads of /metrics)
+    held = client.completions.create(
+        model=SERVED_NAME, prompt=HELD[0], max_tokens=HELD[1], temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    usage_seen, got = 0.0, 0
+    for chunk in held:
+        got += bool(chunk.choices)
+        if got >= 5 and usage_seen == 0:
+            usage_seen = server.metrics().get("vllm:kv_cache_usage_perc", 0.0)
+    out["usage_while_running"], out["held_chunks"] = usage_seen, got
+    out["metrics_after_held"] = server.wait_idle()
 
     cancelled = client.completions.create(
         model=SERVED_NAME, prompt=_prompt(200, shift=9), max_tokens=300, temperature=0, stream=True,
@@ -292,8 +298,9 @@ def test_eight_concurrent_requests_across_tile_boundaries_finish(served):
 
 
 def test_metrics_report_kv_cache_usage_and_release_it(served):
+    assert served["held_chunks"] == HELD[1]
     assert served["usage_while_running"] > 0  # a running request's blocks are counted
-    for key in ("metrics_after_concurrent", "metrics_after_cancel"):
+    for key in ("metrics_after_concurrent", "metrics_after_held", "metrics_after_cancel"):
         m = served[key]
         assert "vllm:kv_cache_usage_perc" in m, sorted(m)
         assert m["vllm:kv_cache_usage_perc"] == 0.0, (key, m["vllm:kv_cache_usage_perc"])  # nothing held when idle
@@ -305,7 +312,7 @@ def test_a_cancelled_stream_is_aborted_and_the_server_keeps_serving(server, serv
         assert got["usage"]["completion_tokens"] == n and got["usage"]["prompt_tokens"] == len(prompt)
     # the cancelled request did not run to its 300 tokens: the generation counter stops short of it
     m = served["metrics_after_cancel"]
-    generated = sum(n for _, n in CONCURRENT) + STREAMED[1] + CHAT_TOKENS
+    generated = sum(n for _, n in CONCURRENT) + STREAMED[1] + CHAT_TOKENS + HELD[1]
     assert m["vllm:generation_tokens_total"] < generated + 300, m["vllm:generation_tokens_total"]
     server.alive()
 
