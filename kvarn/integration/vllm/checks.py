@@ -235,6 +235,14 @@ def run_problems(vllm_config, preset: str) -> list[str]:
         problems.append(
             "speculative decoding would freeze unverified draft tokens into quantized tiles; drop --speculative-config"
         )
+    model = getattr(vllm_config, "model_config", None)
+    if getattr(model, "is_hybrid", False) is True and not serving.hybrid_pages_sized:
+        problems.append(
+            "this vLLM pads a hybrid (Mamba/conv + attention) model's Mamba pages to an attention page of one "
+            "byte per K and V element (2 * KV heads * head size bytes a token), not to KVarN's smaller page, "
+            "and the plugin found no Platform._align_hybrid_block_size to correct that; serve this model with "
+            "--kv-cache-dtype auto, or with vLLM 0.32 or later"
+        )
     if getattr(vllm_config.parallel_config, "enable_dbo", False):
         problems.append("dual-batch overlap splits one step over two metadata builders; drop --enable-dbo")
     dp = getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1

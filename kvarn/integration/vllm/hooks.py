@@ -17,6 +17,8 @@ only on KVarN cache dtypes and layers; every other run goes through vLLM's own c
   cached backend selection (keyed by the dtype, not the model) agree on one format.
 - **Page size** (:func:`install_spec_hook`, vLLM without ``customize_spec``: 0.26). ``Attention.get_kv_cache_spec``
   asks a KVarN backend's ``customize_spec``, as 0.32 does itself.
+- **Hybrid pages** (:func:`install_hybrid_page_hook`, vLLM without ``customize_spec``: 0.26). The platform's
+  ``_align_hybrid_block_size`` sizes a Mamba/conv + attention model's pages from KVarN's attention page.
 - **The GPU model runner (V2)** (:func:`install_runner_hook`, :func:`install_scheduler_hook`). Each step's
   request indices and ids (``prepare_attn``) for the tail slots and the sink, and each real step's
   scheduler output (``execute_model``): replayed decode steps committed first, the sink's book kept
@@ -175,6 +177,71 @@ def install_spec_hook(backend_cls: type) -> bool:
     _mark(get_kv_cache_spec, original)
     Attention.get_kv_cache_spec = get_kv_cache_spec
     return True
+
+
+def install_hybrid_page_hook(backend_cls: type, platform=None) -> bool:
+    """Where vLLM sizes a hybrid model's attention page without asking the backend (no ``customize_spec``: 0.26),
+    make it size KVarN's.
+
+    Before it builds the specs, vLLM raises a hybrid (Mamba/conv + attention) model's block size until an
+    attention page holds a Mamba layer's state and pads the Mamba page to the attention page
+    (``Platform._align_hybrid_block_size``). 0.26 takes the attention page of one token from a
+    ``FullAttentionSpec`` of the cache dtype, ``2 * Hkv * D`` bytes for KVarN's ``uint8``, while KVarN's page
+    (:meth:`~kvarn.integration.vllm.backend.KVarNBackend.customize_spec`) is ``Hkv * record_bytes / G``; the
+    Mamba page then matches no KVarN page and vLLM stops at start-up. The wrapper runs vLLM's own arithmetic
+    with that spec class answering KVarN's page, for a KVarN backend only. Returns whether it is installed
+    (:attr:`~kvarn.integration.vllm.state.ServingState.hybrid_pages_sized` records whether this vLLM sizes
+    hybrid pages right, by itself or through the hook).
+    """
+    from vllm.v1.attention.backend import AttentionBackend
+
+    if hasattr(AttentionBackend, "customize_spec"):
+        serving.hybrid_pages_sized = True  # 0.32 and later size the page through the backend's customize_spec
+        return False
+    if platform is None:
+        from vllm.platforms import current_platform as platform
+    platform_cls = type(platform)
+    original = getattr(platform_cls, "_align_hybrid_block_size", None)
+    if original is None:
+        return False
+    if getattr(original, HOOK_MARK, False):
+        serving.hybrid_pages_sized = True
+        return False
+
+    def _align_hybrid_block_size(cls, vllm_config, backend, *args, **kwargs):
+        if not (isinstance(backend, type) and issubclass(backend, backend_cls)):
+            return original(vllm_config, backend, *args, **kwargs)
+        with _kvarn_attention_pages(backend, vllm_config):
+            return original(vllm_config, backend, *args, **kwargs)
+
+    _wrap(platform_cls, "_align_hybrid_block_size", _align_hybrid_block_size, original)
+    serving.hybrid_pages_sized = True
+    return True
+
+
+@contextlib.contextmanager
+def _kvarn_attention_pages(backend: type, vllm_config):
+    """Within it, ``vllm.v1.kv_cache_interface.FullAttentionSpec(...)`` builds ``backend``'s page spec.
+
+    vLLM's alignment imports the class when it runs; the model's class is resolved first, so no module imported
+    meanwhile keeps the stand-in."""
+    from vllm.v1 import kv_cache_interface
+
+    model_config = getattr(vllm_config, "model_config", None)
+    with contextlib.suppress(Exception):  # only an import ahead of time; vLLM's own call reports what fails
+        from vllm.model_executor.models import ModelRegistry
+
+        ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)
+    full = kv_cache_interface.FullAttentionSpec
+
+    def kvarn_page(*args, **kwargs):
+        return backend.customize_spec(full(*args, **kwargs))
+
+    kv_cache_interface.FullAttentionSpec = kvarn_page
+    try:
+        yield
+    finally:
+        kv_cache_interface.FullAttentionSpec = full
 
 
 def install_runner_hook() -> bool:
