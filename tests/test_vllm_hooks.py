@@ -207,6 +207,30 @@ def test_the_cpu_runner_zeroes_a_new_block_of_several_tiles_whole_in_a_kvarn_lay
     assert not hooks.install_zeroing_hook(type("NoZeroing", (), {}))
 
 
+def test_a_sink_dtype_whose_workers_run_apart_from_the_scheduler_is_refused_as_vllm_builds_its_config(monkeypatch):
+    """The sink asks the scheduler's block pool which first tiles are held and drops evicted ones from its prefix
+    cache. With tensor parallelism (or vLLM's CPU default, the 'mp' executor) each worker runs in a process of its
+    own, with no block pool to ask: refused, saying so, as vLLM builds the run's config, not by each worker once
+    started (under TP=2 vLLM only reported that a worker failed)."""
+    from vllm.config import ParallelConfig
+
+    def build(dtype, tp):
+        return VllmConfig(
+            cache_config=CacheConfig(cache_dtype=dtype), parallel_config=ParallelConfig(tensor_parallel_size=tp)
+        )
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    cases = ((2, r"this run's 2 workers \(tensor or pipeline parallelism\) each run in a process of their own"),)
+    cases += ((1, r"VLLM_ENABLE_V1_MULTIPROCESSING=0"),)
+    for tp, where in cases:
+        why = r"--kv-cache-dtype kvarn_k4v2_g128_sink: .*the scheduler's block pool says no request holds its block"
+        with pytest.raises(ValueError, match=rf"(?s){why}.*{where}.*--kv-cache-dtype kvarn_k4v2_g128\)"):
+            build("kvarn_k4v2_g128_sink", tp)
+    assert build("kvarn_k4v2_g128", 2).parallel_config.world_size == 2
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    assert build("kvarn_k4v2_g128_sink", 1).parallel_config.distributed_executor_backend == "uni"
+
+
 TINY = "kvarn_k4v2_g128"
 
 

@@ -14,7 +14,9 @@ only on KVarN cache dtypes and layers; every other run goes through vLLM's own c
   the run's ``VllmConfig`` is built): on a model whose keys likely carry large biases a KVarN dtype
   becomes its ``_ks`` form before any layer reads it
   (:func:`~kvarn.integration.vllm.checks.serve_key_smoothing`), so every layer, the page size and vLLM's
-  cached backend selection (keyed by the dtype, not the model) agree on one format.
+  cached backend selection (keyed by the dtype, not the model) agree on one format; and a ``_sink`` dtype
+  whose workers would run apart from the scheduler is refused there, before vLLM starts them
+  (:func:`~kvarn.integration.vllm.checks.sink_process_problem`).
 - **Page size** (:func:`install_spec_hook`, vLLM without ``customize_spec``: 0.26). ``Attention.get_kv_cache_spec``
   asks a KVarN backend's ``customize_spec``, as 0.32 does itself.
 - **Hybrid pages** (:func:`install_hybrid_page_hook`, vLLM without ``customize_spec``: 0.26). The platform's
@@ -57,7 +59,7 @@ import torch
 
 from kvarn.config import CACHE_DTYPES, is_cache_dtype
 from kvarn.integration.vllm import tail_blocks
-from kvarn.integration.vllm.checks import check_layer, serve_key_smoothing, warn_once
+from kvarn.integration.vllm.checks import check_layer, serve_key_smoothing, sink_process_problem, warn_once
 from kvarn.integration.vllm.scheduler import (
     commit_replayed_steps,
     graph_unsafe_step,
@@ -407,7 +409,12 @@ def install_config_hook(platform=None) -> bool:
         note = serve_key_smoothing(vllm_config)  # first: the platform may read the cache dtype
         if note is not None:
             warn_once(f"KVarN: {note}")
-        return original(vllm_config, *args, **kwargs)
+        result = original(vllm_config, *args, **kwargs)
+        dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None)
+        # after the platform picked the executor; before vLLM starts workers, which would each refuse it
+        if is_cache_dtype(dtype) and (problem := sink_process_problem(vllm_config, dtype)) is not None:
+            raise ValueError(f"--kv-cache-dtype {dtype}: {problem}")
+        return result
 
     _wrap(platform_cls, "check_and_update_config", check_and_update_config, original)
     return True
