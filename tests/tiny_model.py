@@ -29,8 +29,9 @@ def _save(path: pathlib.Path, model, tokenizer) -> pathlib.Path:
     return path
 
 
-def build_tiny_model(path: pathlib.Path, attention_bias: bool = False) -> pathlib.Path:
-    """A 2-layer random Llama (head_dim 64, GQA 4:2) with a byte-level BPE tokenizer, saved at ``path``."""
+def build_tiny_model(path: pathlib.Path, attention_bias: bool = False, num_kv_heads: int = 2) -> pathlib.Path:
+    """A 2-layer random Llama (head_dim 64, 4 query heads, ``num_kv_heads`` KV heads) with a byte-level BPE
+    tokenizer, saved at ``path``."""
     if (path / "config.json").exists():
         return path
     import torch
@@ -43,7 +44,7 @@ def build_tiny_model(path: pathlib.Path, attention_bias: bool = False) -> pathli
         intermediate_size=512,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=num_kv_heads,
         head_dim=64,
         max_position_embeddings=2048,
         bos_token_id=vocab["<s>"],
