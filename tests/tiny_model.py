@@ -110,11 +110,12 @@ def build_tiny_hybrid(path: pathlib.Path, kind: str) -> pathlib.Path:
     return _save(path, AutoModelForCausalLM.from_config(config).to(torch.float32), tok)
 
 
-def build_tiny_gguf(path: pathlib.Path) -> pathlib.Path:
+def build_tiny_gguf(path: pathlib.Path, add_bos: bool | None = None, add_eos: bool | None = None) -> pathlib.Path:
     """A 2-layer random Llama (head_dim 64, GQA 2:1) with a byte-level BPE vocabulary, written as a GGUF file.
 
     fp32 tensors under llama.cpp's names, the tokenizer as ``tokenizer.ggml.*`` metadata; what
-    transformers' GGUF loader reads. About 1.5 MB.
+    transformers' GGUF loader reads. ``add_bos``, ``add_eos``: the ``tokenizer.ggml.add_bos_token`` and
+    ``add_eos_token`` keys (left out when ``None``). About 1.5 MB.
     """
     import numpy as np
     from gguf import GGUFWriter
@@ -139,6 +140,10 @@ def build_tiny_gguf(path: pathlib.Path) -> pathlib.Path:
     w.add_token_merges(["t h"])
     w.add_bos_token_id(len(tokens) - 2)
     w.add_eos_token_id(len(tokens) - 1)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    if add_eos is not None:
+        w.add_add_eos_token(add_eos)
 
     def weight(name: str, rows: int, cols: int) -> None:
         w.add_tensor(name, (0.05 * rng.standard_normal((rows, cols))).astype(np.float32))
