@@ -419,3 +419,36 @@ def test_targets_per_model():
     assert len(smol) == 4 and smol[1].endswith("(goal <= 0.8): met") and smol[2].endswith("(goal <= 0.4): MISSED")
     assert smol[3] == "- [sink] top-1 agreement of kvarn_k4v2_g128 = 95.0% (goal >= 96%): MISSED"
     assert goals(run("qwen2.5-coder-0.5b", 0.005))[-1].endswith("= 0.50 (goal <= 0.6): met")
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize(("add_bos", "add_eos"), [(None, None), (True, None), (False, False), (True, True)])
+def test_a_converted_gguf_tokenizer_adds_bos_and_eos_as_the_file_says(tmp_path, monkeypatch, add_bos, add_eos):
+    """``tokenizer.ggml.add_bos_token`` / ``add_eos_token``: transformers' GGUF loader ignored them, so Gemma 3's
+    converted tokenizer added no BOS although its GGUF says it does (exact-run perplexity 14.2 instead of 8.8)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    import transformers
+    from tiny_model import build_tiny_gguf
+
+    monkeypatch.setenv("KVARN_CACHE", str(tmp_path / "cache"))
+    path = build_tiny_gguf(tmp_path / "tiny.gguf", add_bos=add_bos, add_eos=add_eos)
+    flags = {k: v for k, v in (("add_bos_token", add_bos), ("add_eos_token", add_eos)) if v is not None}
+    assert models.gguf_token_flags(path) == flags
+    folder = models.gguf_model_dir(path)
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    ids, plain = tok("the text")["input_ids"], tok("the text", add_special_tokens=False)["input_ids"]
+    expected = [tok.bos_token_id] * bool(add_bos) + plain + [tok.eos_token_id] * bool(add_eos)
+    assert tok.bos_token == "<s>" and ids == expected
+    assert json.loads((folder / models._DONE_FILE).read_text())["tokenizer_flags"] == flags
+
+
+def test_a_cached_conversion_of_an_earlier_format_is_converted_again(tmp_path, monkeypatch):
+    """Folders converted before the tokenizer followed the GGUF's add_bos_token are not reused."""
+    monkeypatch.setenv("KVARN_CACHE", str(tmp_path))
+    folder = tmp_path / "models" / "smollm2-135m"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"x")
+    (folder / models._DONE_FILE).write_text(json.dumps({"format_version": 1}))
+    assert models._FORMAT_VERSION > 1 and not models._is_done(folder)
+    assert models.needs_conversion("smollm2-135m")

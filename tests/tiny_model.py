@@ -1,17 +1,14 @@
-"""A tiny random Llama with a byte-level tokenizer, saved as a Hugging Face folder (no download)."""
+"""Tiny random models with a byte-level tokenizer (a Llama, two hybrids, a GGUF Llama), built here: no download."""
 
 from __future__ import annotations
 
 import pathlib
 
 
-def build_tiny_model(path: pathlib.Path, attention_bias: bool = False) -> pathlib.Path:
-    """A 2-layer random Llama (head_dim 64, GQA 4:2) with a byte-level BPE tokenizer, saved at ``path``."""
-    if (path / "config.json").exists():
-        return path
-    import torch
+def _byte_tokenizer():
+    """A byte-level BPE tokenizer with no merges (one token per byte) and ``<s>``, ``</s>``, ``<unk>``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     for special in ("<s>", "</s>", "<unk>"):
@@ -19,13 +16,35 @@ def build_tiny_model(path: pathlib.Path, attention_bias: bool = False) -> pathli
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    return fast, vocab
+
+
+def _save(path: pathlib.Path, model, tokenizer) -> pathlib.Path:
+    """Save ``model`` and ``tokenizer`` at ``path`` through a temporary folder, so a half-written one is never found."""
+    tmp = path.with_name(path.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(path)
+    return path
+
+
+def build_tiny_model(path: pathlib.Path, attention_bias: bool = False, num_kv_heads: int = 2) -> pathlib.Path:
+    """A 2-layer random Llama (head_dim 64, 4 query heads, ``num_kv_heads`` KV heads) with a byte-level BPE
+    tokenizer, saved at ``path``."""
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok, vocab = _byte_tokenizer()
     config = LlamaConfig(
         vocab_size=len(vocab),
         hidden_size=256,
         intermediate_size=512,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=num_kv_heads,
         head_dim=64,
         max_position_embeddings=2048,
         bos_token_id=vocab["<s>"],
@@ -34,20 +53,69 @@ def build_tiny_model(path: pathlib.Path, attention_bias: bool = False) -> pathli
         attention_bias=attention_bias,
     )
     torch.manual_seed(0)
-    tmp = path.with_name(path.name + ".tmp")
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp)
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>").save_pretrained(
-        tmp
-    )
-    tmp.rename(path)
-    return path
+    return _save(path, LlamaForCausalLM(config).to(torch.bfloat16), tok)
 
 
-def build_tiny_gguf(path: pathlib.Path) -> pathlib.Path:
+HYBRIDS = ("lfm2", "nemotron_h")
+
+
+def build_tiny_hybrid(path: pathlib.Path, kind: str) -> pathlib.Path:
+    """A random float32 hybrid model (head_dim 64, 2 KV heads) with the byte-level tokenizer, saved at ``path``.
+
+    ``lfm2``: ``Lfm2ForCausalLM``, short-conv and attention layers alternating (conv, attention, conv,
+    attention); its conv state is smaller than one attention page, so vLLM keeps blocks of one tile.
+    ``nemotron_h``: ``NemotronHForCausalLM``, Mamba2, attention, MLP, attention; its Mamba state (8 heads of
+    32 x 64, fp32: about 70 KB) makes vLLM raise the block size to several tiles, and its one Mamba layer
+    against two attention layers puts each attention layer in a KV-cache group of its own.
+    """
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok, vocab = _byte_tokenizer()
+    special = {"bos_token_id": vocab["<s>"], "eos_token_id": vocab["</s>"], "pad_token_id": vocab["<unk>"]}
+    common = {"vocab_size": len(vocab), "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2}
+    common.update(special, max_position_embeddings=2048, initializer_range=0.05)
+    if kind == "lfm2":
+        from transformers import Lfm2Config
+
+        # vLLM reads conv_dim and block_dim, which LFM2 checkpoints carry and transformers' config does not
+        config = Lfm2Config(
+            **common,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            layer_types=["conv", "full_attention", "conv", "full_attention"],
+            block_auto_adjust_ff_dim=False,
+            conv_dim=128,
+            block_dim=128,
+        )
+    elif kind == "nemotron_h":
+        from transformers import NemotronHConfig
+
+        config = NemotronHConfig(
+            **common,
+            head_dim=64,
+            layers_block_type=["mamba", "attention", "mlp", "attention"],
+            intermediate_size=256,
+            ssm_state_size=64,
+            mamba_num_heads=8,
+            mamba_head_dim=32,
+            n_groups=1,
+            chunk_size=64,
+        )
+    else:
+        raise ValueError(f"kind must be one of {HYBRIDS}, got {kind!r}")
+    torch.manual_seed(0)
+    return _save(path, AutoModelForCausalLM.from_config(config).to(torch.float32), tok)
+
+
+def build_tiny_gguf(path: pathlib.Path, add_bos: bool | None = None, add_eos: bool | None = None) -> pathlib.Path:
     """A 2-layer random Llama (head_dim 64, GQA 2:1) with a byte-level BPE vocabulary, written as a GGUF file.
 
     fp32 tensors under llama.cpp's names, the tokenizer as ``tokenizer.ggml.*`` metadata; what
-    transformers' GGUF loader reads. About 1.5 MB.
+    transformers' GGUF loader reads. ``add_bos``, ``add_eos``: the ``tokenizer.ggml.add_bos_token`` and
+    ``add_eos_token`` keys (left out when ``None``). About 1.5 MB.
     """
     import numpy as np
     from gguf import GGUFWriter
@@ -72,6 +140,10 @@ def build_tiny_gguf(path: pathlib.Path) -> pathlib.Path:
     w.add_token_merges(["t h"])
     w.add_bos_token_id(len(tokens) - 2)
     w.add_eos_token_id(len(tokens) - 1)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    if add_eos is not None:
+        w.add_add_eos_token(add_eos)
 
     def weight(name: str, rows: int, cols: int) -> None:
         w.add_tensor(name, (0.05 * rng.standard_normal((rows, cols))).astype(np.float32))

@@ -34,8 +34,10 @@ import tempfile
 from dataclasses import dataclass
 
 DEFAULT_MODEL = "smollm2-135m"
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: the tokenizer adds BOS/EOS as the GGUF's add_bos_token/add_eos_token say (1 ignored them)
 _DONE_FILE = "kvarn_model.json"
+_SPECIAL_TOKEN_FLAGS = {"add_bos_token": "bos_token_id", "add_eos_token": "eos_token_id"}
+"""The GGUF's ``tokenizer.ggml.<flag>`` keys the converted tokenizer follows, and the token each one adds."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,53 @@ def _join_parts(parts: list[pathlib.Path], dest: pathlib.Path) -> pathlib.Path:
     return dest
 
 
+def gguf_token_flags(path: str | os.PathLike) -> dict[str, bool]:
+    """Whether the GGUF file at ``path`` says its tokenizer adds the BOS and the EOS token to every text.
+
+    ``{"add_bos_token": ..., "add_eos_token": ...}`` with the keys the file sets (``tokenizer.ggml.add_bos_token``,
+    ``tokenizer.ggml.add_eos_token``), as llama.cpp reads them; a key the file does not set is left out.
+    """
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(path)).fields
+    flags = {}
+    for flag in _SPECIAL_TOKEN_FLAGS:
+        field = fields.get(f"tokenizer.ggml.{flag}")
+        if field is not None and field.data:
+            flags[flag] = bool(field.parts[field.data[0]][0])
+    return flags
+
+
+def _adds(tok, flag: str) -> bool:
+    """Whether tokenizer ``tok`` adds the token of ``flag`` (:data:`_SPECIAL_TOKEN_FLAGS`) to a text."""
+    token = getattr(tok, _SPECIAL_TOKEN_FLAGS[flag])
+    with_special, plain = tok("a")["input_ids"], tok("a", add_special_tokens=False)["input_ids"]
+    added = with_special[0] if flag == "add_bos_token" else with_special[-1]
+    return token is not None and len(with_special) > len(plain) and added == token
+
+
+def follow_token_flags(tok, flags: dict[str, bool], source: str):
+    """Make transformers tokenizer ``tok`` add BOS and EOS as the GGUF's ``flags`` (:func:`gguf_token_flags`) say.
+
+    transformers' GGUF loader ignores those keys: Gemma 3's GGUF says ``add_bos_token = true`` and its converted
+    tokenizer added none (exact-run perplexity 14.2 instead of 8.8 on the same text). Raises ValueError where
+    the tokenizer cannot be made to follow them.
+    """
+    for flag, wanted in flags.items():
+        if _adds(tok, flag) == wanted:
+            continue
+        if wanted and getattr(tok, _SPECIAL_TOKEN_FLAGS[flag]) is None:
+            raise ValueError(f"{source} sets tokenizer.ggml.{flag} but names no {flag[4:]}")
+        setattr(tok, flag, wanted)  # transformers' fast tokenizers rebuild their post-processor from it
+        if _adds(tok, flag) != wanted:
+            raise ValueError(
+                f"{source} sets tokenizer.ggml.{flag} = {str(wanted).lower()}, and the tokenizer transformers "
+                f"builds from it ({type(tok).__name__}) cannot be made to follow it; convert it with another "
+                "transformers version"
+            )
+    return tok
+
+
 def _convert(name: str, description: str, sources: dict, parts: list[pathlib.Path], out: pathlib.Path) -> None:
     import torch
     import transformers
@@ -157,7 +206,9 @@ def _convert(name: str, description: str, sources: dict, parts: list[pathlib.Pat
         else:
             gguf_dir, gguf_file = pathlib.Path(tmp), "model.gguf"
             _join_parts(parts, gguf_dir / gguf_file)
+        flags = gguf_token_flags(gguf_dir / gguf_file)
         tok = transformers.AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+        tok = follow_token_flags(tok, flags, f"GGUF {name}")
         model = transformers.AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
     model.hf_quantizer = None  # the weights are dequantized already; drop the GGUF marker so it saves
     if hasattr(model.config, "quantization_config"):
@@ -173,6 +224,7 @@ def _convert(name: str, description: str, sources: dict, parts: list[pathlib.Pat
         "sources": sources,
         "transformers": transformers.__version__,
         "dtype": "float16",
+        "tokenizer_flags": flags,
     }
     (out / _DONE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 

@@ -136,7 +136,11 @@ def tail_blocks_enabled(vllm_config, preset: str) -> bool:
     cache_config = getattr(vllm_config, "cache_config", None)
     block = getattr(cache_config, "block_size", None)
     if block is not None and block != (group := cache_dtype_config(preset).group_size):
-        problems.append(f"it needs cache blocks of one tile ({group} tokens), not {block}")
+        why = ""
+        hybrid = getattr(getattr(vllm_config, "model_config", None), "is_hybrid", False) is True
+        if hybrid and not getattr(cache_config, "user_specified_block_size", False):
+            why = " (vLLM raises a hybrid model's block size until an attention page holds a Mamba layer's state)"
+        problems.append(f"it needs cache blocks of one tile ({group} tokens), not {block}{why}")
     skipped = getattr(cache_config, "kv_cache_dtype_skip_layers", None)
     if skipped:
         # vLLM groups the skipped layers' plain spec with KVarN's, and a group's block table has one width

@@ -72,6 +72,7 @@ from kvarn.integration.vllm.backend import (
     tail_blocks_enabled,
 )
 from kvarn.integration.vllm.checks import TAIL_BLOCKS_ENV, sink_slot_count, tail_slot_count, warn_once
+from kvarn.integration.vllm.hooks import install_zeroing_hook
 from kvarn.integration.vllm.scheduler import block_held, forget_cached_block
 from kvarn.integration.vllm.state import serving
 from kvarn.integration.vllm.warmup import rehearse, warmup_wanted
@@ -125,6 +126,21 @@ class KVarNMetadata(AttentionMetadata):
     capture); a step vLLM replays from a CUDA graph leaves it ``False`` (see the module docstring)."""
 
 
+def _layer_counts(vllm_config, preset: str, group_layers: int) -> tuple[int, int]:
+    """The layers of this process that ``preset``'s backend serves, and its Mamba/conv layers (their state shares
+    vLLM's block pool), from the model's layers as vLLM registered them; ``(group_layers, 0)`` where there are none.
+    """
+    context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+    kvarn = state = 0
+    for layer in context.values():
+        backend = getattr(layer, "attn_backend", None)
+        if isinstance(backend, type) and issubclass(backend, KVarNBackend) and backend.preset == preset:
+            kvarn += 1
+        elif callable(getattr(layer, "get_state_shape", None)):  # vLLM's MambaBase: a Mamba, conv or linear layer
+            state += 1
+    return (kvarn, state) if kvarn >= group_layers else (group_layers, state)
+
+
 class _DecodeBuffers:
     """Persistent device tensors a captured decode step reads; :meth:`KVarNMetadataBuilder.build` refills them."""
 
@@ -175,6 +191,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         cuda = torch.device(device).type == "cuda"
         warm = warmup_wanted(device)  # first: an unknown $KVARN_WARMUP is refused on every engine, rehearsing or not
         check_sink(vllm_config, self.backend.preset)
+        install_zeroing_hook()  # vLLM's CPU runner is imported by now; new blocks of several tiles zeroed whole
         self.tail_rows = self.tail_blocks = 0  # tails in blocks: rows of a block, blocks a tail (else a pool)
         if tail_blocks_enabled(vllm_config, self.backend.preset):
             self.tail_rows, tail_blocks = tail_geometry(self.cfg, pool_itemsize(vllm_config))
@@ -228,21 +245,30 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         self._log_capacity(vllm_config, kv_cache_spec, len(layer_names))
 
     def _log_capacity(self, vllm_config, spec, num_layers: int) -> None:
+        """Log the run's KVarN capacity once per process and cache configuration.
+
+        Counted over every KVarN layer of the run, not only this builder's group: a hybrid model's
+        attention layers may form several KV-cache groups, each taking a block of vLLM's one pool for the
+        same tokens. A block holds ``cache_config.block_size`` tokens (one tile or several)."""
         num_blocks = vllm_config.cache_config.num_gpu_blocks
-        key = (num_blocks, spec.num_kv_heads, spec.head_size, num_layers, self.backend.preset, self.tail_rows)
+        cfg = self.cfg
+        block_tokens = int(getattr(vllm_config.cache_config, "block_size", None) or cfg.group_size)
+        kvarn_layers, state_layers = _layer_counts(vllm_config, self.backend.preset, num_layers)
+        key = (num_blocks, block_tokens, spec.num_kv_heads, spec.head_size, kvarn_layers, self.backend.preset)
+        key += (self.tail_rows,)
         if not num_blocks or key in serving.logged_capacity:
             return
         serving.logged_capacity.add(key)
-        cfg = self.cfg
-        tokens = num_blocks * cfg.group_size
-        cache_bytes = num_blocks * num_layers * spec.num_kv_heads * cfg.group_size * page_slot_bytes(cfg)
+        groups = -(-kvarn_layers // num_layers)  # vLLM gives every group of a hybrid model as many layers
+        tokens = num_blocks * block_tokens // groups
+        cache_bytes = tokens * kvarn_layers * spec.num_kv_heads * page_slot_bytes(cfg)
         dtype_bytes = torch.tensor([], dtype=vllm_config.model_config.dtype).element_size()
         pool = self.num_slots + int(self.per_request)
-        slot_bytes = cfg.group_size * spec.num_kv_heads * cfg.head_dim * 2 * dtype_bytes * num_layers
-        tail_bytes = pool * slot_bytes // (num_layers if self.tail_rows else 1)  # tails in blocks: one step pool
+        slot_bytes = cfg.group_size * spec.num_kv_heads * cfg.head_dim * 2 * dtype_bytes * kvarn_layers
+        tail_bytes = pool * slot_bytes // (kvarn_layers if self.tail_rows else 1)  # tails in blocks: one step pool
         sink_bytes = self.num_sink_slots * slot_bytes
-        fp16_tokens = cache_bytes // (num_layers * spec.num_kv_heads * 4 * cfg.head_dim)
-        fp16_all = (cache_bytes + tail_bytes + sink_bytes) // (num_layers * spec.num_kv_heads * 4 * cfg.head_dim)
+        fp16_tokens = cache_bytes // (kvarn_layers * spec.num_kv_heads * 4 * cfg.head_dim)
+        fp16_all = (cache_bytes + tail_bytes + sink_bytes) // (kvarn_layers * spec.num_kv_heads * 4 * cfg.head_dim)
         # vLLM measures the memory its profiling (GPU) or warm-up run (CPU) leaves and sizes the KV
         # cache from it, pool included; an explicit --kv-cache-memory-bytes is taken as given
         where = (
@@ -250,21 +276,31 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             if getattr(vllm_config.cache_config, "kv_cache_memory_bytes", None) is None
             else "on top of --kv-cache-memory-bytes"
         )
+        shared = []
+        if groups > 1:
+            shared.append(f"a token takes a block in each of the {groups} KV-cache groups of KVarN layers")
+        if state_layers:
+            shared.append(
+                f"the blocks also hold the state of {state_layers} Mamba/conv layer{'s' * (state_layers > 1)}, a "
+                "few blocks per running request (vLLM's concurrency line counts them)"
+            )
+        shared = f" Hybrid model: {'; '.join(shared)}." if shared else ""
         logger.info(
             "KVarN %s KV cache: %d blocks of %d tokens = %d tokens in %.1f MiB of records (%d layers, %d KV "
-            "heads, %d B per record); an fp16 cache of the same size holds %d tokens: %.2fx the capacity. "
+            "heads, %d B per record); an fp16 cache of the same size holds %d tokens: %.2fx the capacity.%s "
             "Full-precision tail pool: %d slots (%s), %.1f MiB, %s;%s records and pool together hold %.2fx the "
             "tokens of an fp16 cache of their size.",
             self.backend.preset,
             num_blocks,
-            cfg.group_size,
+            block_tokens,
             tokens,
             cache_bytes / 2**20,
-            num_layers,
+            kvarn_layers,
             spec.num_kv_heads,
             cfg.record_bytes,
             fp16_tokens,
             tokens / max(fp16_tokens, 1),
+            shared,
             pool,
             (
                 f"a step pool shared by the layers; each running request keeps its tail in "

