@@ -14,7 +14,8 @@ only on KVarN cache dtypes and layers; every other run goes through vLLM's own c
   the run's ``VllmConfig`` is built): on a model whose keys likely carry large biases a KVarN dtype
   becomes its ``_ks`` form before any layer reads it
   (:func:`~kvarn.integration.vllm.checks.serve_key_smoothing`), so every layer, the page size and vLLM's
-  cached backend selection (keyed by the dtype, not the model) agree on one format.
+  cached backend selection (keyed by the dtype, not the model) agree on one format; with speculative
+  decoding, asynchronous scheduling is turned off (:func:`~kvarn.integration.vllm.checks.serve_speculative`).
 - **Page size** (:func:`install_spec_hook`, vLLM without ``customize_spec``: 0.26). ``Attention.get_kv_cache_spec``
   asks a KVarN backend's ``customize_spec``, as 0.32 does itself.
 - **The GPU model runner (V2)** (:func:`install_runner_hook`, :func:`install_scheduler_hook`). Each step's
@@ -22,8 +23,10 @@ only on KVarN cache dtypes and layers; every other run goes through vLLM's own c
   scheduler output (``execute_model``): replayed decode steps committed first, the sink's book kept
   (:mod:`kvarn.integration.vllm.scheduler`), and a step that admits a prefix hit into a single-token batch
   dispatched outside the full decode graph (:func:`_mixed_dispatch`).
-- **Departures** (:func:`install_release_hook`). The V1 runner's ``_update_states`` (the CPU runner
-  extends it) frees the tail slots of finished and preempted requests before their blocks are reused.
+- **Departures and drafts** (:func:`install_release_hook`). The V1 runner's ``_update_states`` (the CPU
+  runner extends it) frees the tail slots of finished and preempted requests before their blocks are
+  reused, and notes each row's speculative draft count for the step's planner
+  (:func:`~kvarn.integration.vllm.scheduler.note_drafts`).
 - **Block pools** (:func:`install_block_pool_hook`). vLLM's ``BlockPool`` objects are recorded, for the
   sink's questions about held blocks.
 - **Tails in blocks** (:func:`install_registry_hook`, :func:`install_block_table_hook`). The tail specs'
@@ -53,10 +56,11 @@ import torch
 
 from kvarn.config import CACHE_DTYPES, is_cache_dtype
 from kvarn.integration.vllm import tail_blocks
-from kvarn.integration.vllm.checks import check_layer, serve_key_smoothing, warn_once
+from kvarn.integration.vllm.checks import check_layer, serve_key_smoothing, serve_speculative, warn_once
 from kvarn.integration.vllm.scheduler import (
     commit_replayed_steps,
     graph_unsafe_step,
+    note_drafts,
     note_schedule,
     release_request_tails,
 )
@@ -338,6 +342,9 @@ def install_config_hook(platform=None) -> bool:
         note = serve_key_smoothing(vllm_config)  # first: the platform may read the cache dtype
         if note is not None:
             warn_once(f"KVarN: {note}")
+        note = serve_speculative(vllm_config)
+        if note is not None:
+            logger.info(note)
         return original(vllm_config, *args, **kwargs)
 
     _wrap(platform_cls, "check_and_update_config", check_and_update_config, original)
@@ -379,15 +386,18 @@ def uninstall_config_hook(platform=None) -> bool:
 
 
 def install_release_hook(runner_cls=None) -> bool:
-    """Report finished and preempted requests to the planners; returns whether a hook is in place.
+    """Report finished and preempted requests to the planners, and each step's drafts; returns whether a hook
+    is in place.
 
     Wraps ``runner_cls._update_states(scheduler_output)`` (default: vLLM's V1 ``GPUModelRunner``,
     which the CPU runner extends, if it is imported): before vLLM drops a request that
     ``scheduler_output.finished_req_ids`` or ``preempted_req_ids`` names, its blocks go to
     :func:`~kvarn.integration.vllm.scheduler.release_request_tails` with the runner's attention groups
     (for the kernel blocks). vLLM hands a freed block to another request at the earliest in the same
-    scheduler output, so the slot is free before that step is planned. The backend calls it as it sizes
-    a pool keyed by block id (the runner is imported by then).
+    scheduler output, so the slot is free before that step is planned. After vLLM's own update (which
+    orders the batch's rows and may trim drafts) each row's speculative draft count goes to
+    :func:`~kvarn.integration.vllm.scheduler.note_drafts`. The backend calls it as it sizes a pool keyed
+    by block id (the runner is imported by then).
     """
     if runner_cls is None:
         runner_cls = getattr(sys.modules.get("vllm.v1.worker.gpu_model_runner"), "GPUModelRunner", None)
@@ -405,7 +415,9 @@ def install_release_hook(runner_cls=None) -> bool:
             state = requests.get(req_id)
             if state is not None and serving.planners:
                 release_request_tails(state.block_ids, getattr(self, "attn_groups", None))
-        return original(self, scheduler_output, *args, **kwargs)
+        result = original(self, scheduler_output, *args, **kwargs)
+        note_drafts(scheduler_output, getattr(getattr(self, "input_batch", None), "req_ids", None))
+        return result
 
     _mark(_update_states, original)
     runner_cls._update_states = _update_states
