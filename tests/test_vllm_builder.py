@@ -546,3 +546,14 @@ def test_a_tile_filled_with_a_draft_keeps_its_tail_until_verified():
     assert held <= set(planner.live_slots)
     sim.free_req(a)  # preempted or finished: both slots go with its blocks
     assert not held & set(planner.live_slots)
+
+
+def test_speculative_decoding_needs_the_runner_hook_that_notes_drafts(monkeypatch):
+    """Drafts are learned through the V1 runner's ``_update_states`` (the release hook); a vLLM without it
+    would plan drafts as verified tokens, so the builder refuses at start-up."""
+    from kvarn.integration.vllm import builder as builder_mod
+
+    monkeypatch.setattr(builder_mod, "departures_reported", lambda per_request: False)
+    with pytest.raises(ValueError, match=r"kvarn_k4v2_g64 with --speculative-config: .*_update_states"):
+        Sim("kvarn_k4v2_g64", torch.bfloat16, speculative=True)
+    Sim("kvarn_k4v2_g64", torch.bfloat16)

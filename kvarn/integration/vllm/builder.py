@@ -198,6 +198,12 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         if not self.tail_rows:
             released = departures_reported(self.per_request)
             self.num_slots = tail_slot_count(vllm_config, per_request=self.per_request, departures_reported=released)
+            if getattr(vllm_config, "speculative_config", None) is not None and not (released or self.per_request):
+                raise ValueError(
+                    f"--kv-cache-dtype {preset} with --speculative-config: KVarN learns each step's drafts through "
+                    "vLLM's V1 model runner (its _update_states), which this vLLM does not have; drop "
+                    "--speculative-config or use --kv-cache-dtype auto"
+                )
         self.num_sink_slots = sink_slot_count(vllm_config) if self.backend.sink else 0
         self.scratch_slot = self.num_sink_slots + self.num_slots
         self.sinks = None  # request-index mode: the sink slots (the planner keeps them otherwise)
