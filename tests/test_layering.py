@@ -253,20 +253,20 @@ def _vllm_patches(path: Path) -> set[tuple[int, str]]:
     return found
 
 
-HOOKS = ROOT / "integration" / "vllm" / "hooks.py"
+HOOKS = ROOT / "integration" / "vllm" / "hooks"
 
 
 def test_only_the_hooks_module_patches_vllm():
-    """Every patch of vLLM is installed from ``kvarn.integration.vllm.hooks``: no other module of kvarn assigns
-    onto what it reached through a vLLM import, or puts a function onto an object (:func:`_vllm_patches`)."""
+    """Every patch of vLLM is installed from the package ``kvarn.integration.vllm.hooks``: no other module of kvarn
+    assigns onto what it reached through a vLLM import, or puts a function onto an object (:func:`_vllm_patches`)."""
     elsewhere = {
         str(p.relative_to(ROOT)): sorted(f)
         for p in sorted(ROOT.rglob("*.py"))
-        if p != HOOKS and (f := _vllm_patches(p))
+        if HOOKS not in p.parents and (f := _vllm_patches(p))
     }
-    assert not elsewhere, f"vLLM patched outside kvarn/integration/vllm/hooks.py: {elsewhere}"
+    assert not elsewhere, f"vLLM patched outside kvarn/integration/vllm/hooks/: {elsewhere}"
     # the rule sees the patches it is there for: each hook's own
-    patching = {fn for _, fn in _vllm_patches(HOOKS)}
+    patching = {fn for p in sorted(HOOKS.glob("*.py")) for _, fn in _vllm_patches(p)}
     hooks = {
         "_widen_cache_dtype_literal",
         "install_spec_hook",
@@ -279,5 +279,7 @@ def test_only_the_hooks_module_patches_vllm():
         "install_block_pool_hook",
         "install_registry_hook",
         "install_block_table_hook",
+        "_kvarn_attention_pages",
+        "install_zeroing_hook",
     }
     assert hooks <= patching, f"the rule misses the patches of {sorted(hooks - patching)}"

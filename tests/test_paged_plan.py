@@ -11,15 +11,16 @@ from kvarn.paged import SinkLostError, TailLostError, TilePlanner
 G = 8
 
 
-def plan(planner, chunks, tables, pad=0):
-    """``chunks``: list of (new tokens, length after the step); ``tables``: block ids per request."""
+def plan(planner, chunks, tables, pad=0, drafts=None):
+    """``chunks``: list of (new tokens, length after the step); ``tables``: block ids per request; ``drafts``:
+    how many of each request's new tokens are speculative drafts."""
     qsl = [0]
     for n, _ in chunks:
         qsl.append(qsl[-1] + n)
     width = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     lens = torch.tensor([length for _, length in chunks])
-    return planner.plan(torch.tensor(qsl), lens, table, qsl[-1] + pad)
+    return planner.plan(torch.tensor(qsl), lens, table, qsl[-1] + pad, num_drafts=drafts)
 
 
 def test_whole_tiles_are_stored_and_the_rest_goes_to_the_tail():
@@ -180,3 +181,62 @@ def test_sink_slots_serve_a_prefix_hit_scheduled_before_its_claim():
     held = SinkSlots(1, G, pinned=lambda block: block == 3, on_evicted=evicted.append)
     held.assign([(0, 4, 0)], 1)
     assert held.assign([(0, 5, 0)], 1) == [0] and evicted == [4] and held.live == {5: 0}
+
+
+def test_a_tile_filled_with_a_draft_is_committed_and_keeps_its_slot_for_a_rewind():
+    """A verification step of 1 + 3 tokens from position 6 (6 verified, 7-9 drafts): tile 0 is quantized for the
+    step's draft queries past it, keeps its slot, and tile 1 takes a slot of its own (not tile 0's after
+    attention). Draft 7 rejected: the next step starts at 7 inside tile 0, overwrites its row and quantizes it
+    again. Once a step starts past it, the slot is freed before that step claims any."""
+    p = TilePlanner(4, G)
+    plan(p, [(6, 6)], [[5, 9, 2]])
+    s5 = p.live_slots[5]
+    out = plan(p, [(4, 10)], [[5, 9, 2]], drafts=[3])
+    s9 = p.live_slots[9]
+    assert out.commit_blocks.tolist() == [5] and out.commit_slots.tolist() == [s5]
+    assert 5 in p.live_slots and s9 != s5 and out.late_tail_slot_mapping is None
+    assert out.tail_slot_mapping.tolist() == [s5 * G + 6, s5 * G + 7, s9 * G, s9 * G + 1]
+    assert out.head_slots.tolist() == [s5] and out.tail_slots.tolist() == [s9]
+    out = plan(p, [(4, 11)], [[5, 9, 2]], drafts=[3])  # the rewind: 7 verified now, 8-10 drafts
+    assert out.tail_slot_mapping.tolist() == [s5 * G + 7, s9 * G, s9 * G + 1, s9 * G + 2]
+    assert out.commit_blocks.tolist() == [5] and out.head_slots.tolist() == [s5]
+    assert 5 not in p.live_slots, "filled with a verified token: released after the commit"
+    plan(p, [(4, 14)], [[5, 9, 2]], drafts=[3])  # 10 verified, 11-13 drafts: nothing filled
+    out = plan(p, [(2, 14)], [[5, 9, 2]], drafts=[1])  # 12 and 13 rejected: 12 verified now, 13 a draft
+    assert out.tail_slot_mapping.tolist() == [s9 * G + 4, s9 * G + 5]
+    out = plan(p, [(4, 18)], [[5, 9, 2]], drafts=[3])  # 14 verified, 15-17 drafts fill tile 1 and start tile 2
+    assert out.commit_blocks.tolist() == [9] and {9, 2} <= set(p.live_slots)
+    assert p.stats["verified_tails"] == 0
+    plan(p, [(1, 1)], [[1]])  # another request: the kept slot stays while its request skips steps
+    assert 9 in p.live_slots
+    plan(p, [(2, 20)], [[5, 9, 2]], drafts=[1])  # all accepted: starts at 18, past tile 1
+    assert 9 not in p.live_slots and p.stats["verified_tails"] == 1
+    assert p.release_blocks([5, 9, 2]) == 1 and p.live_slots == {1: p.live_slots[1]}
+
+
+def test_a_whole_tile_with_a_draft_goes_through_the_tail():
+    p = TilePlanner(4, G)
+    out = plan(p, [(G, G)], [[5, 6]], drafts=[2])
+    slot = p.live_slots[5]
+    assert out.store_blocks.numel() == 0, "never quantized straight from the step's K/V with a draft in it"
+    assert out.tail_slot_mapping.tolist() == [slot * G + i for i in range(G)]
+    assert out.commit_blocks.tolist() == [5] and 5 in p.live_slots
+    out = plan(p, [(G, 2 * G)], [[5, 6]], drafts=[0])  # without drafts a whole tile is stored
+    assert out.store_blocks.tolist() == [6] and 5 not in p.live_slots
+
+
+def test_drafts_that_fill_a_tile_after_a_verified_one_take_their_own_slot():
+    """A tile completed by a verified token hands its slot to the next tile after attention, unless that tile
+    is filled in the same step (it is then committed before attention, from a slot of its own)."""
+    p = TilePlanner(4, G)
+    plan(p, [(7, 7)], [[5, 6, 7]])
+    s5 = p.live_slots[5]
+    out = plan(p, [(G + 2, 2 * G + 1)], [[5, 6, 7]], drafts=[G + 1])
+    s6, s7 = p.live_slots[6], p.live_slots[7]
+    assert out.late_tail_slot_mapping is None and len({s5, s6, s7}) == 3
+    assert out.commit_blocks.tolist() == [5, 6] and out.commit_slots.tolist() == [s5, s6]
+    assert out.tail_slot_mapping.tolist() == [s5 * G + 7] + [s6 * G + i for i in range(G)] + [s7 * G]
+    with pytest.raises(ValueError, match="said to be drafts"):
+        plan(p, [(2, 2 * G + 3)], [[5, 6, 7]], drafts=[2])
+    with pytest.raises(ValueError, match="one count per request"):
+        plan(p, [(1, 2 * G + 2)], [[5, 6, 7]], drafts=[0, 0])

@@ -460,3 +460,139 @@ def test_decode_graphs_need_the_execute_model_wrapper(monkeypatch, caplog):
     monkeypatch.setattr(serving, "scheduler_hooked", True)
     cpu = SimpleNamespace(use_v2_model_runner=False, device_config=SimpleNamespace(device_type="cpu"))
     assert builder.get_cudagraph_support(cpu, None) == support.NEVER
+
+
+@pytest.mark.parametrize(
+    ("preset", "dtype"),
+    [
+        ("kvarn_k4v2_g64", torch.bfloat16),
+        ("kvarn_k4v2_g64_sink", torch.float16),
+        ("kvarn_k2v2_g128_ks", torch.float16),
+    ],
+)
+def test_speculative_verification_steps_match_the_reference_for_the_accepted_tokens(preset, dtype, monkeypatch):
+    """Decode rows of ``1 + k`` tokens whose last ``k`` are drafts, a random number of them rejected and rolled
+    back (the next step starts below the end of the last one and overwrites), among prompt chunks, prefix hits
+    on live and finished requests and preemption. Every step's attention (draft queries included) equals the
+    reference over the token history as it stands, every record of a full tile the reference's bytes of its
+    tokens, and after each rollback every record below the new length the reference's of the accepted tokens
+    (:meth:`Sim.reject`). Fails if a tile filled with a draft gives up its slot (the rewind finds no tail) or is
+    not quantized again when it fills after a rejection."""
+    seed = sum(map(ord, preset))
+    import kvarn.integration.vllm.builder as builder_mod
+
+    # without the runner hook that reports departures and notes drafts, speculative decoding is refused
+    monkeypatch.setattr(builder_mod, "departures_reported", lambda per_request: False)
+    with pytest.raises(ValueError, match="_update_states"):
+        Sim(preset, dtype, seed=seed, speculative=True)
+    monkeypatch.setattr(builder_mod, "departures_reported", lambda per_request: True)
+    sim = Sim(preset, dtype, seed=seed, speculative=True)
+    assert sim.builder.planner.num_slots == 2 * 8, "two slots per request"
+    g, rng = sim.g, sim.rng
+    prompt = {}
+    for _ in range(4):
+        rid = sim.add(rng.randrange(g, 4 * g))
+        prompt[rid] = rng.randrange(g // 2, 2 * g)
+    rejected = crossings = 0
+    for step in range(90):
+        for rid in [r for r, q in sim.reqs.items() if q["len"] >= q["target"]]:
+            sim.free_req(rid, keep_prefix=rng.random() < 0.5)
+            prompt.pop(rid, None)
+        if len(sim.reqs) < 6 and rng.random() < 0.5:
+            sources = list(sim.reqs) + list(sim.prefix)
+            share = rng.choice(sources) if sources and rng.random() < 0.5 else None
+            rid = sim.add(rng.randrange(g, 4 * g), share_from=share)
+            prompt[rid] = max(sim.reqs[rid]["len"] + 1, rng.randrange(g // 2, 2 * g))
+        live = [r for r in sim.reqs]
+        scheduled = [r for r in live if rng.random() < 0.8] or live[:1]
+        chunks, drafts = {}, {}
+        for rid in scheduled:
+            req = sim.reqs[rid]
+            left = req["target"] - req["len"]
+            if req["len"] < prompt[rid]:
+                chunks[rid] = min(left, prompt[rid] - req["len"], rng.randrange(1, 2 * g + 7))
+            else:
+                k = min(left - 1, rng.randrange(4))
+                chunks[rid], drafts[rid] = 1 + k, k
+                tile = req["len"] // g
+                crossings += k > 0 and (req["len"] + k) // g > tile
+        if step % 13 == 9 and len(live) > 2:
+            victim = rng.choice(live)
+            chunks.pop(victim, None)
+            drafts.pop(victim, None)
+            target = sim.reqs[victim]["target"]
+            sim.free_req(victim)
+            prompt.pop(victim)
+            rid = sim.add(target)
+            prompt[rid] = rng.randrange(g // 2, 2 * g)
+        if not chunks:
+            continue
+        sim.step(chunks, drafts)
+        for rid, k in drafts.items():
+            count = rng.randrange(k + 1)
+            rejected += count
+            sim.reject(rid, count)
+    stats = sim.builder.planner.stats
+    assert rejected > 10 and crossings > 3, (rejected, crossings)
+    assert stats["verified_tails"] > 0 and stats["reopened_tails"] > 0, stats
+    assert stats.get("evicted_tails", 0) == 0, stats
+
+
+def test_a_tile_filled_with_a_draft_keeps_its_tail_until_verified():
+    """The cases one by one (G = 64): drafts that cross into the next tile (both tiles through their own slots,
+    the filled one quantized for the step's draft queries), a rejection that rewinds into that tile (its rows
+    overwritten, quantized again), a prefix hit on it in the step after it is verified, drafts that fill a tile
+    exactly, and a request that leaves with two slots."""
+    sim = Sim("kvarn_k4v2_g64", torch.bfloat16, seed=23, speculative=True)
+    planner = sim.builder.planner
+    a = sim.add(300)
+    sim.step({a: 61})
+    sim.step({a: 4}, {a: 3})  # 61 verified, 62-64 drafts: tile 0 filled with a draft, tile 1 begun
+    block0, block1 = sim.reqs[a]["blocks"][:2]
+    plan = sim.last_meta.plan
+    assert plan.commit_blocks.tolist() == [block0] and plan.late_tail_slot_mapping is None
+    assert {block0, block1} <= set(planner.live_slots) and planner.live_slots[block0] != planner.live_slots[block1]
+    sim.reject(a, 2)  # 63 and 64 rejected: the next step starts inside tile 0
+    slot0 = planner.live_slots[block0]
+    sim.step({a: 4}, {a: 3})  # 63 verified, 64-66 drafts
+    assert planner.stats["reopened_tails"] == 1
+    assert sim.last_meta.plan.commit_blocks.tolist() == [block0], "tile 0 quantized again from its rewritten tail"
+    assert sim.last_meta.plan.head_slots.tolist() == [slot0]
+    assert block0 not in planner.live_slots, "filled with a verified token: its slot is free"
+    sim.reject(a, 0)
+    b = sim.add(100, share_from=a)  # vLLM may hit it in the very next step
+    assert sim.reqs[b]["shared"] == 1
+    sim.step({a: 1, b: 10})
+    sim.step({a: 124 - 68})  # a prompt-like chunk to 124
+    sim.step({a: 4}, {a: 3})  # 124 verified, 125-127 drafts fill tile 1 exactly
+    assert sim.last_meta.plan.commit_blocks.tolist() == [block1] and block1 in planner.live_slots
+    sim.reject(a, 1)
+    sim.step({a: 4}, {a: 3})  # rewinds: 127 verified, 128-130 drafts
+    assert sim.last_meta.plan.commit_blocks.tolist() == [block1] and block1 not in planner.live_slots
+    sim.reject(a, 3)
+    sim.step({a: 188 - 128})
+    sim.step({a: 4}, {a: 3})  # 188 verified, 189-191 drafts fill tile 2 exactly, all accepted
+    sim.reject(a, 0)
+    block2 = sim.reqs[a]["blocks"][2]
+    sim.step({b: 1})  # a skips a step and keeps its slot
+    assert block2 in planner.live_slots
+    sim.step({a: 2}, {a: 1})  # starts past tile 2: its slot is freed before the step claims any
+    assert block2 not in planner.live_slots and planner.stats["verified_tails"] == 1
+    sim.reject(a, 1)
+    sim.step({a: 253 - 193})
+    sim.step({a: 4}, {a: 3})  # 253 verified, 254-256 drafts: tile 3 filled with a draft, tile 4 begun
+    held = {sim.reqs[a]["blocks"][3], sim.reqs[a]["blocks"][4]}
+    assert held <= set(planner.live_slots)
+    sim.free_req(a)  # preempted or finished: both slots go with its blocks
+    assert not held & set(planner.live_slots)
+
+
+def test_speculative_decoding_needs_the_runner_hook_that_notes_drafts(monkeypatch):
+    """Drafts are learned through the V1 runner's ``_update_states`` (the release hook); a vLLM without it
+    would plan drafts as verified tokens, so the builder refuses at start-up."""
+    from kvarn.integration.vllm import builder as builder_mod
+
+    monkeypatch.setattr(builder_mod, "departures_reported", lambda per_request: False)
+    with pytest.raises(ValueError, match=r"kvarn_k4v2_g64 with --speculative-config: .*_update_states"):
+        Sim("kvarn_k4v2_g64", torch.bfloat16, speculative=True)
+    Sim("kvarn_k4v2_g64", torch.bfloat16)

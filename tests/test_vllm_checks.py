@@ -62,7 +62,7 @@ def _run(block_size=128, user_block=False, unit=None, spec=None, dbo=False, dp=1
     [
         (_run(block_size=192, user_block=True), "set it to 128"),
         (_run(unit=64), "multiple of 128"),
-        (_run(spec=object()), "drop --speculative-config"),
+        (_run(spec=SimpleNamespace(method="eagle", num_speculative_tokens=3)), "use a method without draft layers"),
         (_run(dbo=True), "drop --enable-dbo"),
         (_run(dp=2), "drop --data-parallel-size"),  # idle ranks' dummy batches would write into cached blocks
     ],
@@ -232,3 +232,84 @@ def test_a_model_with_key_biases_is_served_in_the_ks_form_unless_turned_off(monk
 @dataclass
 class CacheDtype:
     cache_dtype: str
+
+
+def _spec_run(method="ngram", k=3, **spec):
+    run = _sched_run(8)
+    run.speculative_config = SimpleNamespace(method=method, num_speculative_tokens=k, **spec)
+    run.scheduler_config.async_scheduling = False
+    return run
+
+
+@pytest.mark.parametrize(
+    ("run", "advice"),
+    [
+        (_spec_run("eagle3"), "use a method without draft layers (ngram"),
+        (_spec_run("mtp"), "or --kv-cache-dtype auto"),
+        (_spec_run("draft_model"), "use a method without draft layers"),
+        (_spec_run(k=128), "use fewer than 128"),
+        (_spec_run(enable_adaptive_verification=True), "drop enable_adaptive_verification"),
+    ],
+)
+def test_speculative_decoding_it_cannot_serve_is_refused_with_what_to_change(run, advice):
+    with pytest.raises(ValueError, match=r"^--kv-cache-dtype kvarn_k4v2_g128: ") as err:
+        checks.check_run(run, "kvarn_k4v2_g128")
+    assert advice in str(err.value)
+
+
+def test_ngram_speculative_decoding_is_served_with_two_tail_slots_per_request(monkeypatch):
+    """Drafts without draft layers are served; a request may hold two full-precision tiles (one filled with an
+    unverified draft, kept for a rewind, and the next), so the pool keyed by block id doubles."""
+    monkeypatch.delenv(checks.TAIL_SLOTS_ENV, raising=False)
+    for method in ("ngram", "ngram_gpu", "suffix"):
+        checks.check_run(_spec_run(method, k=127), "kvarn_k4v2_g128")
+    run = _spec_run()
+    assert checks.tail_slot_count(run, departures_reported=True) == 16
+    assert checks.tail_slot_count(run) == 32
+    assert checks.tail_slot_count(run, per_request=True) == 8
+    monkeypatch.setenv(checks.TAIL_SLOTS_ENV, "12")
+    with pytest.raises(ValueError, match=r"KVARN_TAIL_SLOTS=12 is below twice --max-num-seqs, 16: .*two full-pre"):
+        checks.check_run(run, "kvarn_k4v2_g128")
+    monkeypatch.setenv(checks.TAIL_SLOTS_ENV, "16")
+    checks.check_run(run, "kvarn_k4v2_g128")
+    # the selector's flag for adaptive verification names it, not speculative decoding as a whole
+    with pytest.raises(ValueError, match="drop enable_adaptive_verification"):
+        current_platform.get_attn_backend_cls(None, _selector(use_adaptive_verification=True))
+
+
+def test_speculative_decoding_turns_asynchronous_scheduling_off_and_refuses_what_plans_otherwise(monkeypatch):
+    """The config hook's rule (vLLM's GPU engine schedules ahead of the previous step's verification, and its
+    host lengths then assume every draft was accepted): asynchronous scheduling goes off for a KVarN run with
+    drafts, with a line to log; a run that still has it, or vLLM's V2 GPU runner, or tails in blocks, is
+    refused."""
+    from kvarn.integration.vllm.backend import tail_blocks_enabled
+
+    run = _spec_run()
+    run.cache_config.cache_dtype = "kvarn_k4v2_g128"
+    run.scheduler_config.async_scheduling = True
+    with pytest.raises(ValueError, match="add --no-async-scheduling"):
+        checks.check_run(run, "kvarn_k4v2_g128")
+    note = checks.serve_speculative(run)
+    assert "asynchronous scheduling turned off" in note and run.scheduler_config.async_scheduling is False
+    checks.check_run(run, "kvarn_k4v2_g128")
+    assert checks.serve_speculative(run) is None  # already off: nothing to say
+    for untouched in (_sched_run(8), _spec_run()):  # no drafts, or not a KVarN dtype
+        untouched.scheduler_config.async_scheduling = True
+        untouched.cache_config.cache_dtype = "kvarn_k4v2_g128" if untouched.speculative_config is None else "auto"
+        assert checks.serve_speculative(untouched) is None and untouched.scheduler_config.async_scheduling
+    run.use_v2_model_runner = True
+    run.device_config = SimpleNamespace(device_type="cuda")
+    with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        checks.check_run(run, "kvarn_k4v2_g128")
+    run.device_config.device_type = "cpu"
+    checks.check_run(run, "kvarn_k4v2_g128")
+    monkeypatch.setenv(checks.TAIL_BLOCKS_ENV, "1")
+    with pytest.raises(ValueError, match=r"KVARN_TAIL_BLOCKS=1 .*speculative decoding.*unset KVARN_TAIL_BLOCKS"):
+        tail_blocks_enabled(run, "kvarn_k4v2_g128")
+    monkeypatch.delenv(checks.TAIL_BLOCKS_ENV)
+    monkeypatch.setattr(serving, "block_tables_widened", True)
+    run.device_config.device_type = "cuda"  # the GPU engine's default keeps tails in blocks, but not with drafts
+    run.cache_config.kv_cache_dtype_skip_layers = None
+    assert not tail_blocks_enabled(run, "kvarn_k4v2_g128")
+    run.speculative_config = None
+    assert tail_blocks_enabled(run, "kvarn_k4v2_g128")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,7 +26,7 @@ import kvarn.integration.vllm as kv
 from kvarn.config import CACHE_DTYPES
 from kvarn.integration.vllm import checks, hooks
 from kvarn.integration.vllm import tail_blocks as tb
-from kvarn.integration.vllm.hooks import install_release_hook
+from kvarn.integration.vllm.hooks import install_release_hook, wrapping
 from kvarn.integration.vllm.registry import BACKENDS, backend_path
 from kvarn.integration.vllm.state import serving
 from kvarn.paged import SinkSlots
@@ -112,8 +113,8 @@ def test_platform_hooks_come_off_as_they_went_on():
         assert hooks.install_config_hook(platform) and hooks.install_selection_hook(platform, backend_path)
         assert not hooks.install_config_hook(platform)
         assert cls.check_and_update_config(config) == want  # not a KVarN dtype: passed through
-        assert hooks._unwrap(platform, "check_and_update_config") and hooks.uninstall_selection_hook(platform)
-        assert not hooks._unwrap(platform, "check_and_update_config")
+        assert wrapping._unwrap(platform, "check_and_update_config") and hooks.uninstall_selection_hook(platform)
+        assert not wrapping._unwrap(platform, "check_and_update_config")
         assert cls.check_and_update_config(config) == want
         assert ("check_and_update_config" in vars(cls)) == (cls is Own)
         assert "get_attn_backend_cls" not in vars(cls)
@@ -168,7 +169,7 @@ def test_a_hybrid_models_mamba_page_is_padded_to_the_kvarn_page_where_vllm_sizes
     other = run()
     Platform._align_hybrid_block_size(other, type("Other", (AttentionBackend,), {}))
     assert (other.cache_config.block_size, other.cache_config.mamba_page_size_padded) == (384, 384 * 256)
-    assert hooks._unwrap(platform, "_align_hybrid_block_size")
+    assert wrapping._unwrap(platform, "_align_hybrid_block_size")
     Platform._align_hybrid_block_size(plain := run(), backend)
     assert plain.cache_config.mamba_page_size_padded == 384 * 256, "without the hook: no KVarN page fits it"
 
@@ -505,3 +506,68 @@ def test_a_failing_registration_leaves_vllm_starting(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="vllm.kvarn"):
         assert Platform.register_custom_kv_cache_specs(None) == "platform's own"
     assert "tail-block specs not registered (no registry here)" in caplog.text
+
+
+class DraftRunner(FakeRunner):
+    """A V1 runner whose update orders the batch's rows (vLLM reorders and condenses them in ``_update_states``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.input_batch = SimpleNamespace(req_ids=[])
+
+    def _update_states(self, scheduler_output):
+        self.input_batch.req_ids = sorted(scheduler_output.num_scheduled_tokens)
+        return "updated"
+
+
+def test_the_release_hook_notes_each_rows_drafts_for_the_step_it_builds(monkeypatch):
+    """After vLLM's own update (rows ordered, drafts trimmed), each row's draft count from the scheduler output
+    reaches the builder, which uses it only for a step whose rows have the noted token counts."""
+    from kvarn.integration.vllm.scheduler import step_drafts
+
+    monkeypatch.setattr(serving, "step_drafts", None)
+    assert install_release_hook(DraftRunner)
+    runner = DraftRunner()
+    out = SimpleNamespace(
+        finished_req_ids=set(),
+        preempted_req_ids=set(),
+        num_scheduled_tokens={"b": 4, "a": 30, "c": 2},
+        scheduled_spec_decode_tokens={"b": [7, 8, 9], "c": [5]},
+    )
+    assert runner._update_states(out) == "updated"
+    qsl = np.array([0, 30, 34, 36])  # rows a, b, c
+    assert step_drafts(qsl, 3).tolist() == [0, 3, 1]
+    assert step_drafts(qsl[:3], 2).tolist() == [0, 3], "the first rows of a padded batch"
+    assert step_drafts(np.array([0, 1, 2, 3]), 3) is None, "another step's rows (a dummy run): no drafts"
+    runner._update_states(SimpleNamespace(finished_req_ids=set(), num_scheduled_tokens={"a": 1}))
+    assert serving.step_drafts is None and step_drafts(np.array([0, 1]), 1) is None
+
+
+def test_the_config_hook_turns_asynchronous_scheduling_off_for_speculative_decoding(caplog):
+    """vLLM's GPU engine schedules a step before the previous step's drafts are verified, and the host lengths
+    of that step assume every draft accepted: with a KVarN dtype and drafts the hook turns it off, logged."""
+
+    class Platform:
+        @classmethod
+        def check_and_update_config(cls, vllm_config):
+            return vllm_config.scheduler_config.async_scheduling
+
+    def run(dtype, spec):
+        return SimpleNamespace(
+            cache_config=SimpleNamespace(cache_dtype=dtype),
+            speculative_config=spec,
+            scheduler_config=SimpleNamespace(async_scheduling=True),
+            model_config=None,
+        )
+
+    platform = Platform()
+    assert hooks.install_config_hook(platform)
+    try:
+        ngram = SimpleNamespace(method="ngram", num_speculative_tokens=3)
+        with caplog.at_level("INFO", logger="vllm.kvarn"):
+            assert Platform.check_and_update_config(run(TINY, ngram)) is False, "off before the platform reads it"
+        assert "asynchronous scheduling turned off for speculative decoding" in caplog.text
+        assert Platform.check_and_update_config(run(TINY, None)) is True
+        assert Platform.check_and_update_config(run("auto", ngram)) is True
+    finally:
+        wrapping._unwrap(platform, "check_and_update_config")

@@ -2,7 +2,8 @@
 
 :class:`Sim` runs many steps: ragged chunks that end inside tiles, decode and prefill in the same batch,
 permuted and recycled block ids, requests that skip steps, prefix-cache hits on shared tiles, preemption
-and requests that finish with an incomplete tile. After every step the records of every full tile must
+and requests that finish with an incomplete tile, and speculative verification steps whose rejected
+drafts are rolled back (:meth:`Sim.reject`). After every step the records of every full tile must
 equal, byte for byte, the reference's ``store_tiles`` of that tile's tokens, and the attention output
 must equal ``kvarn.reference.paged_attention`` over a cache the reference built from the token history.
 """
@@ -26,7 +27,13 @@ from kvarn.integration.vllm.backend import page_slot_bytes
 from kvarn.integration.vllm.builder import _DecodeBuffers
 from kvarn.integration.vllm.impl import KVarNAttentionImpl
 from kvarn.integration.vllm.registry import BACKENDS
-from kvarn.integration.vllm.scheduler import block_held, forget_cached_block, note_schedule, release_request_tails
+from kvarn.integration.vllm.scheduler import (
+    block_held,
+    forget_cached_block,
+    note_drafts,
+    note_schedule,
+    release_request_tails,
+)
 from kvarn.integration.vllm.state import serving
 from kvarn.paged import SinkSlots, TilePlanner
 
@@ -60,7 +67,17 @@ class Sim:
     cache (an evicted sink) is not hit again, as in vLLM.
     """
 
-    def __init__(self, preset, dtype, num_blocks=96, seed=0, max_num_seqs=8, tail_slots=None, request_slots=False):
+    def __init__(
+        self,
+        preset,
+        dtype,
+        num_blocks=96,
+        seed=0,
+        max_num_seqs=8,
+        tail_slots=None,
+        request_slots=False,
+        speculative=False,
+    ):
         self.rng = random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed)
         self.cfg = cache_dtype_config(preset, D)
@@ -81,11 +98,13 @@ class Sim:
             cache_config=SimpleNamespace(cache_dtype=preset, num_gpu_blocks=None),
             scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
             model_config=SimpleNamespace(dtype=dtype),
+            speculative_config=SimpleNamespace(method="ngram", num_speculative_tokens=3) if speculative else None,
         )
         self.builder = self.backend.get_builder_cls()(spec, ["layer.0"], vllm_config, torch.device("cpu"))
         if tail_slots is not None:
             self.builder.num_slots = tail_slots
-            self.builder.planner = TilePlanner(tail_slots, self.g)
+            sinks = self.builder.num_sink_slots
+            self.builder.planner = TilePlanner(tail_slots, self.g, sinks, block_held, forget_cached_block)
             serving.planners.add(self.builder.planner)
         self.report_departures = True
         self.request_slots = request_slots
@@ -157,8 +176,24 @@ class Sim:
             self.free.extend(req["blocks"][req.get("shared", 0) :])
         self.rng.shuffle(self.free)
 
-    def step(self, chunks):
-        """Run one step; ``chunks`` maps request id -> number of new tokens."""
+    def reject(self, rid, count):
+        """vLLM's rollback after a verification step: the last ``count`` tokens of request ``rid`` (drafts) were
+        rejected. Its blocks stay; the next step starts at the shorter length and overwrites their rows. The
+        records of the tiles the accepted tokens fill must equal the reference's of those tokens."""
+        req = self.reqs[rid]
+        if count:
+            del req["k"][-count:], req["v"][-count:]
+            req["len"] -= count
+        full = req["len"] // self.g
+        del req["rec"][full:]  # a tile that held a rejected draft is re-quantized when it fills again
+        if full:
+            cache = self.kv_cache.view(self.kv_cache.shape[0], HKV, -1)[..., : self.cfg.record_bytes]
+            blocks = torch.tensor(req["blocks"][:full])
+            assert torch.equal(cache[blocks], torch.stack(req["rec"][:full])), f"records of request {rid} differ"
+
+    def step(self, chunks, drafts=None):
+        """Run one step; ``chunks`` maps request id -> number of new tokens, ``drafts`` request id -> how many
+        of them (the last ones) are speculative drafts (what the runner hook notes from the scheduler output)."""
         order = list(chunks)
         self.rng.shuffle(order)
         qsl, lens, ks, vs = [0], [], [], []
@@ -220,6 +255,11 @@ class Sim:
             self.scheduled_before.update(new)
             self.departed = set()
             serving.set_step_rows(np.array([self.index[r] for r in order]), qsl_t.numpy(), [str(r) for r in order])
+        spec = {str(r): [0] * k for r, k in (drafts or {}).items() if k}
+        scheduled = SimpleNamespace(
+            scheduled_spec_decode_tokens=spec, num_scheduled_tokens={str(r): chunks[r] for r in order}
+        )
+        note_drafts(scheduled, [str(r) for r in order])
         meta = self.builder.build(0, cam)
         self.last_meta = meta
         output = torch.full((num_tokens, HQ, D), float("nan"), dtype=self.dtype)

@@ -54,7 +54,17 @@ ids, drops the sinks of blocks it hands out fresh itself: the vLLM backend on th
   first tile whose sink is gone). Without ``sink_pinned`` nothing is evicted and a full pool
   raises :class:`SinkLostError` (the transformers cache: one slot per row, held for the batch's life).
 
-Only committed tokens may be planned: speculative drafts would be frozen into a record.
+Speculative decoding (``num_drafts``): the last ``k`` tokens of a request's step are unverified
+drafts, and the next step may start below the end of this one (vLLM rolls a rejected draft back and
+overwrites its row). A tile that the step fills is quantized into its block as usual, before
+attention, so the step's draft queries past it read it as a run without drafts would; but while it
+holds a draft its slot is kept (and the next tile takes a slot of its own), so the next step can
+rewind into it, overwrite the rejected rows and quantize it again when it is full. A tile is never
+frozen with a draft in it: its record is rewritten whenever its last token is, and vLLM publishes
+a block to the prefix cache only once every token in it is verified, by which time the record was
+made from those tokens. A whole tile with a draft in it goes through the tail, never straight to
+its record. The kept slot is released once the request's next step starts past the tile (or with
+the request's blocks), so a request holds at most two slots when ``k < G``.
 """
 
 from __future__ import annotations
@@ -298,11 +308,14 @@ class TilePlanner:
         self._last_used = [0] * (num_sink_slots + num_slots)
         self._free = list(reversed(self._tail_range))
         self._step = 0
+        self._kept: set[int] = set()  # slots of full tiles that hold a draft (module docstring)
         self.stats: Counter[str] = Counter()
         self.sinks = SinkSlots(num_sink_slots, group_size, sink_pinned, on_sink_evicted, self.stats)
         """Counts since creation: ``steps``, ``stored_tiles``, ``committed_tiles``, ``tail_tokens``,
         ``chunks_starting_inside_a_tile`` (a chunk of more than one token that continues a tile),
         ``recycled_tails`` (slots freed because their block came back as a full tile),
+        ``verified_tails`` (kept slots of tiles filled with a draft, freed once a step starts past them),
+        ``reopened_tails`` (steps that rewound into such a tile after a rejected draft),
         ``released_tails`` (slots freed by :meth:`release_blocks`), ``evicted_tails`` (slots
         taken from an idle tail when the pool ran dry), and with a sink ``new_sinks`` (first tiles
         written from offset 0), ``recycled_sinks`` (freed because their block was written as another
@@ -342,6 +355,7 @@ class TilePlanner:
             del self._slot_of[block]
             self._block_of[slot] = None
             self._free.append(slot)
+            self._kept.discard(slot)
 
     def _claim(self, block: int, touched: set[int]) -> int:
         slot = self._slot_of.get(block)
@@ -354,12 +368,33 @@ class TilePlanner:
                     f"more than {self.num_slots} incomplete tiles in one step; raise KVARN_TAIL_SLOTS "
                     "or lower --max-num-seqs"
                 )
-            self._release(min(idle, key=self._last_used.__getitem__))
+            # a kept slot last: its request may still rewind into its tile
+            self._release(min(idle, key=lambda s: (s in self._kept, self._last_used[s])))
             self.stats["evicted_tails"] += 1
         slot = self._free.pop()
         self._slot_of[block] = slot
         self._block_of[slot] = block
         return slot
+
+    def _release_verified(self, qsl: list[int], lens: list[int], block_table: torch.Tensor) -> None:
+        """Free the kept slot of a tile that a scheduled request's step now starts past (every token in it
+        was verified, and its record was made from them), before this step claims slots. Not where a row
+        of this step writes that block (a tile of another request filled in this step)."""
+        g = self.group_size
+        below, written = [], set()
+        for r, length in enumerate(lens):
+            start = length - (qsl[r + 1] - qsl[r])
+            if start >= length or start < 0:
+                continue
+            row = block_table[r]
+            written.update(int(b) for b in row[start // g : (length - 1) // g + 1].tolist())
+            if start >= g:
+                below.append(int(row[start // g - 1]))
+        for block in below:
+            slot = self._slot_of.get(block)
+            if slot in self._kept and block not in written:
+                self._release(slot)
+                self.stats["verified_tails"] += 1
 
     def plan(
         self,
@@ -368,6 +403,7 @@ class TilePlanner:
         block_table: torch.Tensor,
         num_tokens: int,
         device: torch.device | str = "cpu",
+        num_drafts=None,
     ) -> TilePlan:
         """Plan one step.
 
@@ -377,6 +413,8 @@ class TilePlanner:
             block_table: ``[B, max_blocks]`` int (CPU), block of each tile of each request.
             num_tokens: rows of the step's key/value tensors (``>= query_start_loc[-1]``).
             device: where the plan's tensors go.
+            num_drafts: ``[B]`` ints or ``None`` (none): how many of each request's new tokens, its
+                last ones, are unverified speculative drafts (see the module docstring).
         """
         g = self.group_size
         self._step += 1
@@ -397,6 +435,12 @@ class TilePlanner:
         store_first: list[int] = []
         touched: set[int] = set()
         full_rows: list[torch.Tensor] = []
+        drafts = [0] * batch if num_drafts is None else [int(d) for d in num_drafts]
+        if len(drafts) != batch:
+            raise ValueError(f"num_drafts must have one count per request ({batch}), got {len(drafts)}")
+        kept: set[int] = set()  # slots of tiles filled in this step with a draft in them
+        if self._kept:
+            self._release_verified(qsl, lens, block_table)
         if sink:
             sink_slots = self._plan_sinks(qsl, lens, block_table)
         for r in range(batch):
@@ -407,6 +451,9 @@ class TilePlanner:
             start = length - n
             if start < 0:
                 raise ValueError(f"request {r} has {n} new tokens but a length of {length}")
+            if not 0 <= drafts[r] < n:
+                raise ValueError(f"request {r} has {n} new tokens of which {drafts[r]} are said to be drafts")
+            verified = length - drafts[r]  # tokens below it are verified
             if n > 1 and start % g:
                 self.stats["chunks_starting_inside_a_tile"] += 1
             row = block_table[r]
@@ -421,7 +468,7 @@ class TilePlanner:
                 lo, hi = max(start, tile * g), min(length, (tile + 1) * g)
                 block = int(row[tile])
                 first = qsl[r] + lo - start
-                if lo == tile * g and hi == (tile + 1) * g:
+                if lo == tile * g and hi == (tile + 1) * g <= verified:
                     stores.append((first, block))
                     store_first.append(int(row[0]))
                     continue
@@ -431,7 +478,7 @@ class TilePlanner:
                         f"running request) was recycled; raise KVARN_TAIL_SLOTS (now {self.num_slots})"
                     )
                 target = mapping
-                if committing is not None and block not in self._slot_of:
+                if committing is not None and block not in self._slot_of and hi < (tile + 1) * g:
                     # the chunk completed the request's previous tile and starts this one: the slot
                     # passes to this tile, written after attention (one slot per request at most)
                     slot, target = committing, late_mapping
@@ -445,13 +492,19 @@ class TilePlanner:
                 self._last_used[slot] = self._step
                 if tile == start // g:
                     head_slots[r] = slot
+                    self.stats["reopened_tails"] += slot in self._kept  # a rewind after a rejected draft
                 target[first : first + hi - lo] = torch.arange(slot * g + lo - tile * g, slot * g + hi - tile * g)
                 if hi == (tile + 1) * g:
                     commits.append((slot, block))
                     commit_first.append(int(row[0]))
-                    committing = slot
+                    if hi <= verified:
+                        committing = slot
+                    else:  # a draft in it: kept for a rewind, and the next tile takes a slot of its own
+                        kept.add(slot)
+                        committing = None
                 else:
                     tail_slots[r] = slot
+        self._kept = (self._kept - touched) | kept
         committed = {slot for slot, _ in commits}
         if full_rows and self._slot_of:
             full = torch.cat(full_rows).tolist()
@@ -459,7 +512,7 @@ class TilePlanner:
                 if self._slot_of[block] not in touched:
                     self._release(self._slot_of[block])
                     self.stats["recycled_tails"] += 1
-        for slot in committed - reused:
+        for slot in committed - reused - kept:
             self._release(slot)
         self.stats["steps"] += 1
         self.stats["stored_tiles"] += len(stores)

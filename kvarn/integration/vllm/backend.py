@@ -25,7 +25,8 @@ decides at start-up:
 - **In a pool by block id** (the CPU runner by default): the release hook
   (:func:`~kvarn.integration.vllm.hooks.install_release_hook`) frees the tails of finished and
   preempted requests before the step that may hand their blocks to others is planned, so a request
-  holds at most one slot and ``max_num_seqs`` slots never run dry.
+  holds at most one slot (two with speculative decoding) and ``max_num_seqs`` slots (twice that) never
+  run dry.
 
 A ``_sink`` cache dtype adds sink slots to the pool (:func:`check_sink` refuses a run that cannot keep
 them exactly). :func:`pool_slots` is the result.
@@ -110,7 +111,8 @@ def tail_blocks_enabled(vllm_config, preset: str) -> bool:
     tiles into one step pool that all layers share and scatter them back
     (:meth:`kvarn.paged.PagedKV.gather_tails`). Built for vLLM's CPU engine and for the GPU engine's V2
     model runner (block tables widened by :func:`kvarn.integration.vllm.hooks.install_block_table_hook`),
-    without the sink, with cache blocks of one tile and without ``--kv-cache-dtype-skip-layers``.
+    without the sink, with cache blocks of one tile, without ``--kv-cache-dtype-skip-layers`` and without
+    speculative decoding.
 
     ``$KVARN_TAIL_BLOCKS``: unset, the default, takes them on the GPU engine wherever they are built
     (else the pool); ``1`` asks for them anywhere and refuses, saying why, a run they are not built for;
@@ -141,6 +143,11 @@ def tail_blocks_enabled(vllm_config, preset: str) -> bool:
         if hybrid and not getattr(cache_config, "user_specified_block_size", False):
             why = " (vLLM raises a hybrid model's block size until an attention page holds a Mamba layer's state)"
         problems.append(f"it needs cache blocks of one tile ({group} tokens), not {block}{why}")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        problems.append(
+            "with speculative decoding a tile filled with an unverified draft keeps its tail while the next tile "
+            "starts, and a request's tail blocks hold one tile"
+        )
     skipped = getattr(cache_config, "kv_cache_dtype_skip_layers", None)
     if skipped:
         # vLLM groups the skipped layers' plain spec with KVarN's, and a group's block table has one width

@@ -31,6 +31,14 @@ step may hit the tile being filled, so such a step is not replayed
 (:func:`~kvarn.integration.vllm.scheduler.graph_unsafe_step`). A commit captured in the graph would
 launch on every replay: torch has no conditional graph nodes to skip it.
 
+Speculative decoding (vLLM's V1 runner, slots keyed by block id). A request with ``k`` drafts is
+scheduled ``1 + k`` tokens, its last ``k`` unverified; the plugin's hook of the runner's
+``_update_states`` notes each row's count from the scheduler output
+(:func:`~kvarn.integration.vllm.scheduler.note_drafts`) and the planner keeps the slot of a tile filled
+with a draft until a later step starts past it, so a step that rewinds into it (a rejected draft)
+overwrites its rows and quantizes it again (:mod:`kvarn.paged.plan`). Other tail modes are refused with
+speculative decoding at start-up (:func:`~kvarn.integration.vllm.checks.speculative_problems`).
+
 Sink (``--kv-cache-dtype kvarn_..._sink``). The first tile of every sequence is also kept in full
 precision in a sink slot keyed by the block id of that first tile (:class:`kvarn.paged.SinkSlots`),
 so requests sharing a first tile through the prefix cache share its sink. A sink is freed when its
@@ -73,7 +81,7 @@ from kvarn.integration.vllm.backend import (
 )
 from kvarn.integration.vllm.checks import TAIL_BLOCKS_ENV, sink_slot_count, tail_slot_count, warn_once
 from kvarn.integration.vllm.hooks import install_zeroing_hook
-from kvarn.integration.vllm.scheduler import block_held, forget_cached_block
+from kvarn.integration.vllm.scheduler import block_held, forget_cached_block, step_drafts
 from kvarn.integration.vllm.state import serving
 from kvarn.integration.vllm.warmup import rehearse, warmup_wanted
 from kvarn.paged import (
@@ -207,6 +215,12 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         if not self.tail_rows:
             released = departures_reported(self.per_request)
             self.num_slots = tail_slot_count(vllm_config, per_request=self.per_request, departures_reported=released)
+            if getattr(vllm_config, "speculative_config", None) is not None and not (released or self.per_request):
+                raise ValueError(
+                    f"--kv-cache-dtype {preset} with --speculative-config: KVarN learns each step's drafts through "
+                    "vLLM's V1 model runner (its _update_states), which this vLLM does not have; drop "
+                    "--speculative-config or use --kv-cache-dtype auto"
+                )
         self.num_sink_slots = sink_slot_count(vllm_config) if self.backend.sink else 0
         self.scratch_slot = self.num_sink_slots + self.num_slots
         self.sinks = None  # request-index mode: the sink slots (the planner keeps them otherwise)
@@ -393,6 +407,12 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             num_slots=self.num_sink_slots + self.num_slots + int(self.per_request),
             decode_layers=self.decode_layers,
         )
+        drafts = step_drafts(qsl_cpu.numpy(), batch)
+        if drafts is not None and drafts.any() and self.planner is None:
+            raise RuntimeError(
+                "the KVarN backend plans speculative drafts with tail slots keyed by block id only; this run keeps "
+                "tails by request index or in blocks (refused at start-up: report this)"
+            )
         if self.prefill_split and cam.max_query_len >= PREFILL_MIN_QUERIES:
             # eager prompt chunks: exact lengths (one host sync per such step)
             exact = cam.seq_lens[:batch].cpu().numpy()
@@ -417,7 +437,9 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             meta.tails = (before, after)
             return meta
         if not self.per_request:
-            meta.plan = self.planner.plan(qsl_cpu, lens_cpu, block_table.cpu(), cam.num_actual_tokens, self.device)
+            meta.plan = self.planner.plan(
+                qsl_cpu, lens_cpu, block_table.cpu(), cam.num_actual_tokens, self.device, num_drafts=drafts
+            )
             return meta
         slots = self._request_slots(cam, batch)
         qsl_np, lens_np = qsl_cpu.numpy(), np.asarray(lens_cpu)

