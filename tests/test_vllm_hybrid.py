@@ -170,7 +170,7 @@ def _check_tokens(row: dict) -> None:
     if "alone" in row:  # as the unquantized engine's, each request's tokens do not depend on the others of its batch
         assert row["alone"] == row["tokens"]
     assert all(len(t) == MAX_TOKENS for t in row["tokens"])
-    # measured 0.885 (Lfm2) and 0.927 (NemotronH) over the long prompts' 96 positions (2026-12-06)
+    # measured 0.885 (Lfm2) and 0.927 (NemotronH) over the long prompts' 96 positions
     assert row["teacher_forced_top1"] >= 0.8, row["teacher_forced_top1"]
 
 
