@@ -404,6 +404,19 @@ def _engine_env() -> dict[str, str]:
     return env
 
 
+def run_child(cmd: list[str], out: pathlib.Path, log: pathlib.Path, timeout: int = 1200, env=None) -> dict:
+    """Run an engine scenario's child process ``cmd``, which writes its results as JSON to ``out``; returns them
+    with the child's output under ``"log"`` (also written to ``log``). A failed child fails the test with its
+    output's end."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or _engine_env())
+    log.write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, f"engine run failed, log at {log}:\n{(proc.stdout + proc.stderr)[-6000:]}"
+    data = json.loads(out.read_text())
+    data["log"] = proc.stdout + proc.stderr
+    print(json.dumps({k: v for k, v in data.items() if k != "log"}, indent=1))
+    return data
+
+
 def _smol_dir() -> str | None:
     try:
         from kvarn.eval.models import bundled_model_dir
@@ -427,14 +440,7 @@ def results(tiny_dir, tmp_path_factory):
     smol = _smol_dir()
     biased = build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama-biased", attention_bias=True)
     cmd = [sys.executable, __file__, str(out), str(tiny_dir), smol or "", str(biased)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=_engine_env())
-    log = tmp_path_factory.getbasetemp() / "e2e.log"
-    log.write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, f"engine run failed, log at {log}:\n{(proc.stdout + proc.stderr)[-6000:]}"
-    data = json.loads(out.read_text())
-    data["log"] = proc.stdout + proc.stderr
-    print(json.dumps({k: v for k, v in data.items() if k != "log"}, indent=1))
-    return data
+    return run_child(cmd, out, tmp_path_factory.getbasetemp() / "e2e.log", timeout=1800)
 
 
 def test_the_dtype_flag_alone_selects_kvarn_and_sizes_the_pool_from_the_record(results):

@@ -28,12 +28,11 @@ import json
 import os
 import pathlib
 import random
-import subprocess
 import sys
 import time
 
 import pytest
-from test_vllm_e2e import _engine_env, _generate, _shutdown, _teacher_forced
+from test_vllm_e2e import _generate, _shutdown, _teacher_forced, run_child
 from tiny_model import HYBRIDS, build_tiny_hybrid
 
 PRESET = "kvarn_k4v2_g128"
@@ -154,14 +153,7 @@ def results(tmp_path_factory):
         build_tiny_hybrid(models / kind, kind)
     out = tmp_path_factory.mktemp("hybrid") / "results.json"
     cmd = [sys.executable, __file__, str(out), str(models)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=_engine_env())
-    log = tmp_path_factory.getbasetemp() / "hybrid.log"
-    log.write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, f"engine run failed, log at {log}:\n{(proc.stdout + proc.stderr)[-6000:]}"
-    data = json.loads(out.read_text())
-    data["log"] = proc.stdout + proc.stderr
-    print(json.dumps({k: v for k, v in data.items() if k != "log"}, indent=1))
-    return data
+    return run_child(cmd, out, tmp_path_factory.getbasetemp() / "hybrid.log")
 
 
 def _check_tokens(row: dict) -> None:

@@ -16,12 +16,11 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import subprocess
 import sys
 import time
 
 import pytest
-from test_vllm_e2e import _engine_env, _engine_facts, _generate, _preemptions, _shutdown, prompts
+from test_vllm_e2e import _engine_env, _engine_facts, _generate, _preemptions, _shutdown, prompts, run_child
 from tiny_model import build_tiny_model
 
 PRESET = "kvarn_k4v2_g128"
@@ -106,11 +105,7 @@ def results(tmp_path_factory):
     for i, engines in enumerate(CHILDREN):
         out = folder / f"results{i}.json"
         cmd = [sys.executable, __file__, str(out), str(tiny), ",".join(engines)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
-        log = folder / f"spec_e2e{i}.log"
-        log.write_text(proc.stdout + proc.stderr)
-        assert proc.returncode == 0, f"engine run failed, log at {log}:\n{(proc.stdout + proc.stderr)[-6000:]}"
-        part = json.loads(out.read_text())
+        part = run_child(cmd, out, folder / f"spec_e2e{i}.log", env=env)
         data["engines"].update(part["engines"])
         data["prompt_tokens"] = part["prompt_tokens"]
         data["seconds"].append(part["seconds"])
