@@ -7,8 +7,8 @@ committed tiles, concurrent requests), 24 greedy tokens each; every rank plans i
 scheduler output with its local KV heads. Then a ``_sink`` dtype with TP=2, which must be refused with the
 reason. Results go to ``OUT.json``; the exit status is non-zero if a TP=2 run's tokens differ from TP=1's.
 
-Each TP=2 engine starts two worker processes (30-45 s on two cores, 4 minutes for the whole check), which is
-why this is not in the CPU suite; ``tests/test_vllm_tp.py`` runs it with ``KVARN_TP_TEST=1``. Usage::
+Each TP=2 engine starts two worker processes (the whole check: about 2 minutes on two cores);
+``tests/test_vllm_tp.py`` runs it in the CPU suite. Usage::
 
     PYTHONPATH=. python scripts/vllm_tp_check.py OUT.json
 

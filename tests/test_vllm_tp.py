@@ -1,8 +1,6 @@
 """Tensor parallelism on vLLM's CPU engine (``scripts/vllm_tp_check.py``): TP=2 gives the tokens of TP=1.
 
-About 4 minutes on two cores (each TP=2 engine starts two worker processes), so skipped unless asked for::
-
-    KVARN_TP_TEST=1 PYTHONPATH=. python -m pytest tests/test_vllm_tp.py
+About 2 minutes on two cores (each TP=2 engine starts two worker processes).
 
 The plain and ``_ks`` presets on a tiny Llama whose 2 KV heads TP=2 splits and one whose single KV head it
 replicates; every rank plans the same tiles from the same scheduler output with its local KV heads. A ``_sink``
@@ -19,11 +17,7 @@ import sys
 
 import pytest
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(os.environ.get("KVARN_TP_TEST") != "1", reason="about 4 minutes: set KVARN_TP_TEST=1"),
-]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "vllm_tp_check.py"
 
