@@ -462,6 +462,16 @@ def test_decode_graphs_need_the_execute_model_wrapper(monkeypatch, caplog):
     assert builder.get_cudagraph_support(cpu, None) == support.NEVER
 
 
+@pytest.fixture
+def runner_hooked(monkeypatch):
+    """The builder hears of departures and drafts through the V1 runner's ``_update_states`` hook, as on vLLM's CPU
+    engine (the simulation plays that hook); whether vLLM's runner module is imported in this process does not
+    matter."""
+    from kvarn.integration.vllm import builder as builder_mod
+
+    monkeypatch.setattr(builder_mod, "departures_reported", lambda per_request: not per_request)
+
+
 @pytest.mark.parametrize(
     ("preset", "dtype"),
     [
@@ -470,7 +480,7 @@ def test_decode_graphs_need_the_execute_model_wrapper(monkeypatch, caplog):
         ("kvarn_k2v2_g128_ks", torch.float16),
     ],
 )
-def test_speculative_verification_steps_match_the_reference_for_the_accepted_tokens(preset, dtype, monkeypatch):
+def test_speculative_verification_steps_match_the_reference_for_the_accepted_tokens(preset, dtype, runner_hooked):
     """Decode rows of ``1 + k`` tokens whose last ``k`` are drafts, a random number of them rejected and rolled
     back (the next step starts below the end of the last one and overwrites), among prompt chunks, prefix hits
     on live and finished requests and preemption. Every step's attention (draft queries included) equals the
@@ -479,13 +489,6 @@ def test_speculative_verification_steps_match_the_reference_for_the_accepted_tok
     (:meth:`Sim.reject`). Fails if a tile filled with a draft gives up its slot (the rewind finds no tail) or is
     not quantized again when it fills after a rejection."""
     seed = sum(map(ord, preset))
-    import kvarn.integration.vllm.builder as builder_mod
-
-    # without the runner hook that reports departures and notes drafts, speculative decoding is refused
-    monkeypatch.setattr(builder_mod, "departures_reported", lambda per_request: False)
-    with pytest.raises(ValueError, match="_update_states"):
-        Sim(preset, dtype, seed=seed, speculative=True)
-    monkeypatch.setattr(builder_mod, "departures_reported", lambda per_request: True)
     sim = Sim(preset, dtype, seed=seed, speculative=True)
     assert sim.builder.planner.num_slots == 2 * 8, "two slots per request"
     g, rng = sim.g, sim.rng
@@ -538,7 +541,7 @@ def test_speculative_verification_steps_match_the_reference_for_the_accepted_tok
     assert stats.get("evicted_tails", 0) == 0, stats
 
 
-def test_a_tile_filled_with_a_draft_keeps_its_tail_until_verified():
+def test_a_tile_filled_with_a_draft_keeps_its_tail_until_verified(runner_hooked):
     """The cases one by one (G = 64): drafts that cross into the next tile (both tiles through their own slots,
     the filled one quantized for the step's draft queries), a rejection that rewinds into that tile (its rows
     overwritten, quantized again), a prefix hit on it in the step after it is verified, drafts that fill a tile
