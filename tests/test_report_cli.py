@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvarn.cli import main
@@ -66,7 +68,7 @@ def test_conversion_message_only_when_one_happens(tmp_path, capsys, monkeypatch)
     done = tmp_path / "cache" / "models" / "smollm2-135m"  # what a finished conversion leaves
     done.mkdir(parents=True)
     (done / "model.safetensors").write_bytes(b"")
-    (done / "kvarn_model.json").write_text('{"format_version": 1}')
+    (done / "kvarn_model.json").write_text(json.dumps({"format_version": models._FORMAT_VERSION}))
     assert main(["report", "--model", "smollm2-135m", "--out", out]) == 2
     assert "(converting it" not in capsys.readouterr().out
 
