@@ -71,6 +71,7 @@ def compile_decode(
     cfg = KVarNConfig.from_preset(preset, head_dim=d)
     ptrs = dict(q="*fp16" if fused_q else "*fp32", q_smooth="*fp32", cache="*u8", part="*fp32", ws_m="*fp32")
     ptrs.update(ws_l="*fp32", tail_k="*fp16", tail_v="*fp16", key="*fp16", value="*fp16", final="*fp16")
+    ptrs.update(sink_logits="*fp32")
     names = _attn_kernel.arg_names
     const = dict(GQ=gq, GQP=gq, BLOCK_Q=1, BLOCK_M=max(8 if tokens_m else 16, gq), LAYOUT=record_layout(cfg))
     const.update(MULTI_Q=False, HAS_SINK=False, POOL_BF16=False, USE_ASM=True, IN_BF16=False, FACTOR=0.1275)

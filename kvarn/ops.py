@@ -232,6 +232,8 @@ def paged_attention(
     value=None,
     *,
     out=None,
+    window: int | None = None,
+    sink_logits: torch.Tensor | None = None,
     impl: str = "auto",
 ) -> torch.Tensor:
     """Attention over the paged cache under the own-tile rule. See :func:`kvarn.reference.paged_attention`.
@@ -239,10 +241,17 @@ def paged_attention(
     ``key, value``: the step's own K/V, needed where a sequence's queries span tiles. ``out``
     (``[Nq, Hq, D]``, ``query``'s dtype) receives the result and is returned: the kernel writes it
     directly (no copy launch, e.g. into vLLM's output buffer); the reference's result is copied in.
+    ``window`` (a query at ``p`` sees keys ``p - window + 1 .. p``; the block-table entries before a
+    sequence's first query's window are never read) and ``sink_logits: [Hq]`` (raw logits in the softmax
+    denominator only) as in the reference.
     """
     fn = _pick("paged_attention", impl, query, _smoothed(cfg))
     args = (query, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, cfg, query_start_loc, sink_slots, scale)
     kv = {} if key is None and value is None else {"key": key, "value": value}
+    if window is not None:
+        kv["window"] = window
+    if sink_logits is not None:
+        kv["sink_logits"] = sink_logits
     if out is None:
         return fn(*args, **kv)
     if fn is not reference.paged_attention:

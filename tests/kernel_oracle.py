@@ -265,30 +265,58 @@ def attention_args(state: dict, query: torch.Tensor, cfg: KVarNConfig, qsl=None,
     )
 
 
-def query_sensitivity(args: tuple, trials: int = 2, seed: int = 0) -> float:
+def poison_before_window(args: tuple, window: int | None) -> tuple:
+    """``args`` (:func:`attention_args`) with what a sliding ``window`` leaves unread made unreadable.
+
+    Each sequence's block-table entries before the tile of its first query's first key point at a block
+    appended to the cache, all 0xFF bytes (NaN scales), and a sink slot whose tile 0 that window has left at
+    a pool slot appended full of NaN. A kernel that reads either returns NaN, even where it masks the scores:
+    the NaN values then meet zero probabilities. The reference reads neither, so it is unchanged.
+    """
+    query, cache, table, lens, tail_k, tail_v, slots, cfg, qsl, sinks, *rest = args
+    if window is None:
+        return args
+    g = cfg.group_size
+    n_q = torch.ones_like(lens) if qsl is None else (qsl[1:] - qsl[:-1]).to(lens.device)
+    seen = ((lens - n_q - window + 1).clamp(min=0) // g).tolist()  # each sequence's first tile in a window
+    bad = torch.full((1, *cache.shape[1:]), 0xFF, dtype=torch.uint8, device=cache.device)
+    table = table.clone()
+    for b, t in enumerate(seen):
+        table[b, :t] = cache.shape[0]
+    cache = torch.cat([cache, bad])
+    if sinks is not None:
+        left = torch.tensor([t > 0 for t in seen], device=sinks.device)
+        sinks = torch.where(left & (sinks >= 0), tail_k.shape[0], sinks).to(sinks.dtype)
+        tail_k, tail_v = (torch.cat([t, torch.full_like(t[:1], float("nan"))]) for t in (tail_k, tail_v))
+    return (query, cache, table, lens, tail_k, tail_v, slots, cfg, qsl, sinks, *rest)
+
+
+def query_sensitivity(args: tuple, trials: int = 2, seed: int = 0, **attn) -> float:
     """How far the fp32 reference moves (relative to max |ref|) when each query element is
-    perturbed by up to one unit roundoff of the query dtype; the largest of ``trials`` draws."""
+    perturbed by up to one unit roundoff of the query dtype; the largest of ``trials`` draws.
+    ``attn``: the reference's ``window`` and ``sink_logits``."""
     query = args[0]
-    ref = R.paged_attention(query.float(), *args[1:])
+    ref = R.paged_attention(query.float(), *args[1:], **attn)
     scale = float(ref.abs().max()) or 1.0
     u = torch.finfo(query.dtype).eps / 2
     gen = torch.Generator(device=query.device).manual_seed(seed)
     worst = 0.0
     for _ in range(trials):
         noise = torch.rand(query.shape, generator=gen, device=query.device) * 2 - 1
-        moved = R.paged_attention(query.float() * (1 + u * noise), *args[1:])
+        moved = R.paged_attention(query.float() * (1 + u * noise), *args[1:], **attn)
         worst = max(worst, float((moved - ref).abs().max()) / scale)
     return worst
 
 
-def check_attention(out: torch.Tensor, args: tuple, conditioned: bool = False) -> float:
+def check_attention(out: torch.Tensor, args: tuple, conditioned: bool = False, **attn) -> float:
     """Assert ``out`` (kernel) matches the reference computed in fp32; returns the relative max error.
 
     ``conditioned``: the tolerance grows with the problem's sensitivity to a one-ulp query
     perturbation (``tolerances.ATTN_COND_FACTOR``), for deliberately ill-conditioned inputs.
+    ``attn``: the call's ``window`` and ``sink_logits``, passed to the reference.
     """
     query = args[0]
-    ref = R.paged_attention(query.float(), *args[1:])
+    ref = R.paged_attention(query.float(), *args[1:], **attn)
     assert out.dtype == query.dtype and out.shape == query.shape
     o = out.float()
     assert torch.isfinite(o).all(), "attention output holds NaN/inf (an unwritten element?)"
@@ -296,7 +324,7 @@ def check_attention(out: torch.Tensor, args: tuple, conditioned: bool = False) -
     err = float((o - ref).abs().max()) / scale
     tol = ATTN_REL[query.dtype]
     if conditioned:
-        tol = max(tol, ATTN_COND_FACTOR * query_sensitivity(args))
+        tol = max(tol, ATTN_COND_FACTOR * query_sensitivity(args, **attn))
     assert err <= tol, f"attention differs from the reference by {err:.2e} (relative to max |ref|; tolerance {tol:.2e})"
     return err
 

@@ -21,6 +21,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SEQ = {"smooth_keys": True, "smooth_scope": "sequence"}
+WSL = {"WINDOW": 128, "HAS_SINK_LOGITS": True}
 
 DECODE = {
     # id: preset config, D, tokens_m, fold, fused_q, extra constexprs
@@ -57,6 +58,76 @@ DECODE = {
     # own tiles kept as rows of the cache's blocks (tails in vLLM's blocks: 27 rows a block, 5 blocks)
     "block_rows": ("kvarn_k4v2_g128", 128, True, True, True, {"TAIL_ROWS": 27}),
     "block_rows_g64": ("kvarn_k4v2_g64", 128, True, True, True, {"TAIL_ROWS": 13, "STACK": True}),
+    # sliding windows (WINDOW keys) and learned sink logits, in each launch shape the rules pick
+    "window_sink_logits": ("kvarn_k4v2_g128", 128, True, True, True, {"HAS_SINK": True, **WSL}),
+    "window_one_warp": ("kvarn_k4v2_g128", 128, True, True, True, {"num_warps": 1, "HAS_SINK": True, **WSL}),
+    "window_two_warps_d64": ("kvarn_k4v2_g128", 64, True, False, True, {"num_warps": 2, "WINDOW": 100}),
+    "window_stack": ("kvarn_k4v2_g64", 128, True, True, True, {"STACK": True, **WSL}),
+    "window_rows_prologue": ("kvarn_k2v2_g128", 64, False, False, False, {"WINDOW": 1, "HAS_SINK_LOGITS": True}),
+    "window_multi_query_kv": (
+        "kvarn_k4v2_g64",
+        64,
+        False,
+        False,
+        True,
+        {"MULTI_Q": True, "BLOCK_Q": 4, "HAS_KV": True, "HAS_SINK": True, **WSL},
+    ),
+    "window_seq_smooth_prologue": (
+        ("kvarn_k4v2_g128", SEQ),
+        64,
+        True,
+        True,
+        False,
+        {"SMOOTH_Q": True, "LATE_Q": True, **WSL},
+    ),
+    "window_block_rows": ("kvarn_k4v2_g128", 128, True, True, True, {"TAIL_ROWS": 27, **WSL}),
+    "window_no_merge": (
+        "kvarn_k4v2_g128",
+        128,
+        True,
+        True,
+        True,
+        {"FLAGS": (True, False, True, False, 128**-0.5), **WSL},
+    ),
+    "window_one_split": (
+        "kvarn_k4v2_g128",
+        128,
+        False,
+        False,
+        True,
+        {"FLAGS": (False, True, True, True, 128**-0.5), **WSL},
+    ),
+}
+EDGE = {
+    # id: kernel, preset, D, constexprs (LAYOUT added): the prologue and epilogue launches of window / sink-logit calls
+    "prologue_seq_smooth_window": (
+        "_prologue_kernel",
+        ("kvarn_k4v2_g128", SEQ),
+        128,
+        {"BLOCK_H": 16, "ROTATE": True, "IN_BF16": True, "FACTOR": 0.1275, "GQ": 4, "SMOOTH": True, "WINDOW": 128},
+    ),
+    "epilogue_sink_logits": (
+        "_epilogue_kernel",
+        "kvarn_k4v2_g128",
+        128,
+        {
+            "BLOCK_H": 32,
+            "SPLIT": True,
+            "ROTATE": True,
+            "OUT_BF16": True,
+            "INV_SQRT_D": 128**-0.5,
+            "HAS_SINK_LOGITS": True,
+        },
+    ),
+}
+EDGE_PTRS = {"query": "*bf16", "q_out": "*fp32", "q_out_s": "*fp32", "cache": "*u8", "block_table": "*i32"}
+EDGE_PTRS |= {
+    "seq_lens": "*i32",
+    "part": "*fp32",
+    "ws_m": "*fp32",
+    "ws_l": "*fp32",
+    "out": "*bf16",
+    "sink_logits": "*bf16",
 }
 STORE = {
     # id: preset config, SMOOTH_PHASE (None: no smooth_src)
@@ -110,6 +181,22 @@ def _compile_pages(kernel_name: str, preset: str, d: int, num_warps: int, extra:
     return triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32), options=opts)
 
 
+def _compile_edge(kernel_name: str, preset, d: int, extra: dict):
+    """One launch of the prologue or epilogue kernel (:mod:`kvarn.kernels.attention_prologue`,
+    :mod:`kvarn.kernels.attention_epilogue`) with ``extra`` constexprs, compiled for sm_90."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvarn.kernels import attention_epilogue, attention_prologue
+    from kvarn.kernels._common import record_layout
+
+    kernel = getattr(attention_prologue, kernel_name, None) or getattr(attention_epilogue, kernel_name)
+    const = dict(LAYOUT=record_layout(_cfg(preset, d))) | extra
+    sig = {n: "constexpr" if n in const else EDGE_PTRS.get(n, "i32") for n in kernel.arg_names}
+    return triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
 def _compile_all() -> dict[str, str]:
     """Each case's outcome: ``"ok"`` (a cubin came out) or the error."""
     from benchmarks.sass_decode import compile_decode
@@ -128,6 +215,8 @@ def _compile_all() -> dict[str, str]:
         jobs[f"store/{name}"] = lambda c=cfg, e=extra: compile_encode(c, 8 if c.smooth_keys else 4, extra=e)
     for name, args in PAGES.items():
         jobs[f"pages/{name}"] = lambda a=args: _compile_pages(*a)
+    for name, args in EDGE.items():
+        jobs[f"edge/{name}"] = lambda a=args: _compile_edge(*a)
     out = {}
     for name, job in jobs.items():
         try:
@@ -148,7 +237,11 @@ def compiled() -> dict[str, str]:
 
 
 @pytest.mark.parametrize(
-    "name", [f"decode/{n}" for n in DECODE] + [f"store/{n}" for n in STORE] + [f"pages/{n}" for n in PAGES]
+    "name",
+    [f"decode/{n}" for n in DECODE]
+    + [f"store/{n}" for n in STORE]
+    + [f"pages/{n}" for n in PAGES]
+    + [f"edge/{n}" for n in EDGE],
 )
 def test_kernel_compiles_for_sm90(compiled, name):
     assert compiled[name] == "ok", compiled[name]

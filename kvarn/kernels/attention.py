@@ -45,6 +45,8 @@ from kvarn.kernels.attention_checks import (
     check_counts,
     check_one_tile,
     check_out,
+    check_sink_logits,
+    check_window,
     per_tile_smooth_knobs,
     tail_block_rows,
 )
@@ -66,6 +68,7 @@ from kvarn.kernels.launch_rules import (
     min_split_tiles_default,
     pair_tiles_default,
     tokens_m_default,
+    visible_units,
 )
 from kvarn.kernels.store import write_tail
 
@@ -151,11 +154,11 @@ def _as_int32(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_prologue(
-    query: torch.Tensor, cfg: KVarNConfig, scale: float, empty: Callable, records=None
+    query: torch.Tensor, cfg: KVarNConfig, scale: float, empty: Callable, records=None, window: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``query: [Nq, Hq, D]`` -> rotated, scaled fp32 ``[Nq, Hq, D]``, and the same smoothed with each
-    sequence's vector for ``seq_smooth`` decode (``records = (cache, block_table, seq_lens)``; else
-    the first output again)."""
+    sequence's vector for ``seq_smooth`` decode (``records = (cache, block_table, seq_lens)``, the vector
+    from the first record in the ``window``, 0 for none; else the first output again)."""
     nq, hq, d = query.shape
     q = empty(nq, hq, d, dtype=torch.float32, device=query.device)
     q_s, cache, block_table, seq_lens, gq = q, q, q, q, 1
@@ -185,6 +188,7 @@ def _launch_prologue(
         FACTOR=_query_factor(cfg, scale),
         GQ=gq,
         SMOOTH=records is not None,
+        WINDOW=window,
         num_warps=EDGE_NUM_WARPS,
     )
     return q, q_s
@@ -195,8 +199,11 @@ def _query_factor(cfg: KVarNConfig, scale: float) -> float:
     return scale * LOG2E * (inv_sqrt(cfg.head_dim) if cfg.rotate else 1.0)
 
 
-def _launch_epilogue(part, ws_m, ws_l, splits: int, hq: int, out_dtype, cfg: KVarNConfig, empty: Callable, out=None):
-    """Split partials ``part: [splits, Nq, Hq, D]`` -> the output ``[Nq, Hq, D]`` in ``out_dtype`` (into ``out``)."""
+def _launch_epilogue(
+    part, ws_m, ws_l, splits: int, hq: int, out_dtype, cfg: KVarNConfig, empty: Callable, out=None, sink_logits=None
+):
+    """Split partials ``part: [splits, Nq, Hq, D]`` -> the output ``[Nq, Hq, D]`` in ``out_dtype`` (into ``out``);
+    ``sink_logits: [Hq]`` join the merge of several splits (one split's partial holds them already)."""
     _, nq, _, d = part.shape
     if out is None:
         out = empty(nq, hq, d, dtype=out_dtype, device=part.device)
@@ -212,12 +219,14 @@ def _launch_epilogue(part, ws_m, ws_l, splits: int, hq: int, out_dtype, cfg: KVa
         hq,
         out.stride(0),
         out.stride(1),
+        part if sink_logits is None else sink_logits,
         BLOCK_H=max(MIN_DOT_ROWS, next_pow2(hq)),
         LAYOUT=record_layout(cfg),
         SPLIT=splits > 1,
         ROTATE=cfg.rotate,
         OUT_BF16=out_dtype == torch.bfloat16,
         INV_SQRT_D=inv_sqrt(d),
+        HAS_SINK_LOGITS=sink_logits is not None,
         num_warps=EDGE_NUM_WARPS,
     )
     return out
@@ -238,6 +247,8 @@ def paged_attention(
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
     *,
+    window: int | None = None,
+    sink_logits: torch.Tensor | None = None,
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int = ATTN_NUM_STAGES,
@@ -261,6 +272,15 @@ def paged_attention(
     ``sink_slots: [B]`` or ``None``, ``scale`` default ``1 / sqrt(D)``, ``key, value: [Nq, Hkv, D]``
     or ``None``, the own-tile rule. A decode launch (one query per sequence) reads the step's token
     from the tail slot (written there before attention) and ignores ``key, value``; see :func:`_step_kv`.
+
+    ``window`` (keyword only; ``None`` or a positive int, the layer's sliding window ``W``) and
+    ``sink_logits`` (keyword only; ``[Hq]`` fp32, fp16 or bf16, each query head's raw learned sink logit, or
+    ``None``; not the sink *slots* above) as in the reference: a query at ``p`` sees keys ``p - W + 1 .. p``,
+    and the logits join the softmax denominator only. A decode program walks the tiles from the one
+    holding ``p - W + 1``; a multi-query program from the one of its first query's first key, masking each
+    query's keys before its window. Block-table entries (and the sink slot) before those tiles are never
+    read. The window is a compile-time constant of the kernels (one compile per window size); the
+    default split count counts the tiles a window leaves (:func:`~kvarn.kernels.launch_rules.visible_units`).
 
     Knobs (keyword only; each default is the function of that name in :mod:`~kvarn.kernels.launch_rules`):
     ``num_splits`` forces the split-K factor (default :func:`default_splits`);
@@ -295,9 +315,9 @@ def paged_attention(
     :mod:`kvarn.kernels._plan`): decode calls, and multi-query calls given ``key, value``.
     """
     knobs = (num_splits, num_warps, num_stages, fuse_query, fuse_merge, pair_tiles, tokens_m, fold_offsets)
-    knobs += (min_split_tiles, stack_tiles)
+    knobs += (min_split_tiles, stack_tiles, window)
     inputs = (query, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, query_start_loc, sink_slots, key, value)
-    inputs += (counters, out)
+    inputs += (counters, out, sink_logits)
     key_of = None
     if empty is torch.empty and (query_start_loc is None or key is not None):  # no check that reads seq_lens
         key_of = lambda: _plan_key(inputs, cfg, scale, knobs)
@@ -305,7 +325,7 @@ def paged_attention(
     def run(alloc: Callable) -> torch.Tensor:
         return _paged_attention(
             query, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, cfg, query_start_loc, sink_slots,
-            scale, key, value, *knobs, counters, alloc, out,
+            scale, key, value, *knobs, counters, alloc, out, sink_logits,
         )  # fmt: skip
 
     return PLANS.call(key_of, inputs, run)
@@ -321,20 +341,22 @@ def _plan_key(inputs: tuple, cfg: KVarNConfig, scale, knobs: tuple) -> tuple | N
     """The launcher's part of a call's plan key: the config, scale and knobs (the planner adds the inputs'
     layouts). ``out`` is checked here too (:func:`~kvarn.kernels.attention_checks.check_out`): a replay skips
     the launcher's checks, and whether ``out`` shares the query's memory is not in the key."""
-    check_out(inputs[-1], inputs[0])
+    check_out(inputs[-2], inputs[0])
     return cfg, scale, knobs, _TIMELINE[0]
 
 
 def _paged_attention(
     query, cache, block_table, seq_lens, tail_k, tail_v, tail_slots, cfg, query_start_loc, sink_slots, scale, key,
     value, num_splits, num_warps, num_stages, fuse_query, fuse_merge, pair_tiles, tokens_m, fold_offsets,
-    min_split_tiles, stack_tiles, counters, empty, out,
+    min_split_tiles, stack_tiles, window, counters, empty, out, sink_logits,
 ) -> torch.Tensor:  # fmt: skip
     """:func:`paged_attention` itself (the launcher its plans record)."""
     check_args(query, cache, block_table, seq_lens, tail_k, tail_v, cfg, query_start_loc, (key, value))
     block_rows = tail_block_rows(tail_slots, tail_k, cfg, seq_lens.shape[0], query_start_loc, sink_slots)
     fuse_query, tokens_m = per_tile_smooth_knobs(cfg, fuse_query, tokens_m)
     check_counts(num_splits=num_splits, min_split_tiles=min_split_tiles)
+    check_window(window)
+    sink_logits = check_sink_logits(sink_logits, query)
     nq, hq, d = query.shape
     hkv = cache.shape[1]
     batch = seq_lens.shape[0]
@@ -350,13 +372,13 @@ def _paged_attention(
     gqp = next_pow2(hq // hkv)
     block_q = max(1, MIN_DOT_ROWS // gqp) if multi_q else 1
     n_blocks = cdiv(nq, block_q) + batch if multi_q else batch  # one spare block per sequence
-    max_units = block_table.shape[1] + 1
+    max_units = visible_units(block_table.shape[1] + 1, cfg.group_size, window, block_q)
     splits = num_splits or default_splits(cfg, n_blocks * hkv, max_units, multi_q, dev, tokens_m, ATTN_NUM_WARPS)
     if tokens_m is None:
         tokens_m = tokens_m_default(cfg, multi_q, n_blocks * hkv * splits, dev)
     tokens_m = not multi_q and tokens_m
     warps, stack = decode_shape_default(
-        cfg, tokens_m, gqp, n_blocks * hkv * splits, cdiv(max_units, splits), dev, block_table.shape[1]
+        cfg, tokens_m, gqp, n_blocks * hkv * splits, cdiv(max_units, splits), dev, min(block_table.shape[1], max_units)
     )
     if num_warps is not None:  # the rule's stacking was timed at its own warps only
         stack, warps = stack and num_warps == warps, num_warps
@@ -381,18 +403,21 @@ def _paged_attention(
     smooth_q = cfg.seq_smooth and not fused_q and not multi_q  # the prologue smooths the queries too
     q = q_s = query
     if not fused_q:
-        q, q_s = _launch_prologue(query, cfg, scale, empty, (cache, block_table, seq_lens) if smooth_q else None)
+        records = (cache, block_table, seq_lens) if smooth_q else None
+        q, q_s = _launch_prologue(query, cfg, scale, empty, records, (window or 0) if smooth_q else 0)
     final = (empty(nq, hq, d, dtype=query.dtype, device=dev) if out is None else out) if merge else part
     grid = (n_blocks, hkv, splits)
     if block_rows:  # the kernel reads cdiv(G, R) blocks a row, rows contiguous
         tail_slots = tail_slots[:, : cdiv(cfg.group_size, block_rows)]
     slots = _as_int32(tail_slots)  # a no-op for int32 lists: no cast launch per call
-    pool = (tail_k, tail_v, slots, slots if sink_slots is None else _as_int32(sink_slots), *(step or (tail_k, tail_v)))
+    sinks = slots if sink_slots is None else _as_int32(sink_slots)
+    pool = (tail_k, tail_v, slots, sinks, tail_k if sink_logits is None else sink_logits, *(step or (tail_k, tail_v)))
     ws = (part, ws_m, ws_l, final, part if counters is None else counters)
     flags = (splits > 1, merge, cfg.rotate, query.dtype == torch.bfloat16, inv_sqrt(d))
     launch = {"num_warps": warps, "num_stages": num_stages, "FUSED_Q": fused_q, "FACTOR": _query_factor(cfg, scale)}
     launch.update(SMOOTH_Q=smooth_q, LATE_Q=smooth_q or (cfg.seq_smooth and fused_q))
     launch.update(HAS_SINK=sink_slots is not None, HAS_KV=step is not None)
+    launch.update(WINDOW=window or 0, HAS_SINK_LOGITS=sink_logits is not None)
     launch["TOKENS_M"] = tokens_m
     launch["PAIR"] = pair
     launch["FOLD"] = fold_offsets_default(cfg, launch["TOKENS_M"]) if fold_offsets is None else fold_offsets
@@ -405,7 +430,7 @@ def _paged_attention(
     )
     if merge:
         return final
-    return _launch_epilogue(part, ws_m, ws_l, splits, hq, query.dtype, cfg, empty, out)
+    return _launch_epilogue(part, ws_m, ws_l, splits, hq, query.dtype, cfg, empty, out, sink_logits)
 
 
 def _stack_tiles(stack_tiles: bool | None, default: bool, gqp: int, tokens_m: bool, pair: bool) -> bool:
@@ -474,7 +499,7 @@ def _launch_attention(grid, qs, query, cache, block_table, seq_lens, qsl, pool, 
     gqp = next_pow2(gqa)
     multi_q = qsl is not None
     block_q = max(1, MIN_DOT_ROWS // gqp) if multi_q else 1
-    tail_k, tail_v, tail_slots, sinks, key, value = pool
+    tail_k, tail_v, tail_slots, sinks, sink_logits, key, value = pool
     part, ws_m, ws_l, final, counters = ws
     launch = dict(launch)
     min_units = launch.pop("min_units", 1)
@@ -490,6 +515,7 @@ def _launch_attention(grid, qs, query, cache, block_table, seq_lens, qsl, pool, 
         tail_v,
         tail_slots,
         sinks,
+        sink_logits,
         qsl if multi_q else seq_lens,
         key,
         value,

@@ -124,3 +124,32 @@ def check_out(out: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | N
     if out.untyped_storage().data_ptr() == query.untyped_storage().data_ptr():
         raise ValueError("out must not share memory with query (programs read queries while others write out)")
     return out
+
+
+def check_window(window) -> None:
+    """Raise unless ``window`` is ``None`` or a positive int (the keys a query sees, itself included)."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be None or a positive int (keys a query sees, itself included), got {window!r}")
+
+
+def check_sink_logits(sink_logits: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | None:
+    """``sink_logits`` as the kernels read it (entry ``h`` at ``base + h``): ``None``, or an fp32/fp16/bf16 ``[Hq]``
+    tensor on the query's device; a strided one is copied. Raises otherwise."""
+    if sink_logits is None:
+        return None
+    hq = query.shape[1]
+    if (
+        not isinstance(sink_logits, torch.Tensor)
+        or sink_logits.shape != (hq,)
+        or sink_logits.dtype not in (torch.float32, torch.float16, torch.bfloat16)
+        or sink_logits.device != query.device
+    ):
+        got = (
+            f"{tuple(sink_logits.shape)} {sink_logits.dtype} on {sink_logits.device}"
+            if isinstance(sink_logits, torch.Tensor)
+            else type(sink_logits).__name__
+        )
+        raise ValueError(
+            f"sink_logits must be one fp32, fp16 or bf16 logit per query head, [{hq}] on {query.device}, got {got}"
+        )
+    return sink_logits if sink_logits.stride(0) == 1 else sink_logits.contiguous()

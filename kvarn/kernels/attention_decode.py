@@ -89,8 +89,9 @@ def _split_units(
     MULTI_Q: tl.constexpr,
     HAS_SINK: tl.constexpr,
     HAS_KV: tl.constexpr,
+    WINDOW: tl.constexpr = 0,
 ):
-    """What split ``split`` of sequence ``seq`` reads: ``(n_full, own, u0, u1, qt0, sink_slot, has_sink, n_act)``.
+    """What split ``split`` of sequence ``seq`` reads: ``(n_full, own, u0, u1, qt0, sink_slot, has_sink, n_act, t0)``.
 
     The program's units are ``n_full`` record tiles, then one full-precision unit (the own tile,
     :func:`_fp_tiles`) ``own = (n_slot, fp0, j0, n_step)``: ``n_slot`` tail slot tokens at
@@ -103,6 +104,10 @@ def _split_units(
     ``sink_slot`` instead of its record. Each split takes ``max(cdiv(n_units, num_splits), min_units)``
     units, so only the first ``n_act`` splits have any: a launch sized for the longest sequence
     (vLLM's block table width) gives short sequences few, full splits and few partials to merge.
+
+    ``WINDOW > 0`` (a sliding window of that many keys): the units start at ``t0``, the tile of the first
+    key the program's first query sees; the splits share units ``t0 ..`` (the block-table entries before
+    ``t0`` are never read), and tile 0's sink slot is read only where ``t0 = 0``. Else ``t0 = 0``.
     """
     if MULTI_Q:
         first = seq_len - n_q  # the step's first position
@@ -122,9 +127,16 @@ def _split_units(
         j0 = seq_len
         p_last = seq_len - 1
         n_units = n_full + (n_slot > 0).to(tl.int32)
-    per = tl.maximum(tl.cdiv(n_units, num_splits), min_units)
-    n_act = tl.maximum(tl.cdiv(n_units, per), 1)  # an empty sequence (padding) still gets its zero rows
-    u0 = split * per
+    t0 = 0
+    if WINDOW > 0:
+        if MULTI_Q:
+            p_first = seq_len - n_q + q_first
+        else:
+            p_first = seq_len - 1
+        t0 = tl.maximum(p_first - (WINDOW - 1), 0) // G
+    per = tl.maximum(tl.cdiv(n_units - t0, num_splits), min_units)
+    n_act = tl.maximum(tl.cdiv(n_units - t0, per), 1)  # an empty sequence (padding) still gets its zero rows
+    u0 = t0 + split * per
     u1 = tl.minimum(u0 + per, n_units)
     if HAS_SINK:
         sink_slot = tl.load(sink_slots + seq)
@@ -134,7 +146,21 @@ def _split_units(
     qt0 = u0
     if has_sink & (u0 == 0):
         qt0 = 1
-    return n_full, (n_slot, fp0, j0, p_last + 1 - j0), u0, u1, qt0, sink_slot, has_sink, n_act
+    return n_full, (n_slot, fp0, j0, p_last + 1 - j0), u0, u1, qt0, sink_slot, has_sink, n_act, t0
+
+
+@triton.jit
+def _window_rows(pos_q, seq_len, WINDOW: tl.constexpr, MULTI_Q: tl.constexpr):
+    """Each row's first key in its sliding window of ``WINDOW`` keys (``[BLOCK_M]``), or ``None`` without one
+    (``WINDOW = 0``). The rows of a decode program are all at ``seq_len - 1`` (``STACK``'s second copies too,
+    whose ``pos_q`` runs on)."""
+    win_lo = None
+    if WINDOW > 0:
+        if MULTI_Q:
+            win_lo = pos_q - (WINDOW - 1)
+        else:
+            win_lo = pos_q * 0 + (seq_len - WINDOW)
+    return win_lo
 
 
 @triton.jit
@@ -153,6 +179,7 @@ def _fp_tiles(
     MULTI_Q: tl.constexpr,
     HAS_KV: tl.constexpr,
     TAIL_ROWS: tl.constexpr = 0,
+    win_lo=None,
 ):
     """The full-precision units of a split, the sink (tile 0) and the own tile, into ``state = (m, l, acc)``.
 
@@ -165,7 +192,8 @@ def _fp_tiles(
     the row of position ``j0`` (read with ``HAS_KV``). A multi-query row sees the sink below
     ``lo_q`` and the own-tile unit from ``lo_q`` to its position. Scored with the unsmoothed
     ``query``, or with ``LATE_Q`` with the unsmoothed queries loaded here from ``q_base`` (``query``
-    is then not read).
+    is then not read). ``win_lo: [BLOCK_M]``: each row's first key in its sliding window (``None``: no window),
+    masked in the sink and the own tile alike.
     """
     q_base, row_ok, pool, step = src
     sink_here, sink_slot, own_here, tails, own, pos_q, lo_q = units
@@ -177,29 +205,34 @@ def _fp_tiles(
         else:
             q_use = query
         q_rows = _query_rows(q_use, LAYOUT)  # (qn [BLOCK_M, D], rf [BLOCK_M])
+        own_lo = win_lo  # each row's first key of the own-tile unit (None: the unit's first)
+        if MULTI_Q:
+            own_lo = lo_q
+            if win_lo is not None:
+                own_lo = tl.maximum(lo_q, win_lo)
         if sink_here:
             if MULTI_Q:
-                state = _fp_tile(q_rows, state, pool, sink_slot, LAYOUT.G, 0, lo_q - 1, POOL_BF16)
+                state = _fp_tile(q_rows, state, pool, sink_slot, LAYOUT.G, 0, lo_q - 1, POOL_BF16, win_lo)
             else:
-                state = _fp_tile(q_rows, state, pool, sink_slot, LAYOUT.G, 0, pos_q, POOL_BF16)
+                state = _fp_tile(q_rows, state, pool, sink_slot, LAYOUT.G, 0, pos_q, POOL_BF16, win_lo)
         if TAIL_ROWS > 0:
             if own_here:
                 n_cols: tl.constexpr = (LAYOUT.G + TAIL_ROWS - 1) // TAIL_ROWS  # blocks of a tail
                 table = tail_slots + seq * n_cols
-                state = _fp_block_tile(q_rows, state, pool, table, n_slot, fp0, pos_q, TAIL_ROWS, POOL_BF16)
+                state = _fp_block_tile(q_rows, state, pool, table, n_slot, fp0, pos_q, TAIL_ROWS, POOL_BF16, own_lo)
         elif own_here:
             slot = tl.load(tail_slots + seq)
             if MULTI_Q:
-                state = _fp_tile(q_rows, state, pool, slot, n_slot, fp0, pos_q, POOL_BF16, lo_q)
+                state = _fp_tile(q_rows, state, pool, slot, n_slot, fp0, pos_q, POOL_BF16, own_lo)
                 if HAS_KV:
                     key, value, row = step
                     D: tl.constexpr = LAYOUT.D
                     kvh = pool[5]
                     stride = tl.num_programs(1) * D  # [rows, Hkv, D] contiguous
                     off = row.to(tl.int64) * stride + kvh * D
-                    state = _fp_rows(q_rows, state, key, value, off, stride, n_step, j0, pos_q, lo_q, POOL_BF16)
+                    state = _fp_rows(q_rows, state, key, value, off, stride, n_step, j0, pos_q, own_lo, POOL_BF16)
             else:
-                state = _fp_tile(q_rows, state, pool, slot, n_slot, fp0, pos_q, POOL_BF16)
+                state = _fp_tile(q_rows, state, pool, slot, n_slot, fp0, pos_q, POOL_BF16, own_lo)
     return state
 
 
@@ -243,6 +276,7 @@ def _attn_kernel(
     tail_v,
     tail_slots,
     sink_slots,
+    sink_logits,
     query_start_loc,
     key,
     value,
@@ -289,6 +323,8 @@ def _attn_kernel(
     STACK: tl.constexpr = False,
     TAIL_ROWS: tl.constexpr = 0,
     TIMELINE: tl.constexpr = 0,
+    WINDOW: tl.constexpr = 0,
+    HAS_SINK_LOGITS: tl.constexpr = False,
 ):
     """Grid ``(query blocks, Hkv, num_splits)``; see :func:`kvarn.kernels.attention_merge._finish` for what it writes.
 
@@ -305,7 +341,8 @@ def _attn_kernel(
     tail. ``HAS_KV`` (multi-query only): ``key, value: [Nq, Hkv, D]`` hold the step's own K/V in the pool form
     (contiguous, rows as ``q``'s), read for the own-tile positions from the step's first on; else those are read
     from the tail slot too (:func:`_split_units`). ``TAIL_ROWS > 0``: own tiles in block rows of ``tail_k,
-    tail_v`` (strides ``p_*``), ``tail_slots: [B, cdiv(G, TAIL_ROWS)]`` (:func:`_fp_block_tile`).
+    tail_v`` (strides ``p_*``), ``tail_slots: [B, cdiv(G, TAIL_ROWS)]`` (:func:`_fp_block_tile`). ``WINDOW``: see
+    :func:`_split_units`; ``HAS_SINK_LOGITS`` (``sink_logits: [Hq]``): :mod:`~kvarn.kernels.attention_merge`.
     """
     G: tl.constexpr = LAYOUT.G
     ROTATE: tl.constexpr = FLAGS[2]
@@ -323,33 +360,29 @@ def _attn_kernel(
     pos_q = seq_len - n_q + q_local  # [BLOCK_M]
     ld_row, ld_head, ld_ok = _read_rows((q_row, head, row_ok), q_start, kvh, GQ, GQP, STACK)
     q_base = q + ld_row[:, None] * s_iq + ld_head[:, None] * s_iqh  # [BLOCK_M, 1]
-    n_full, own, u0, u1, qt0, sink_slot, has_sink, n_act = _split_units(
-        seq, seq_len, n_q, q_first, split, num_splits, min_units, sink_slots, G, BLOCK_Q, MULTI_Q, HAS_SINK, HAS_KV
-    )
+    n_full, own, u0, u1, qt0, sink_slot, has_sink, n_act, t0 = _split_units(seq, seq_len, n_q, q_first, split,
+        num_splits, min_units, sink_slots, G, BLOCK_Q, MULTI_Q, HAS_SINK, HAS_KV, WINDOW)  # fmt: skip
+    win_lo = _window_rows(pos_q, seq_len, WINDOW, MULTI_Q)
     _stamp(TIMELINE, TIMELINE_UNITS, n_act + u0 + u1)
     if has_q & ((split < n_act) | (not FLAGS[1])):  # without MERGE the epilogue reads every split's partial
         lo_q = pos_q // G * G if MULTI_Q else pos_q  # each row's own tile: records (and the sink) before it only
-        bt_row = block_table + seq.to(tl.int64) * s_bt
-        records = (cache, s_cb, s_ch, kvh)
-        qt1 = tl.minimum(u1, n_full)
-        walk = (records, bt_row, qt0, qt1, lo_q - 1)
+        walk = ((cache, s_cb, s_ch, kvh), block_table + seq.to(tl.int64) * s_bt, qt0, tl.minimum(u1, n_full), lo_q - 1)
         qs_base = q_smooth + ld_row[:, None] * s_iq + ld_head[:, None] * s_iqh
         query, rec_query = _records_query(q_base, qs_base, ld_ok, walk, n_full, LAYOUT, ROTATE, IN_BF16, FACTOR,
-            FUSED_Q, SMOOTH_Q, LATE_Q)  # fmt: skip
+            FUSED_Q, SMOOTH_Q, LATE_Q, t0)  # fmt: skip
         state = _record_tiles(rec_query, walk, q_base, ld_ok, LAYOUT, MULTI_Q, USE_ASM, PAIR, TOKENS_M, FUSED_Q,
-            IN_BF16, FACTOR, FOLD, STACK, GQP)  # fmt: skip
+            IN_BF16, FACTOR, FOLD, STACK, GQP, win_lo)  # fmt: skip
         _stamp(TIMELINE, TIMELINE_RECORDS, tl.max(state[0], axis=0).to(tl.int32, bitcast=True))
         pool = (tail_k, tail_v, p_slot, p_tok, p_head, kvh)
         own_here = (own[0] + own[3] > 0) & (u0 <= n_full) & (n_full < u1)
         units = (has_sink & (u0 == 0), sink_slot, own_here, (tail_slots, seq), own, pos_q, lo_q)
         src = (q_base, ld_ok, pool, (key, value, q_start + own[2] - (seq_len - n_q)))
         m_i, l_i, acc = _fp_tiles(state, query, src, units, LAYOUT, ROTATE, IN_BF16, FACTOR, FUSED_Q, POOL_BF16,
-            LATE_Q, MULTI_Q, HAS_KV, TAIL_ROWS)  # fmt: skip
+            LATE_Q, MULTI_Q, HAS_KV, TAIL_ROWS, win_lo)  # fmt: skip
         _stamp(TIMELINE, TIMELINE_FP, tl.max(m_i, axis=0).to(tl.int32, bitcast=True))
-        R: tl.constexpr = BLOCK_Q * GQP  # the program's distinct rows
-        q_row_c, head_c, row_ok_c, _ = _program_rows(R, q_start, q_first, n_q, kvh, GQ, GQP)
-        compact = (q_row_c * hq + head_c, row_ok_c)
-        counter = counters + pid * tl.num_programs(1) + kvh
+        q_row_c, head_c, row_ok_c, _ = _program_rows(BLOCK_Q * GQP, q_start, q_first, n_q, kvh, GQ, GQP)
+        compact = (q_row_c * hq + head_c, row_ok_c)  # the program's distinct rows
         _finish((m_i, l_i, acc), (q_row, head, row_ok, hq, split), compact, (part, ws_m, ws_l, s_ws, final, s_o, s_oh),
-            counter, n_act, MERGE_CH, FLAGS)  # fmt: skip
+            counters + pid * tl.num_programs(1) + kvh, n_act, MERGE_CH, FLAGS, sink_logits,
+            HAS_SINK_LOGITS)  # fmt: skip
         _stamp(TIMELINE, TIMELINE_DONE, split)

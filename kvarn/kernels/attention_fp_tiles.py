@@ -95,12 +95,14 @@ def _fp_tile(q_rows, state, pool, slot, n_valid, key0, pos_q, POOL_BF16: tl.cons
 
 
 @triton.jit
-def _fp_block_tile(q_rows, state, pool, table, n_valid, key0, pos_q, ROWS: tl.constexpr, POOL_BF16: tl.constexpr):
+def _fp_block_tile(
+    q_rows, state, pool, table, n_valid, key0, pos_q, ROWS: tl.constexpr, POOL_BF16: tl.constexpr, lo_q=None
+):
     """:func:`_fp_rows` over the first ``n_valid`` tokens of a tile kept as rows of blocks (``ROWS`` a
     block; token ``t`` in block ``table[t // ROWS]``), ``pool`` as for :func:`_fp_tile` with the block
     view's strides."""
     tail_k, tail_v, p_slot, p_tok, p_head, kvh = pool
     base = kvh.to(tl.int64) * p_head
     return _fp_rows(
-        q_rows, state, tail_k, tail_v, base, p_tok, n_valid, key0, pos_q, None, POOL_BF16, table, p_slot, ROWS
+        q_rows, state, tail_k, tail_v, base, p_tok, n_valid, key0, pos_q, lo_q, POOL_BF16, table, p_slot, ROWS
     )

@@ -9,6 +9,12 @@ those rows (log-sum-exp), leaves the rotated frame, stores the output and sets t
 to 0, so the counter buffer is all zeros again after every launch (and every CUDA-graph replay).
 Without ``MERGE`` the program stores its partial (or its normalized rows) for
 :mod:`kvarn.kernels.attention_epilogue`, the same math in a second launch.
+
+Learned sink logits (``HAS_SINK_LOGITS``: one raw logit ``z`` per query head in the softmax
+denominator only, :func:`kvarn.reference.paged_attention`; not kvarn's full-precision sink tile)
+join where the rows are normalized, and only there (:func:`_with_sink`): a program with one split
+before it divides, the merge of the splits after it has summed them (here or in the epilogue).
+The partials never hold it, so no split counts it twice.
 """
 
 from __future__ import annotations
@@ -16,7 +22,27 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvarn.kernels._common import NEG_BIG, fwht_rows, hadamard_pm, hdot, store_model
+from kvarn.kernels._common import LOG2E, NEG_BIG, fwht_rows, hadamard_pm, hdot, store_model
+
+LOG2E_K = tl.constexpr(LOG2E)
+
+
+@triton.jit
+def _sink_logits(sink_logits, head, ok):
+    """The sink logits of rows ``head: [R]`` (query heads; ``ok``: real rows) in the kernels' exp2 domain:
+    ``z * log2(e)`` fp32, ``-inf`` for the other rows (no sink). The scores are ``scale * log2(e) * q . k``
+    already (the queries carry the factor), the logits are raw."""
+    return tl.load(sink_logits + head, mask=ok, other=float("-inf")).to(tl.float32) * LOG2E_K
+
+
+@triton.jit
+def _with_sink(acc, den, m, z):
+    """A softmax state ``acc: [R, D]``, ``den: [R]`` relative to running max ``m: [R]``, with each row's sink logit
+    ``z: [R]`` (exp2 domain) added to the denominator: both rescaled to ``max(m, z)``, ``2^(z - max)`` added to
+    ``den``. ``z = -inf`` changes nothing; a row without keys (``acc = 0``) stays 0."""
+    m_f = tl.maximum(m, z)
+    a = tl.exp2(m - m_f)
+    return acc * a[:, None], den * a + tl.exp2(z - m_f)
 
 
 @triton.jit
@@ -32,12 +58,13 @@ def _arrived_last(counter, num_splits):
 
 
 @triton.jit
-def _merge_rows(part, ws_m, ws_l, row_off, row_ok, num_splits, s_ws, D: tl.constexpr, CH: tl.constexpr):
+def _merge_rows(part, ws_m, ws_l, row_off, row_ok, num_splits, s_ws, D: tl.constexpr, CH: tl.constexpr, z=None):
     """Log-sum-exp merge of the split partials of ``R`` rows -> normalized ``[R, D]`` fp32 (rotated frame).
 
     ``row_off: [R]`` is each row's index in one split's ``ws_m`` / ``ws_l`` (its partial output row
     starts at ``row_off * D``), ``s_ws`` the stride of a split there. Reads ``CH`` splits at a
-    time, through L2 (``.cg``): the other programs wrote them in this launch.
+    time, through L2 (``.cg``): the other programs wrote them in this launch. ``z: [R]``: the rows' sink
+    logits (:func:`_sink_logits`), added once the splits are summed; ``None``: none.
     """
     R: tl.constexpr = row_off.shape[0]
     sp = tl.arange(0, CH)
@@ -58,6 +85,8 @@ def _merge_rows(part, ws_m, ws_l, row_off, row_ok, num_splits, s_ws, D: tl.const
         den = den * alpha + tl.sum(w * lsum, axis=0)
         o = o * alpha[:, None] + tl.sum(a * w[:, :, None], axis=0)
         m_run = m_new
+    if z is not None:
+        o, den = _with_sink(o, den, m_run, z)
     return o / tl.where(den > 0.0, den, 1.0)[:, None]
 
 
@@ -99,7 +128,18 @@ def _store_output(o, dst, row_ok, ROTATE: tl.constexpr, OUT_BF16: tl.constexpr, 
 
 
 @triton.jit
-def _finish(result, rows, compact, outs, counter, num_splits, CH: tl.constexpr, flags: tl.constexpr):
+def _finish(
+    result,
+    rows,
+    compact,
+    outs,
+    counter,
+    num_splits,
+    CH: tl.constexpr,
+    flags: tl.constexpr,
+    sink_logits=None,
+    HAS_SINK_LOGITS: tl.constexpr = False,
+):
     """Write what a program computed: its partial or rows, and with ``MERGE`` the output (see module doc).
 
     ``result = (m_i, l_i, acc)``; ``rows = (q_row, head, row_ok, hq, split)`` of the program's
@@ -108,10 +148,15 @@ def _finish(result, rows, compact, outs, counter, num_splits, CH: tl.constexpr, 
     whether it is real, of those ``R`` rows. ``outs = (part, ws_m, ws_l, s_ws, final, s_o, s_oh)``:
     the fp32 partials ``[splits, Nq, Hq, D]`` (``s_ws = Nq * Hq``), ``ws_m, ws_l: [splits, Nq, Hq]``
     and the output ``[Nq, Hq, D]`` (strides ``s_o, s_oh``). ``flags = (SPLIT, MERGE, ROTATE,
-    OUT_BF16, INV_SQRT_D)``.
+    OUT_BF16, INV_SQRT_D)``. ``HAS_SINK_LOGITS``: the heads' logits ``sink_logits: [Hq]`` (raw) join the
+    denominator: one split adds them before it normalizes, several leave them to the merge (here, or the
+    epilogue's).
     """
     m_i, l_i, acc = result
     q_row, head, row_ok, hq, split = rows
+    sinks = None
+    if HAS_SINK_LOGITS:  # the rows' logits, and the compact rows' (their heads from their offsets)
+        sinks = (_sink_logits(sink_logits, head, row_ok), _sink_logits(sink_logits, compact[0] % hq, compact[1]))
     part, ws_m, ws_l, s_ws, final, s_o, s_oh = outs
     SPLIT: tl.constexpr = flags[0]
     MERGE: tl.constexpr = flags[1]
@@ -121,6 +166,8 @@ def _finish(result, rows, compact, outs, counter, num_splits, CH: tl.constexpr, 
     dst = final + q_row[:, None] * s_o + head[:, None] * s_oh + dd[None, :]  # [BLOCK_M, D]
     row_off = q_row * hq + head  # [BLOCK_M]
     if not SPLIT:
+        if sinks is not None:
+            acc, l_i = _with_sink(acc, l_i, m_i, sinks[0])
         res = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         if MERGE:
             _store_output(res, dst, row_ok, flags[2], flags[3], flags[4])
@@ -134,7 +181,10 @@ def _finish(result, rows, compact, outs, counter, num_splits, CH: tl.constexpr, 
         if MERGE:
             if _arrived_last(counter, num_splits):
                 R: tl.constexpr = compact[0].shape[0]
-                o = _merge_rows(part, ws_m, ws_l, compact[0], compact[1], num_splits, s_ws, D, CH)  # [R, D]
+                z_c = None
+                if sinks is not None:
+                    z_c = sinks[1]
+                o = _merge_rows(part, ws_m, ws_l, compact[0], compact[1], num_splits, s_ws, D, CH, z_c)  # [R, D]
                 tl.store(counter, 0)
                 if flags[2]:  # the R merged rows leave the rotated frame before they are spread over BLOCK_M
                     o = fwht_rows(o, flags[4])

@@ -33,6 +33,7 @@ def _prologue_kernel(
     FACTOR: tl.constexpr,
     GQ: tl.constexpr = 1,
     SMOOTH: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0,
 ):
     """Grid ``(Nq,)``: ``q_out[t] = (query[t] @ H) * FACTOR`` in fp32 (``FACTOR = scale * log2(e) / sqrt(D)``).
 
@@ -42,7 +43,9 @@ def _prologue_kernel(
     the queries the sequence's records are scored with, ``((query[t] * s) @ H) * FACTOR``, to
     ``q_out_s`` (laid out as ``q_out``): ``s`` of each head's KV head (``GQ`` query heads each)
     from the sequence's first record, ``cache[block_table[t, 0]]`` (strides ``s_cb, s_ch, s_bt``);
-    ``H`` as two tf32 dots on a hi/lo split (``x * s`` is not exact in tf32). Unused otherwise.
+    ``H`` as two tf32 dots on a hi/lo split (``x * s`` is not exact in tf32). Unused otherwise. With a
+    sliding window of ``WINDOW > 0`` keys, ``s`` comes from the first record in the query's window instead
+    (every record of a sequence carries it; the entries before the window are never read).
     """
     D: tl.constexpr = LAYOUT.D
     t = tl.program_id(0).to(tl.int64)
@@ -67,8 +70,14 @@ def _prologue_kernel(
     m_out = hmask[:, None] & (dd[None, :] < D)
     tl.store(q_out + t * n_heads * D + heads[:, None] * D + dd[None, :], x, mask=m_out)
     if SMOOTH:
-        has_rec = tl.load(seq_lens + t) >= LAYOUT.G
-        blk0 = tl.load(block_table + t * s_bt, mask=has_rec, other=0).to(tl.int64)
+        if WINDOW > 0:  # the first record in the window: the entries before it are never read
+            seq_len = tl.load(seq_lens + t)
+            first = tl.maximum(seq_len - WINDOW, 0) // LAYOUT.G
+            has_rec = (seq_len - 1) // LAYOUT.G > first
+            blk0 = tl.load(block_table + t * s_bt + first, mask=has_rec, other=0).to(tl.int64)
+        else:
+            has_rec = tl.load(seq_lens + t) >= LAYOUT.G
+            blk0 = tl.load(block_table + t * s_bt, mask=has_rec, other=0).to(tl.int64)
         kvh = (heads // GQ).to(tl.int64)
         rec = cache + blk0 * s_cb + kvh[:, None] * s_ch + LAYOUT.K_SMOOTH + dd[None, :]
         m_rec = hmask[:, None] & (dd[None, :] < D * has_rec.to(tl.int32))

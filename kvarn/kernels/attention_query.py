@@ -169,16 +169,26 @@ def _smoothed_query(rec, q_model, LAYOUT: tl.constexpr):
 
 @triton.jit
 def _sequence_query(
-    query, rec0, n_full, q_base, row_ok, LAYOUT: tl.constexpr, IN_BF16: tl.constexpr, FACTOR, FUSED: tl.constexpr
+    query,
+    rec0,
+    n_full,
+    q_base,
+    row_ok,
+    LAYOUT: tl.constexpr,
+    IN_BF16: tl.constexpr,
+    FACTOR,
+    FUSED: tl.constexpr,
+    t0=0,
 ):
-    """The score query of every record of a ``SEQ_SMOOTH`` sequence, whose first record is ``rec0``.
+    """The score query of every record of a ``SEQ_SMOOTH`` sequence, whose first record walked is ``rec0``.
 
-    ``s`` is ``rec0``'s ``k_smooth`` (read only with ``n_full > 0`` records; else 1, unused). The
-    model-frame rows come from the raw queries (``FUSED``) or back from the prologue's rotated ones.
+    Every record of a sequence carries its vector: ``s`` is ``rec0``'s ``k_smooth`` (read only where records
+    ``t0 .. n_full - 1`` are walked; else 1, unused). The model-frame rows come from the raw queries
+    (``FUSED``) or back from the prologue's rotated ones.
     """
     D: tl.constexpr = LAYOUT.D
     dd = tl.arange(0, D)
-    s = fp8e4m3_to_f32(tl.load(rec0 + LAYOUT.K_SMOOTH + dd, mask=dd < D * (n_full > 0).to(tl.int32), other=0x38))
+    s = fp8e4m3_to_f32(tl.load(rec0 + LAYOUT.K_SMOOTH + dd, mask=dd < D * (n_full > t0).to(tl.int32), other=0x38))
     if FUSED:
         q_model = _model_query(q_base, row_ok, D, IN_BF16, FACTOR)
     else:
@@ -188,11 +198,12 @@ def _sequence_query(
 
 
 @triton.jit
-def _first_record(walk, n_full):
-    """The sequence's first record (block table entry 0) for KV head ``kvh``; ``cache`` itself when it has none."""
+def _first_record(walk, n_full, t0=0):
+    """The sequence's first record in its window (block table entry ``t0``; 0 without a sliding window) for KV head
+    ``kvh``; ``cache`` itself when the walk reads none (``n_full <= t0``). Entries before ``t0`` are not read."""
     records, bt_row, _, _, _ = walk
     cache, s_cb, s_ch, kvh = records
-    blk0 = tl.load(bt_row, mask=n_full > 0, other=0).to(tl.int64)
+    blk0 = tl.load(bt_row + t0, mask=n_full > t0, other=0).to(tl.int64)
     return cache + blk0 * s_cb + kvh.to(tl.int64) * s_ch
 
 
@@ -210,11 +221,13 @@ def _records_query(
     FUSED_Q: tl.constexpr,
     SMOOTH_Q: tl.constexpr,
     LATE_Q: tl.constexpr,
+    t0=0,
 ):
     """``(query, rec_query)``: the unsmoothed queries (sink and tail) and those the records are scored with.
 
     Each is 4 x ``[BLOCK_M, DK]`` and ``[BLOCK_M]``. A ``SEQ_SMOOTH`` layout scores records with the queries smoothed by
-    the sequence's vector (in its first record, :func:`_first_record` of the record walk ``walk``): from the prologue
+    the sequence's vector (in its first record from tile ``t0`` on, the first a sliding window leaves:
+    :func:`_first_record` of the record walk ``walk``): from the prologue
     (``SMOOTH_Q``, at ``qs_base``) or made here (:func:`_sequence_query`). With ``LATE_Q`` only those are loaded, so one
     query set is live in the tile loop; ``query`` is then a stand-in and
     :func:`~kvarn.kernels.attention_decode._fp_tiles` loads the unsmoothed queries after the loop.
@@ -223,13 +236,13 @@ def _records_query(
         if SMOOTH_Q:
             rec_query = _prerotated_query(qs_base, row_ok, LAYOUT)
         else:
-            rec0 = _first_record(walk, n_full)
-            rec_query = _sequence_query(None, rec0, n_full, q_base, row_ok, LAYOUT, IN_BF16, FACTOR, True)
+            rec0 = _first_record(walk, n_full, t0)
+            rec_query = _sequence_query(None, rec0, n_full, q_base, row_ok, LAYOUT, IN_BF16, FACTOR, True, t0)
         query = rec_query
     else:
         query = _load_query(q_base, row_ok, LAYOUT, ROTATE, IN_BF16, FACTOR, FUSED_Q)
         rec_query = query
         if LAYOUT.SEQ_SMOOTH:  # multi-query from the prologue's rotated queries
-            rec0 = _first_record(walk, n_full)
-            rec_query = _sequence_query(query, rec0, n_full, q_base, row_ok, LAYOUT, IN_BF16, FACTOR, FUSED_Q)
+            rec0 = _first_record(walk, n_full, t0)
+            rec_query = _sequence_query(query, rec0, n_full, q_base, row_ok, LAYOUT, IN_BF16, FACTOR, FUSED_Q, t0)
     return query, rec_query

@@ -555,3 +555,23 @@ def _causal(s_e, s_o, pos_q, key0, GH: tl.constexpr):
     s_e = tl.where(kpos[None, :] <= pos_q[:, None], s_e, float("-inf"))
     s_o = tl.where(kpos[None, :] + 1 <= pos_q[:, None], s_o, float("-inf"))
     return s_e, s_o
+
+
+@triton.jit
+def _in_window(s_e, s_o, win_lo, key0, GH: tl.constexpr):
+    """Mask keys before each row's window (positions below ``win_lo: [BLOCK_M]``); ``s_e, s_o: [BLOCK_M, GH]`` hold the
+    even and odd tokens from ``key0``, as for :func:`_causal`."""
+    kpos = key0 + 2 * tl.arange(0, GH)
+    s_e = tl.where(kpos[None, :] >= win_lo[:, None], s_e, float("-inf"))
+    s_o = tl.where(kpos[None, :] + 1 >= win_lo[:, None], s_o, float("-inf"))
+    return s_e, s_o
+
+
+@triton.jit
+def _in_window_t(s_e, s_o, win_lo, key0, GH: tl.constexpr):
+    """:func:`_in_window` with the tokens on the first axis: ``s_e, s_o: [GH, N]``, ``win_lo: [N]`` (two stacked
+    tiles are ``GH = G`` rows from ``key0``, tile a's token pairs then tile b's: the positions run on)."""
+    kpos = key0 + 2 * tl.arange(0, GH)
+    s_e = tl.where(kpos[:, None] >= win_lo[None, :], s_e, float("-inf"))
+    s_o = tl.where(kpos[:, None] + 1 >= win_lo[None, :], s_o, float("-inf"))
+    return s_e, s_o

@@ -17,6 +17,8 @@ from kvarn.kernels._common import NEG_BIG
 from kvarn.kernels.attention_query import _model_query, _smoothed_query
 from kvarn.kernels.attention_tiles import (
     _causal,
+    _in_window,
+    _in_window_t,
     _key_side,
     _tile_scores,
     _tile_scores_st,
@@ -68,6 +70,7 @@ def _quantized_tiles(
     PAIR,
     q_model=None,
     FOLD: tl.constexpr = False,
+    win_lo=None,
 ):
     """Online softmax over the quantized tiles ``u0 .. u1 - 1`` of one sequence.
 
@@ -79,7 +82,8 @@ def _quantized_tiles(
     (rotated frame). With ``PAIR`` (constexpr) each step takes two tiles (one softmax step for
     both, two independent score chains); an odd last tile is read twice, the copy masked out.
     ``FOLD``: the K codes are unpacked without removing their offsets, which leave the zero-point
-    term instead (:func:`_tile_scores`; V codes are always centered).
+    term instead (:func:`_tile_scores`; V codes are always centered). ``win_lo: [BLOCK_M]`` (a sliding
+    window) masks each row's keys before it; ``None``: no window.
     """
     BLOCK_M: tl.constexpr = query[4].shape[0]
     G: tl.constexpr = LAYOUT.G
@@ -100,6 +104,8 @@ def _quantized_tiles(
         s_e, s_o = _tile_scores(rec, q_u, LAYOUT, USE_ASM, FOLD, kside)  # [BLOCK_M, G // 2] each, / rf
         if MULTI_Q:
             s_e, s_o = _causal(s_e, s_o, pos_q, u * G, G // 2)
+        if win_lo is not None:
+            s_e, s_o = _in_window(s_e, s_o, win_lo, u * G, G // 2)
         m_new = tl.maximum(m_i, rf * tl.max(tl.maximum(s_e, s_o), axis=1))
         if PAIR:
             rec2 = cache + tl.load(bt_row + tl.minimum(u + 1, u1 - 1)).to(tl.int64) * s_cb + kvh.to(tl.int64) * s_ch
@@ -108,6 +114,8 @@ def _quantized_tiles(
             s2_e, s2_o = _tile_scores(rec2, q2, LAYOUT, USE_ASM, FOLD)
             if MULTI_Q:
                 s2_e, s2_o = _causal(s2_e, s2_o, pos_q, (u + 1) * G, G // 2)
+            if win_lo is not None:
+                s2_e, s2_o = _in_window(s2_e, s2_o, win_lo, (u + 1) * G, G // 2)
             s2_e = tl.where(u + 1 < u1, s2_e, float("-inf"))
             s2_o = tl.where(u + 1 < u1, s2_o, float("-inf"))
             m_new = tl.maximum(m_new, rf2 * tl.max(tl.maximum(s2_e, s2_o), axis=1))
@@ -138,7 +146,16 @@ def _transposed(query):
 
 @triton.jit
 def _quantized_tiles_t(
-    query, records, bt_row, u0, u1, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, PAIR, FOLD: tl.constexpr = False
+    query,
+    records,
+    bt_row,
+    u0,
+    u1,
+    LAYOUT: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    PAIR,
+    FOLD: tl.constexpr = False,
+    win_lo=None,
 ):
     """:func:`_quantized_tiles` with the tokens as the M of both dots (decode only, no causal mask).
 
@@ -146,7 +163,8 @@ def _quantized_tiles_t(
     so the ``N = BLOCK_M`` query rows (the heads of one KV head) are the MMA's columns: the
     per-token and per-channel work runs on ``G x N`` and ``D x N`` blocks, not on 16 padded rows.
     Same returns as :func:`_quantized_tiles`. ``FOLD``: the K codes are unpacked without removing
-    their offsets, which leave the zero-point term instead (:func:`_tile_scores_t`).
+    their offsets, which leave the zero-point term instead (:func:`_tile_scores_t`). ``win_lo: [N]``: as in
+    :func:`_quantized_tiles`.
     """
     query_t = _transposed(query)  # [DK, N] each
     rf = query_t[4]  # [N], > 0: the scores' power of two, applied in the exponent
@@ -165,10 +183,14 @@ def _quantized_tiles_t(
         rec, kside, side = rec_n, kside_n, side_n
         rec_n, blk_nn, kside_n = _ahead_step(base, s_cb, bt_row, u, u1, blk_nn, STEP, LAYOUT)
         s_e, s_o = _tile_scores_t(rec, query_t, LAYOUT, USE_ASM, FOLD, kside)  # [G // 2, N] each, / rf
+        if win_lo is not None:
+            s_e, s_o = _in_window_t(s_e, s_o, win_lo, u * G, G // 2)
         m_new = tl.maximum(m_i, rf * tl.max(tl.maximum(s_e, s_o), axis=0))
         if PAIR:
             rec2 = cache + tl.load(bt_row + tl.minimum(u + 1, u1 - 1)).to(tl.int64) * s_cb + kvh.to(tl.int64) * s_ch
             s2_e, s2_o = _tile_scores_t(rec2, query_t, LAYOUT, USE_ASM, FOLD)
+            if win_lo is not None:
+                s2_e, s2_o = _in_window_t(s2_e, s2_o, win_lo, (u + 1) * G, G // 2)
             s2_e = tl.where(u + 1 < u1, s2_e, float("-inf"))
             s2_o = tl.where(u + 1 < u1, s2_o, float("-inf"))
             m_new = tl.maximum(m_new, rf * tl.max(tl.maximum(s2_e, s2_o), axis=0))
@@ -191,7 +213,16 @@ def _quantized_tiles_t(
 
 @triton.jit
 def _quantized_tiles_st(
-    query, records, bt_row, u0, u1, LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, GQP: tl.constexpr, FOLD: tl.constexpr
+    query,
+    records,
+    bt_row,
+    u0,
+    u1,
+    LAYOUT: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    GQP: tl.constexpr,
+    FOLD: tl.constexpr,
+    win_lo=None,
 ):
     """:func:`_quantized_tiles_t` with two tiles a step stacked on the dots' M (``STACK``, decode only).
 
@@ -200,7 +231,7 @@ def _quantized_tiles_st(
     the same queries as rows ``0 .. GQP - 1`` (``2 GQP <= N``). One step scores and weighs both tiles
     in one dot each (:func:`_tile_scores_st`, :func:`_tile_values_st`); at the end each row's two
     running states merge into the first copy (:func:`_merge_stacked`), the second left empty.
-    Same returns as :func:`_quantized_tiles_t`.
+    Same returns as :func:`_quantized_tiles_t`; ``win_lo: [N]``: as in :func:`_quantized_tiles`.
     """
     query_t = _transposed(query)  # [DK, N] each
     rf = query_t[4]  # [N], > 0: the scores' power of two, applied in the exponent
@@ -237,6 +268,8 @@ def _quantized_tiles_st(
         s_e, s_o = _tile_scores_st(
             base, off_a, off_b, u + 1 < u1, query_t, second, LAYOUT, USE_ASM, FOLD, kside_a, kside_b
         )
+        if win_lo is not None:  # tile a's token pairs, then tile b's: positions u * G ..
+            s_e, s_o = _in_window_t(s_e, s_o, win_lo, u * G, G)
         m_new = tl.maximum(m_i, rf * tl.max(tl.maximum(s_e, s_o), axis=0))  # the scores are / rf
         alpha = tl.exp2(m_i - m_new)
         p_e = tl.exp2(s_e * rf[None, :] - m_new[None, :])
@@ -290,6 +323,7 @@ def _record_tiles(
     FOLD: tl.constexpr,
     STACK: tl.constexpr = False,
     GQP: tl.constexpr = 1,
+    win_lo=None,
 ):
     """The program's quantized tiles: :func:`_quantized_tiles_t` with ``TOKENS_M`` (:func:`_quantized_tiles_st`
     with ``STACK`` too), else :func:`_quantized_tiles`.
@@ -297,7 +331,8 @@ def _record_tiles(
     ``walk = (records, bt_row, u0, u1, pos_q)``; ``FOLD`` as in :func:`_quantized_tiles`; the raw queries at ``q_base``
     (rows ``row_ok``) are read for per-tile smoothed records (``LAYOUT.K_SMOOTH >= 0``, which need ``FUSED_Q`` and not
     ``TOKENS_M``); for ``SEQ_SMOOTH`` records ``query`` is already the sequence's
-    (:func:`~kvarn.kernels.attention_query._sequence_query`).
+    (:func:`~kvarn.kernels.attention_query._sequence_query`). ``win_lo``: each row's first key in its sliding
+    window, or ``None`` (:func:`_quantized_tiles`).
     """
     records, bt_row, u0, u1, pos_q = walk
     if TOKENS_M:
@@ -305,15 +340,21 @@ def _record_tiles(
             tl.static_assert(LAYOUT.K_SMOOTH < 0, "per-tile smoothed records are not implemented with TOKENS_M")
         if STACK:
             tl.static_assert(not MULTI_Q and 2 * GQP <= query[4].shape[0], "STACK: decode, 2 GQP <= BLOCK_M")
-            out = _quantized_tiles_st(query, records, bt_row, u0, u1, LAYOUT, USE_ASM, GQP, FOLD)
+            out = _quantized_tiles_st(query, records, bt_row, u0, u1, LAYOUT, USE_ASM, GQP, FOLD, win_lo)
         else:
-            out = _quantized_tiles_t(query, records, bt_row, u0, u1, LAYOUT, USE_ASM, PAIR, FOLD)
+            out = _quantized_tiles_t(query, records, bt_row, u0, u1, LAYOUT, USE_ASM, PAIR, FOLD, win_lo)
     elif LAYOUT.SEQ_SMOOTH:  # query: the sequence's smoothed queries (_sequence_query)
-        out = _quantized_tiles(query, records, bt_row, u0, u1, pos_q, LAYOUT, MULTI_Q, USE_ASM, PAIR, None, FOLD)
+        out = _quantized_tiles(
+            query, records, bt_row, u0, u1, pos_q, LAYOUT, MULTI_Q, USE_ASM, PAIR, None, FOLD, win_lo
+        )
     elif LAYOUT.K_SMOOTH >= 0:
         tl.static_assert(FUSED_Q, "smoothed records need FUSED_Q (the raw queries at q)")
         q_model = _model_query(q_base, row_ok, LAYOUT.D, IN_BF16, FACTOR)
-        out = _quantized_tiles(query, records, bt_row, u0, u1, pos_q, LAYOUT, MULTI_Q, USE_ASM, PAIR, q_model, FOLD)
+        out = _quantized_tiles(
+            query, records, bt_row, u0, u1, pos_q, LAYOUT, MULTI_Q, USE_ASM, PAIR, q_model, FOLD, win_lo
+        )
     else:
-        out = _quantized_tiles(query, records, bt_row, u0, u1, pos_q, LAYOUT, MULTI_Q, USE_ASM, PAIR, None, FOLD)
+        out = _quantized_tiles(
+            query, records, bt_row, u0, u1, pos_q, LAYOUT, MULTI_Q, USE_ASM, PAIR, None, FOLD, win_lo
+        )
     return out

@@ -150,6 +150,16 @@ def merge_in_kernel(programs: int, splits: int, device: torch.device) -> bool:
     return splits == 1 or splits > EPILOGUE_MAX_SPLITS or programs * splits <= FUSE_MAX_WAVES * PROGRAMS_PER_SM * sms
 
 
+def visible_units(max_units: int, group_size: int, window: int | None, block_q: int = 1) -> int:
+    """The most units (tiles) one program of a launch walks: ``max_units`` (the block table's width and the own
+    tile), or with a sliding ``window`` the tiles the window of ``block_q`` consecutive queries can touch
+    (``cdiv(window + block_q - 2, G) + 1``), if fewer. The split rules count these: a window layer's walk is
+    short however long the sequence."""
+    if window is None:
+        return max_units
+    return min(max_units, cdiv(window + block_q - 2, group_size) + 1)
+
+
 def active_splits(max_units: int, splits: int, min_units: int) -> int:
     """Splits of the longest sequence that get units: the kernel gives each ``max(cdiv(units, splits), min_units)``
     (``_split_units``), so ``cdiv(max_units, that)`` of them."""

@@ -182,6 +182,9 @@ class PagedKV:
         key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
         tails: BlockTails | None = None,
+        *,
+        window: int | None = None,
+        sink_logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of one step's ``query: [T, Hq, D]`` after :meth:`store` -> ``[T, Hq, D]`` (``out`` if given).
 
@@ -190,7 +193,11 @@ class PagedKV:
         sink), its own tile from the step's head slot and ``key, value: [T, Hkv, D]`` (the step's
         K/V as stored; needed where a request's queries span tiles, e.g. a prompt chunk). With
         ``tails`` (a decode step, tails in the cache's blocks: :func:`block_tails`) the own tiles are
-        read from their blocks instead of the head slots.
+        read from their blocks instead of the head slots. ``window``: the layer's sliding window (a
+        query at ``p`` sees keys ``p - window + 1 .. p``; a request's block-table entries before its
+        first query's window, and its sink slot once that window has left tile 0, are not read);
+        ``sink_logits: [Hq]``: learned sink logits in the softmax denominator
+        (:func:`kvarn.ops.paged_attention`).
         """
         pool_k, pool_v, own = self.tail_k, self.tail_v, plan.head_slots
         if tails is not None:
@@ -210,6 +217,8 @@ class PagedKV:
             key,
             value,
             out=out,
+            window=window,
+            sink_logits=sink_logits,
             impl=self.impl,
         )
 
@@ -284,7 +293,8 @@ class PagedKV:
         The prefill requests attend over :meth:`read_pages` in one ``varlen`` call per group of
         at most :data:`~kvarn.paged.prefill.PREFILL_READ_TOKENS` tokens (default :func:`sdpa_varlen`; the vLLM backend
         passes flash attention); the other requests go through the paged kernel.
-        ``key, value: [T, Hkv, D]``: the step's K/V, as for :meth:`attend`.
+        ``key, value: [T, Hkv, D]``: the step's K/V, as for :meth:`attend`. Full attention only: a layer with a
+        sliding window or sink logits attends through :meth:`attend` (the pages hold every tile before a query's).
         """
         if key is None or value is None:
             raise ValueError("attend_split needs the step's key and value (the prompt chunks' own tiles)")

@@ -189,17 +189,21 @@ def gather_tiles(
     tail_v: torch.Tensor,
     cfg: KVarNConfig,
     sink_slot: int = -1,
+    first_tile: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A sequence's first ``n_tiles`` tiles as attention reads them: ``[n_tiles * G, Hkv, D]`` fp32, rotated frame.
+    """A sequence's tiles ``first_tile .. n_tiles - 1`` as attention reads them: ``[(n_tiles - first_tile) * G, Hkv,
+    D]`` fp32, rotated frame.
 
-    Dequantized from ``cache[block_ids[:n_tiles]]``; with ``sink_slot >= 0`` the first tile is read
-    from that pool slot in full precision instead of its record.
+    Dequantized from ``cache[block_ids[first_tile:n_tiles]]`` (the entries before ``first_tile`` are
+    not read: a sliding window has left them); with ``sink_slot >= 0`` tile 0, where gathered, is
+    read from that pool slot in full precision instead of its record.
     """
     g = cfg.group_size
-    k, v = decode_records(cache[block_ids[:n_tiles].long()], cfg)  # [n, Hkv, G, D]
-    k = k.transpose(1, 2).reshape(n_tiles * g, *k.shape[1:2], cfg.head_dim)
-    v = v.transpose(1, 2).reshape(n_tiles * g, *v.shape[1:2], cfg.head_dim)
-    if sink_slot >= 0 and n_tiles > 0:
+    n = max(n_tiles - first_tile, 0)
+    k, v = decode_records(cache[block_ids[first_tile : first_tile + n].long()], cfg)  # [n, Hkv, G, D]
+    k = k.transpose(1, 2).reshape(n * g, *k.shape[1:2], cfg.head_dim)
+    v = v.transpose(1, 2).reshape(n * g, *v.shape[1:2], cfg.head_dim)
+    if sink_slot >= 0 and n > 0 and first_tile == 0:
         k[:g] = from_pool(tail_k[sink_slot])
         v[:g] = from_pool(tail_v[sink_slot])
     return k, v
