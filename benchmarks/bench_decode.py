@@ -37,7 +37,7 @@ def synthetic_cache(cfg: KVarNConfig, batch: int, ctx: int, hkv: int, dtype: tor
     The own tiles hold N(0, 1) rotated values in the pool form (``2^-POOL_EXP`` of them in fp16), so keys of
     records and own tiles are of one scale and a decode's output is an average over the whole context: the
     check then sees the records (with fp16 tails 16x too large it saw mostly the own tile, and missed a bias
-    of the value sums that grew with the context; ``benchmarks/RESULTS.md``, session 26).
+    of the value sums that grew with the context).
     """
     g, d = cfg.group_size, cfg.head_dim
     n_full = ctx // g
@@ -219,7 +219,7 @@ EAGER_SHAPES = [
 
 
 def eager_main(out_path: str, env: dict, copy_bw: float) -> None:
-    """Eager ``paged_attention`` calls against graph replays and eager flash SDPA (issue 9: <= 35 µs of host per call).
+    """Eager ``paged_attention`` calls against graph replays and eager flash SDPA (target: <= 35 µs host a call).
 
     Each shape is first checked against the reference (``bench_shape``); then ``time_eager`` gives the
     host time per call (the Python and launch work of the calling thread) and the wall time per call

@@ -6,7 +6,7 @@ per sequence per step. Two comparisons:
 
 (a) equal batch: the same batch for both caches;
 (b) equal KV memory: fp16 at batch ``B``, KVarN at the largest batch whose cache fits in the bytes
-    the fp16 cache uses (goal of issue 5: >= 3x the fp16 tokens/s).
+    the fp16 cache uses (the target: >= 3x the fp16 tokens/s).
 
 The context is written straight into the caches (random K/V through ``cache.update``, the same
 store path a prefill takes) instead of running a 16K prefill; the timed part is the decode steps

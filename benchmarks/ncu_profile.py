@@ -14,7 +14,7 @@ toolkit's ``ncu`` (``--clock-control none`` leaves the GPU's clocks as they are)
 ``summarize`` needs neither torch nor a GPU: it reads the per-instruction export, takes the hottest
 loop (the instructions sharing the execution count that holds the most stall samples) and prints
 its share of the samples by stall reason and by opcode, and its most-sampled instructions with
-their leading reasons. ``benchmarks/RESULTS.md`` (session 23) has what it showed.
+their leading reasons.
 """
 
 from __future__ import annotations

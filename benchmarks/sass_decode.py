@@ -4,7 +4,7 @@ Compiles ``_attn_kernel`` for sm_90 with an explicit target (Triton's bundled pt
 cuobjdump) and counts the opcodes of the loop with the most ``LOP3`` (the quantized-tile loop).
 Counts depend on the local Triton version; compare variants compiled by the same one, and read the
 GPU machine's (3.6: ``make gpu-triton``, then this script with ``.venv-gpu-triton/bin/python``), whose
-register allocation can differ from CI's 3.9 (``benchmarks/RESULTS.md``, session 31).
+register allocation can differ from CI's 3.9.
 
     PYTHONPATH=. python benchmarks/sass_decode.py kvarn_k4v2_g128 --d 128 --tokens-m 1 --fold 0 1 [--warps 2] [--waits]
 

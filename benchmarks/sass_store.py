@@ -4,8 +4,7 @@ Compiles ``_encode_kernel`` for sm_90 with an explicit target (Triton's bundled 
 cuobjdump), as ``commit_tiles`` launches it (fp16 pool, source and destination index lists), and
 counts the whole kernel's SASS opcodes. Counts depend on the local Triton version; compare variants
 compiled by the same one, and read the GPU machine's (3.6: ``make gpu-triton``, then this script with
-``.venv-gpu-triton/bin/python``), whose register allocation can differ from CI's 3.9 (``benchmarks/RESULTS.md``,
-session 31).
+``.venv-gpu-triton/bin/python``), whose register allocation can differ from CI's 3.9.
 
     PYTHONPATH=. python benchmarks/sass_store.py kvarn_k4v2_g128 kvarn_k2v2_g128 --warps 4 8
 """

@@ -6,7 +6,7 @@ tile stays exact, as the sink does), V and the last 256 tokens exact. The 256 qu
 positions 1024..1279 then attend over it; the figure is the relative L2 error of the attention
 output against the exact one, per layer. Methods are configs of ``kvarn.quantize(k, role="key")``
 plus ``centered`` (each tile's per-channel mean subtracted before quantizing and added back,
-the per-tile centering of issue 10, kept here as an experiment).
+per-tile centering, kept here as an experiment).
 
     python scripts/key_study.py --model qwen2.5-coder-0.5b --bits 4
 """

@@ -15,7 +15,7 @@ def test_fit_recovers_a_line():
 
 
 def test_fit_is_least_squares():
-    # session 24's main runs (call 3, first round): 9, 17, 33 units
+    # three measured runs: 9, 17, 33 units
     a, b = fit_units([(9, 57.44), (17, 89.92), (33, 154.40)])
     assert b == pytest.approx(4.0386, abs=1e-4) and a == pytest.approx(21.16, abs=0.01)
     pts = [(9, 57.44), (17, 89.92), (33, 154.40)]

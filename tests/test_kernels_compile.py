@@ -32,7 +32,7 @@ DECODE = {
     "seq_smooth_prologue": (("kvarn_k4v2_g128", SEQ), 64, True, True, False, {"SMOOTH_Q": True, "LATE_Q": True}),
     "seq_smooth_fused": (("kvarn_k2v2_g128", SEQ), 64, False, False, True, {"LATE_Q": True, "HAS_SINK": True}),
     # prompt chunks of sequence-smoothed configs: the model-frame queries back from the prologue's rotated ones
-    # (session 26's two-typed _query_rows failed here on the GPU and in this compile alike)
+    # (a two-typed _query_rows once failed here on the GPU and in this compile alike)
     "seq_smooth_multi_query": (
         ("kvarn_k4v2_g128", SEQ),
         128,

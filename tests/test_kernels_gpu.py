@@ -268,8 +268,8 @@ def test_write_tail_and_gather_tail_tiles_on_block_rows_gpu(dtype):
 @pytest.mark.parametrize("preset", ["kvarn_k4v2_g128", "kvarn_k2v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64"])
 def test_paged_attention_long_flat_context_gpu(preset, dtype):
     """32K tokens of random records with centered codes, attended near-uniformly: the output is a small average
-    of many values, so a bias of the value sums that grows with the context shows against the reference (the
-    folded V codes of sessions before 26 were 4.7e-2 off at 4 / 32K in fp16, 4.3e-2 in bf16; centered 5.9e-4 and
+    of many values, so a bias of the value sums that grows with the context shows against the reference (an
+    earlier form's folded V codes were 4.7e-2 off at 4 / 32K in fp16, 4.3e-2 in bf16; centered 5.9e-4 and
     3.1e-3)."""
     from benchmarks.bench_decode import args_of, synthetic_cache
 

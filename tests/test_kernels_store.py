@@ -143,7 +143,7 @@ def test_write_tail_and_gather_tail_tiles_on_block_rows(dtype):
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_fp16_pool_form_holds_rotations_past_65504(d):
-    """Issue 12.4 in the kernels: write_tail, commit and attention agree with the reference's fp16 pool form."""
+    """In the kernels: write_tail, commit and attention agree with the reference's fp16 pool form."""
     cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=d)
     gen = torch.Generator().manual_seed(d)
     n, hkv = 80, 1

