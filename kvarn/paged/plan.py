@@ -294,11 +294,18 @@ class TilePlanner:
         num_sink_slots: int = 0,
         sink_pinned: Callable[[int], bool] | None = None,
         on_sink_evicted: Callable[[int], None] | None = None,
+        window: int | None = None,
     ):
         if num_slots < 1:
             raise ValueError(f"num_slots must be at least 1, got {num_slots}")
         if num_sink_slots < 0:
             raise ValueError(f"num_sink_slots must be non-negative, got {num_sink_slots}")
+        if window is not None and (window < 1 or num_sink_slots):
+            raise ValueError(
+                f"window must be positive and come without sink slots (a first tile's block leaves with the window), "
+                f"got window={window}, num_sink_slots={num_sink_slots}"
+            )
+        self.window = window
         self.num_slots = num_slots
         self.num_sink_slots = num_sink_slots
         self.group_size = group_size
@@ -320,6 +327,10 @@ class TilePlanner:
         taken from an idle tail when the pool ran dry), and with a sink ``new_sinks`` (first tiles
         written from offset 0), ``recycled_sinks`` (freed because their block was written as another
         tile) and ``evicted_sinks`` (taken from an unheld block when the sink pool ran dry)."""
+
+    def first_live(self, start: int) -> int:
+        """The first block-table column a step starting at position ``start`` may read (0 without a window)."""
+        return 0 if self.window is None else max(0, start - self.window + 1) // self.group_size
 
     @property
     def live_slots(self) -> dict[int, int]:
@@ -388,7 +399,7 @@ class TilePlanner:
                 continue
             row = block_table[r]
             written.update(int(b) for b in row[start // g : (length - 1) // g + 1].tolist())
-            if start >= g:
+            if start // g - 1 >= self.first_live(start):  # a stale id before the window is no block of this row
                 below.append(int(row[start // g - 1]))
         for block in below:
             slot = self._slot_of.get(block)
@@ -457,7 +468,7 @@ class TilePlanner:
             if n > 1 and start % g:
                 self.stats["chunks_starting_inside_a_tile"] += 1
             row = block_table[r]
-            full_rows.append(row[: length // g])
+            full_rows.append(row[self.first_live(start) : length // g])
             if sink:
                 sink_slot = sink_slots[r]
                 if start < g:
