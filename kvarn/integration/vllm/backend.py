@@ -245,6 +245,16 @@ class KVarNBackend(AttentionBackend):
         return False
 
     @classmethod
+    def supports_sink(cls) -> bool:
+        """Learned sink logits (``sinks=``) go to attention as ``sink_logits`` on every path the layer takes."""
+        return True
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        """The layer's window goes to attention; :mod:`kvarn.paged` reads no block before it."""
+        return True
+
+    @classmethod
     def customize_spec(cls, spec):
         """One record per (block, KV head): ``record_bytes / G`` bytes per head and token slot."""
         if spec.head_size_v != spec.head_size:

@@ -134,6 +134,17 @@ class KVarNMetadata(AttentionMetadata):
     capture); a step vLLM replays from a CUDA graph leaves it ``False`` (see the module docstring)."""
 
 
+def freed_window(kv_cache_spec) -> int | None:
+    """The group's sliding window where vLLM frees its blocks as the window moves (a ``SlidingWindowSpec``: its
+    manager drops the blocks before the window), else ``None`` (a full-attention spec keeps every block, and a
+    window layer in it is masked by attention alone)."""
+    try:
+        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    except ImportError:
+        return None
+    return int(kv_cache_spec.sliding_window) if isinstance(kv_cache_spec, SlidingWindowSpec) else None
+
+
 def _layer_counts(vllm_config, preset: str, group_layers: int) -> tuple[int, int]:
     """The layers of this process that ``preset``'s backend serves, and its Mamba/conv layers (their state shares
     vLLM's block pool), from the model's layers as vLLM registered them; ``(group_layers, 0)`` where there are none.
@@ -226,6 +237,12 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         self.sinks = None  # request-index mode: the sink slots (the planner keeps them otherwise)
         self._first_cache = None  # (book version, request ids, their first blocks) of the last step
         self.layer_name = layer_names[0] if layer_names else ""
+        self.window = freed_window(kv_cache_spec)
+        if self.window is not None and (self.num_sink_slots or self.tail_rows or self.cfg.seq_smooth):
+            raise ValueError(  # refused at start-up (checks.window_problems); a builder never plans stale blocks
+                f"--kv-cache-dtype {preset}: sliding-window layers whose blocks vLLM frees keep no sink, no "
+                "per-sequence smoothing vector and no tails in blocks; add --kv-cache-dtype-skip-layers sliding_window"
+            )
         self.planner = None
         if not self.per_request and not self.tail_rows:
             self.planner = TilePlanner(
@@ -234,6 +251,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
                 num_sink_slots=self.num_sink_slots,
                 sink_pinned=block_held,
                 on_sink_evicted=forget_cached_block,
+                window=self.window,
             )
         elif self.num_sink_slots:
             self.sinks = SinkSlots(self.num_sink_slots, self.cfg.group_size, block_held, forget_cached_block)
