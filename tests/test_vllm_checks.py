@@ -59,7 +59,8 @@ def test_window_layers_and_learned_sinks_are_served():
     [
         ("kvarn_k4v2_g128_sink", None, None, "use --kv-cache-dtype kvarn_k4v2_g128,"),
         ("kvarn_k4v2_g128_ks", None, None, "KVARN_KEY_SMOOTHING=off"),
-        ("kvarn_k4v2_g128", "1", None, "unset KVARN_TAIL_BLOCKS"),
+        ("kvarn_k4v2_g128", "1", None, "set KVARN_TAIL_BLOCKS=0"),
+        ("kvarn_k4v2_g128", "", "cuda", "set KVARN_TAIL_BLOCKS=0"),  # tails in blocks: the GPU engine's default
         ("kvarn_k4v2_g128", None, SimpleNamespace(method="ngram", num_speculative_tokens=3), "--speculative-config"),
     ],
 )
@@ -68,11 +69,16 @@ def test_window_layers_refuse_what_lives_by_a_block_the_window_frees(monkeypatch
     window; where it keeps them (0.26: full-attention pages) all of it is served."""
     if env is not None:
         monkeypatch.setenv("KVARN_TAIL_BLOCKS", env)
-    run = SimpleNamespace(speculative_config=spec)
+    cuda = spec == "cuda"
+    spec = None if cuda else spec
+    run = SimpleNamespace(speculative_config=spec, device_config=SimpleNamespace(device_type="cuda" if cuda else "cpu"))
     monkeypatch.setattr(serving, "window_blocks_freed", True)
     (problem,) = checks.window_problems(preset, run)
     assert "sliding-window layer, whose blocks vLLM frees" in problem and advice in problem, problem
     assert "--kv-cache-dtype-skip-layers sliding_window" in problem or env is not None
+    if cuda:
+        monkeypatch.setenv("KVARN_TAIL_BLOCKS", "0")
+        assert checks.window_problems(preset, run) == []
     monkeypatch.setattr(serving, "window_blocks_freed", False)
     assert checks.window_problems(preset, run) == []
     monkeypatch.setattr(serving, "window_blocks_freed", True)

@@ -12,7 +12,8 @@ under a KV budget of a few requests, so vLLM hands blocks a window freed to othe
 that freed them runs on with their stale ids in its block table. Greedy tokens inside the first tile equal the
 unquantized engine's (attention reads the own tile in full precision, window and sinks applied as vLLM's engine
 applies them), the unquantized tokens rank first at most positions beyond (teacher-forced), and each request's
-tokens are the same alone as in its batch. The engines run in one child process
+tokens are the same alone as in its batch and again from a prefix hit (vLLM's window groups hit the tiles of the
+last window only, the null block before them). The engines run in one child process
 (``python tests/test_vllm_window.py OUT.json DIR``), as in ``tests/test_vllm_e2e.py``.
 """
 
@@ -108,7 +109,6 @@ def run_scenarios(out_path: str, models_dir: str) -> None:
         "max_num_seqs": 8,
         "max_model_len": 1024,
         "max_num_batched_tokens": 160,
-        "enable_prefix_caching": False,
     }
     ids = _prompts()
     prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
@@ -116,17 +116,22 @@ def run_scenarios(out_path: str, models_dir: str) -> None:
     for kind in WINDOWED:
         model = str(pathlib.Path(models_dir) / kind)
         row: dict = {}
-        llm = LLM(model=model, kv_cache_dtype="auto", kv_cache_memory_bytes=16 * 2**20, **args)
+        base = {"kv_cache_memory_bytes": 16 * 2**20, "enable_prefix_caching": False}
+        llm = LLM(model=model, kv_cache_dtype="auto", **base, **args)
         row["base"], _ = _generate(llm, prompts, MAX_TOKENS)
         _shutdown(llm)
         t0 = time.time()
         # about 50 blocks: the eight requests need some 80 at once, so they queue and take each other's freed blocks
-        llm = LLM(model=model, kv_cache_dtype=PRESET, kv_cache_memory_bytes=int(1.3 * 2**20), **args)
+        llm = LLM(
+            model=model, kv_cache_dtype=PRESET, kv_cache_memory_bytes=int(1.3 * 2**20), **args
+        )  # prefix caching on
         before = dict(watch.stats)
         row["tokens"], _ = _generate(llm, prompts, MAX_TOKENS)
         row["blocks_watch"] = {k: v - before[k] for k, v in watch.stats.items()}
         row["facts"] = _facts(llm)
         row["alone"] = [_generate(llm, [p], MAX_TOKENS)[0][0] for p in prompts[len(SHORT) :]]
+        again, outs = _generate(llm, prompts[-1:], MAX_TOKENS)  # the last one again: a prefix hit
+        row["again"], row["num_cached_tokens"] = again[0], outs[0].num_cached_tokens
         row["teacher_forced_top1"] = _teacher_forced(llm, ids[len(SHORT) :], row["base"][len(SHORT) :])
         row["seconds"] = time.time() - t0
         _shutdown(llm)
@@ -157,6 +162,7 @@ def test_window_layers_are_quantized_and_follow_the_unquantized_engine(results, 
     assert row["tokens"][:short] == row["base"][:short], "inside the first tile attention reads full precision"
     assert all(len(t) == MAX_TOKENS for t in row["tokens"])
     assert row["alone"] == row["tokens"][short:], "a request's tokens do not depend on the others of its batch"
+    assert row["again"] == row["tokens"][-1] and row["num_cached_tokens"] == 640, "a hit on whole tiles"
     # measured 1.0 (Gemma 3) and 0.917 (Granite, sinks); 0.875 and 0.5 with the window not applied
     assert row["teacher_forced_top1"] >= FLOORS[kind], row["teacher_forced_top1"]
     kvarn = [g for g in row["facts"]["groups"] if g[0] == f"KVarNBackend_{PRESET.removeprefix('kvarn_')}"]

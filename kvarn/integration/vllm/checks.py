@@ -160,7 +160,8 @@ def window_problems(preset: str, vllm_config=None) -> list[str]:
     window_blocks_freed`: vLLM 0.32 and later), its manager frees the blocks a request's window has left, so
     nothing may live by a block before the window: not the ``_sink`` dtypes' first tile (kept by its block), not
     the ``_ks`` formats' per-sequence smoothing vector (read from the first tile's record at every store), not tails
-    in blocks (vLLM's window manager allocates no tail blocks), and not a tile filled with a speculative draft (kept
+    in blocks (vLLM's window manager allocates no tail blocks; the GPU engine's default, so refused there unless
+    ``KVARN_TAIL_BLOCKS=0``), and not a tile filled with a speculative draft (kept
     by its block until a later step starts past it, which the window may pass first). vLLM 0.26 asks no backend
     for its page: the plugin's spec hook gives window layers full-attention pages, blocks for every token, and
     attention applies the window alone.
@@ -180,8 +181,12 @@ def window_problems(preset: str, vllm_config=None) -> list[str]:
             f"{where} the per-sequence key smoothing vector (read from the first tile's record) would be lost; set "
             f"{KEY_SMOOTHING_ENV}=off or use a dtype without the _ks suffix, or {WINDOW_FIX}"
         )
-    if os.environ.get(TAIL_BLOCKS_ENV) == "1":
-        problems.append(f"{where} tails in blocks are not allocated by vLLM's window manager; unset {TAIL_BLOCKS_ENV}")
+    tails = os.environ.get(TAIL_BLOCKS_ENV, "")
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
+    if tails == "1" or (tails == "" and device == "cuda"):  # the GPU engine's default where they are built
+        problems.append(
+            f"{where} tails in blocks are not allocated by vLLM's window manager; set {TAIL_BLOCKS_ENV}=0 (a tail pool)"
+        )
     if vllm_config is not None and getattr(vllm_config, "speculative_config", None) is not None:
         problems.append(
             f"{where} a tile filled with an unverified draft keeps its tail by a block the window may leave; "
