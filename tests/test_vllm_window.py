@@ -172,6 +172,7 @@ def test_window_layers_are_quantized_and_follow_the_unquantized_engine(results, 
     assert any(g[1] == "FullAttentionSpec" and g[2] is None for g in kvarn), kvarn
     for group in kvarn:
         assert group[3]["committed_tiles"] > 0 and group[3]["stored_tiles"] > 0, group
+    assert "2 of the 4 layers have a sliding window" in results["log"]
     watch = row["blocks_watch"]
     assert watch["window_freed"] >= 8 and watch["reused_while_running"] >= 5, watch
 

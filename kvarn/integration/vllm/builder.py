@@ -145,19 +145,21 @@ def freed_window(kv_cache_spec) -> int | None:
     return int(kv_cache_spec.sliding_window) if isinstance(kv_cache_spec, SlidingWindowSpec) else None
 
 
-def _layer_counts(vllm_config, preset: str, group_layers: int) -> tuple[int, int]:
-    """The layers of this process that ``preset``'s backend serves, and its Mamba/conv layers (their state shares
-    vLLM's block pool), from the model's layers as vLLM registered them; ``(group_layers, 0)`` where there are none.
+def _layer_counts(vllm_config, preset: str, group_layers: int) -> tuple[int, int, int]:
+    """The layers of this process that ``preset``'s backend serves, its Mamba/conv layers (their state shares
+    vLLM's block pool) and how many of the first are sliding-window layers, from the model's layers as vLLM
+    registered them; ``(group_layers, 0, 0)`` where there are none.
     """
     context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
-    kvarn = state = 0
+    kvarn = state = window = 0
     for layer in context.values():
         backend = getattr(layer, "attn_backend", None)
         if isinstance(backend, type) and issubclass(backend, KVarNBackend) and backend.preset == preset:
             kvarn += 1
+            window += getattr(layer, "sliding_window", None) is not None
         elif callable(getattr(layer, "get_state_shape", None)):  # vLLM's MambaBase: a Mamba, conv or linear layer
             state += 1
-    return (kvarn, state) if kvarn >= group_layers else (group_layers, state)
+    return (kvarn, state, window) if kvarn >= group_layers else (group_layers, state, 0)
 
 
 class _DecodeBuffers:
@@ -285,7 +287,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         num_blocks = vllm_config.cache_config.num_gpu_blocks
         cfg = self.cfg
         block_tokens = int(getattr(vllm_config.cache_config, "block_size", None) or cfg.group_size)
-        kvarn_layers, state_layers = _layer_counts(vllm_config, self.backend.preset, num_layers)
+        kvarn_layers, state_layers, window_layers = _layer_counts(vllm_config, self.backend.preset, num_layers)
         key = (num_blocks, block_tokens, spec.num_kv_heads, spec.head_size, kvarn_layers, self.backend.preset)
         key += (self.tail_rows,)
         if not num_blocks or key in serving.logged_capacity:
@@ -317,6 +319,11 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
                 "few blocks per running request (vLLM's concurrency line counts them)"
             )
         shared = f" Hybrid model: {'; '.join(shared)}." if shared else ""
+        if window_layers:
+            shared += (
+                f" {window_layers} of the {kvarn_layers} layers have a sliding window: where vLLM frees a request's "
+                "blocks before its window, long sequences fit more tokens than this."
+            )
         logger.info(
             "KVarN %s KV cache: %d blocks of %d tokens = %d tokens in %.1f MiB of records (%d layers, %d KV "
             "heads, %d B per record); an fp16 cache of the same size holds %d tokens: %.2fx the capacity.%s "
