@@ -168,7 +168,7 @@ def build_tiny_gguf(path: pathlib.Path, add_bos: bool | None = None, add_eos: bo
     return path
 
 
-WINDOWED = ("gemma3", "granite_swa")
+WINDOWED = ("gemma3", "granite_swa", "gpt_oss")
 WINDOW = 200
 """The tiny windowed models' sliding window: not a multiple of the tile, so the first visible tile is masked."""
 
@@ -179,7 +179,8 @@ def build_tiny_windowed(path: pathlib.Path, kind: str) -> pathlib.Path:
 
     ``gemma3``: ``Gemma3ForCausalLM`` (text only). ``granite_swa``: vLLM's Granite with ``layer_types``, which
     gives every layer learned per-head attention sinks; transformers' Granite has none, so random ``sinks`` are
-    written into the checkpoint beside its weights.
+    written into the checkpoint beside its weights. ``gpt_oss``: ``GptOssForCausalLM`` (4 experts, 2 a token,
+    biased projections, random sinks on every layer).
     """
     if (path / "config.json").exists():
         return path
@@ -204,10 +205,19 @@ def build_tiny_windowed(path: pathlib.Path, kind: str) -> pathlib.Path:
         config = GraniteConfig(
             **common, layer_types=layer_types, sliding_window=WINDOW, attention_sinks=True, attention_multiplier=0.125
         )
+    elif kind == "gpt_oss":
+        from transformers import GptOssConfig
+
+        common.update(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2)
+        config = GptOssConfig(**common, head_dim=64, layer_types=layer_types, sliding_window=WINDOW)
     else:
         raise ValueError(f"kind must be one of {WINDOWED}, got {kind!r}")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    if kind == "gpt_oss":  # larger than transformers starts them, so they weigh
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.copy_(torch.randn(config.num_attention_heads) + 1.0)
     _save(path, model, tok)
     if kind == "granite_swa":
         from safetensors.torch import load_file, save_file
