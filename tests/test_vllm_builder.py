@@ -606,6 +606,7 @@ def test_speculative_decoding_needs_the_runner_hook_that_notes_drafts(monkeypatc
     [
         ("kvarn_k4v2_g64", torch.float32, 100, False),
         ("kvarn_k4v2_g64", torch.bfloat16, 40, True),
+        ("kvarn_k4v2_g64_ks", torch.bfloat16, 20, False),
     ],
 )
 def test_a_window_group_plans_nothing_by_the_blocks_its_window_left(preset, dtype, window, sinks):
@@ -616,7 +617,7 @@ def test_a_window_group_plans_nothing_by_the_blocks_its_window_left(preset, dtyp
     logits = torch.randn(HQ, generator=torch.Generator().manual_seed(1)).to(dtype) if sinks else None
     sim = Sim(preset, dtype, seed=window, num_blocks=40, window=window, sink_logits=logits)
     g, rng = sim.g, sim.rng
-    assert sim.builder.planner.window == window
+    assert sim.builder.planner.window == sim.spec.sliding_window  # the window vLLM frees blocks by
     for _ in range(6):
         sim.add(rng.randrange(g, 5 * g))
     for _step in range(40):
@@ -632,5 +633,5 @@ def test_a_window_group_plans_nothing_by_the_blocks_its_window_left(preset, dtyp
             n = 1 if req["len"] and rng.random() < 0.4 else rng.randrange(1, g + g // 2)
             chunks[rid] = min(n, req["target"] - req["len"])
         sim.step(chunks)
-    assert sim.window_freed >= 8
+    assert sim.window_freed >= 5
     assert len(sim.builder.planner.live_slots) <= len(sim.reqs)

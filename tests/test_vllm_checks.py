@@ -55,35 +55,34 @@ def test_window_layers_and_learned_sinks_are_served():
 
 
 @pytest.mark.parametrize(
-    ("preset", "env", "spec", "advice"),
+    ("preset", "env", "device", "spec", "advice"),
     [
-        ("kvarn_k4v2_g128_sink", None, None, "use --kv-cache-dtype kvarn_k4v2_g128,"),
-        ("kvarn_k4v2_g128_ks", None, None, "KVARN_KEY_SMOOTHING=off"),
-        ("kvarn_k4v2_g128", "1", None, "set KVARN_TAIL_BLOCKS=0"),
-        ("kvarn_k4v2_g128", "", "cuda", "set KVARN_TAIL_BLOCKS=0"),  # tails in blocks: the GPU engine's default
-        ("kvarn_k4v2_g128", None, SimpleNamespace(method="ngram", num_speculative_tokens=3), "--speculative-config"),
+        ("kvarn_k4v2_g128_sink", None, "cpu", None, "use --kv-cache-dtype kvarn_k4v2_g128,"),
+        ("kvarn_k4v2_g128_ks", "0", "cuda", None, "KVARN_KEY_SMOOTHING=off"),  # served on the CPU engine
+        ("kvarn_k4v2_g128", "1", "cpu", None, "set KVARN_TAIL_BLOCKS=0"),
+        ("kvarn_k4v2_g128", "", "cuda", None, "set KVARN_TAIL_BLOCKS=0"),  # tails in blocks: the GPU default
+        ("kvarn_k4v2_g128", None, "cpu", SimpleNamespace(method="ngram", num_speculative_tokens=3), "--speculative"),
     ],
 )
-def test_window_layers_refuse_what_lives_by_a_block_the_window_frees(monkeypatch, preset, env, spec, advice):
+def test_window_layers_refuse_what_lives_by_a_block_the_window_frees(monkeypatch, preset, env, device, spec, advice):
     """Where vLLM frees a window layer's blocks as the window moves (0.32), nothing may live by a block before the
     window; where it keeps them (0.26: full-attention pages) all of it is served."""
-    if env is not None:
+    if env is None:
+        monkeypatch.delenv("KVARN_TAIL_BLOCKS", raising=False)
+    else:
         monkeypatch.setenv("KVARN_TAIL_BLOCKS", env)
-    cuda = spec == "cuda"
-    spec = None if cuda else spec
-    run = SimpleNamespace(speculative_config=spec, device_config=SimpleNamespace(device_type="cuda" if cuda else "cpu"))
+    run = SimpleNamespace(speculative_config=spec, device_config=SimpleNamespace(device_type=device))
     monkeypatch.setattr(serving, "window_blocks_freed", True)
     (problem,) = checks.window_problems(preset, run)
     assert "sliding-window layer, whose blocks vLLM frees" in problem and advice in problem, problem
-    assert "--kv-cache-dtype-skip-layers sliding_window" in problem or env is not None
-    if cuda:
-        monkeypatch.setenv("KVARN_TAIL_BLOCKS", "0")
-        assert checks.window_problems(preset, run) == []
+    assert "--kv-cache-dtype-skip-layers sliding_window" in problem or "TAIL_BLOCKS" in advice
     monkeypatch.setattr(serving, "window_blocks_freed", False)
     assert checks.window_problems(preset, run) == []
     monkeypatch.setattr(serving, "window_blocks_freed", True)
+    plain = SimpleNamespace(speculative_config=None, device_config=SimpleNamespace(device_type="cpu"))
     monkeypatch.delenv("KVARN_TAIL_BLOCKS", raising=False)
-    assert checks.window_problems("kvarn_k4v2_g128", SimpleNamespace(speculative_config=None)) == []
+    assert checks.window_problems("kvarn_k4v2_g128", plain) == []
+    assert checks.window_problems("kvarn_k4v2_g128_ks", plain) == [], "the CPU engine's planner keeps the vector"
 
 
 def test_the_selection_hook_refuses_a_window_layer_with_the_sink(monkeypatch):

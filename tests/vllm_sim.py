@@ -99,7 +99,9 @@ class Sim:
             spec = self.backend.customize_spec(FullAttentionSpec(**shape))
         else:  # vLLM 0.32 hands the backend the window spec; its class must stay, so vLLM frees the blocks
             spec = self.backend.customize_spec(SlidingWindowSpec(**shape, sliding_window=window))
-            assert type(spec) is SlidingWindowSpec and spec.sliding_window == window
+            # a _ks format keeps one tile more: its stores read the smoothing vector from the tile before the step's
+            assert type(spec) is SlidingWindowSpec and spec.sliding_window == window + self.g * self.cfg.seq_smooth
+            assert self.backend.customize_spec(spec) == spec, "asked twice, widened once"
         self.spec = spec
         assert spec.page_size_bytes == HKV * self.g * page_slot_bytes(self.cfg) >= HKV * self.cfg.record_bytes
         self.kv_cache = torch.zeros(num_blocks, HKV, self.g, spec.state_content_bytes, dtype=torch.uint8)
@@ -295,7 +297,7 @@ class Sim:
         for rid in order:
             req = self.reqs[rid]
             req["computed"] = computed[rid]
-            skip = min(max(0, computed[rid] - self.window + 1) // self.g, len(req["blocks"]))
+            skip = min(max(0, computed[rid] - self.spec.sliding_window + 1) // self.g, len(req["blocks"]))
             for col in range(req.get("freed", 0), skip):
                 if col >= req.get("shared", 0) and req["blocks"][col]:
                     self.free.append(req["blocks"][col])

@@ -111,8 +111,10 @@ class TilePlan:
             slot to the new tile, and attention still reads the completed tile from it), ``-1``
             elsewhere.
         commit_first, store_first: ``[Nc]``, ``[Ns]`` int64, the block of the first tile of each
-            committed / stored tile's request (its block table entry 0): where formats with one
-            smoothing vector per sequence read it (``smooth_src`` of :func:`kvarn.ops.store_tiles`).
+            committed / stored tile's request (its block table entry 0; with a window, once the step
+            starts past tile 0, the block of the tile before the step's, whose record carries the same
+            vector): where formats with one smoothing vector per sequence read it (``smooth_src`` of
+            :func:`kvarn.ops.store_tiles`).
             ``None`` from planners that predate them is not accepted for such formats.
     """
 
@@ -469,6 +471,9 @@ class TilePlanner:
                 self.stats["chunks_starting_inside_a_tile"] += 1
             row = block_table[r]
             full_rows.append(row[self.first_live(start) : length // g])
+            # per-sequence smoothing reads the vector every record carries: from the first tile, or with a window
+            # (whose first block vLLM frees) from the tile before the step's, which the caller's window keeps
+            src = int(row[0]) if self.window is None or start < g else int(row[start // g - 1])
             if sink:
                 sink_slot = sink_slots[r]
                 if start < g:
@@ -481,7 +486,7 @@ class TilePlanner:
                 first = qsl[r] + lo - start
                 if lo == tile * g and hi == (tile + 1) * g <= verified:
                     stores.append((first, block))
-                    store_first.append(int(row[0]))
+                    store_first.append(src)
                     continue
                 if lo > tile * g and block not in self._slot_of:
                     raise TailLostError(
@@ -507,7 +512,7 @@ class TilePlanner:
                 target[first : first + hi - lo] = torch.arange(slot * g + lo - tile * g, slot * g + hi - tile * g)
                 if hi == (tile + 1) * g:
                     commits.append((slot, block))
-                    commit_first.append(int(row[0]))
+                    commit_first.append(src)
                     if hi <= verified:
                         committing = slot
                     else:  # a draft in it: kept for a rewind, and the next tile takes a slot of its own

@@ -74,6 +74,7 @@ from kvarn.integration.vllm.backend import (
     KVarNBackend,
     check_sink,
     departures_reported,
+    freed_window,
     page_slot_bytes,
     per_request_slots,
     pool_itemsize,
@@ -132,17 +133,6 @@ class KVarNMetadata(AttentionMetadata):
     forward_ran: bool = False
     """Set by the forward when it runs in Python (an eager step, which commits its own tiles, or a graph
     capture); a step vLLM replays from a CUDA graph leaves it ``False`` (see the module docstring)."""
-
-
-def freed_window(kv_cache_spec) -> int | None:
-    """The group's sliding window where vLLM frees its blocks as the window moves (a ``SlidingWindowSpec``: its
-    manager drops the blocks before the window), else ``None`` (a full-attention spec keeps every block, and a
-    window layer in it is masked by attention alone)."""
-    try:
-        from vllm.v1.kv_cache_interface import SlidingWindowSpec
-    except ImportError:
-        return None
-    return int(kv_cache_spec.sliding_window) if isinstance(kv_cache_spec, SlidingWindowSpec) else None
 
 
 def _layer_counts(vllm_config, preset: str, group_layers: int) -> tuple[int, int, int]:
@@ -240,10 +230,10 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         self._first_cache = None  # (book version, request ids, their first blocks) of the last step
         self.layer_name = layer_names[0] if layer_names else ""
         self.window = freed_window(kv_cache_spec)
-        if self.window is not None and (self.num_sink_slots or self.tail_rows or self.cfg.seq_smooth):
+        if self.window is not None and (self.num_sink_slots or self.tail_rows or (self.cfg.seq_smooth and cuda)):
             raise ValueError(  # refused at start-up (checks.window_problems); a builder never plans stale blocks
-                f"--kv-cache-dtype {preset}: sliding-window layers whose blocks vLLM frees keep no sink, no "
-                "per-sequence smoothing vector and no tails in blocks; add --kv-cache-dtype-skip-layers sliding_window"
+                f"--kv-cache-dtype {preset}: sliding-window layers whose blocks vLLM frees keep no sink, no tails in "
+                "blocks, and on a GPU no per-sequence smoothing vector; add --kv-cache-dtype-skip-layers sliding_window"
             )
         self.planner = None
         if not self.per_request and not self.tail_rows:

@@ -159,9 +159,10 @@ def window_problems(preset: str, vllm_config=None) -> list[str]:
     Where vLLM gives a window layer a sliding-window spec (:attr:`~kvarn.integration.vllm.state.ServingState.
     window_blocks_freed`: vLLM 0.32 and later), its manager frees the blocks a request's window has left, so
     nothing may live by a block before the window: not the ``_sink`` dtypes' first tile (kept by its block), not
-    the ``_ks`` formats' per-sequence smoothing vector (read from the first tile's record at every store), not tails
-    in blocks (vLLM's window manager allocates no tail blocks; the GPU engine's default, so refused there unless
-    ``KVARN_TAIL_BLOCKS=0``), and not a tile filled with a speculative draft (kept
+    on a GPU the ``_ks`` formats' per-sequence smoothing vector (its request-index planner reads it from the first
+    tile's record; the CPU engine's planner reads the tile before the step's, which a spec window one tile wider
+    than the layer's keeps), not tails in blocks (vLLM's window manager allocates no tail blocks; the GPU engine's
+    default, so refused there unless ``KVARN_TAIL_BLOCKS=0``), and not a tile filled with a speculative draft (kept
     by its block until a later step starts past it, which the window may pass first). vLLM 0.26 asks no backend
     for its page: the plugin's spec hook gives window layers full-attention pages, blocks for every token, and
     attention applies the window alone.
@@ -171,18 +172,18 @@ def window_problems(preset: str, vllm_config=None) -> list[str]:
     where = "on a sliding-window layer, whose blocks vLLM frees as the window moves,"
     problems = []
     cfg = cache_dtype_config(preset)
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
     if has_sink(preset):
         problems.append(
             f"{where} the full-precision sink would lose the first tile's block; use --kv-cache-dtype "
             f"{without_sink(preset)}, or {WINDOW_FIX}"
         )
-    if cfg.seq_smooth:
+    if cfg.seq_smooth and device in (None, "cuda"):
         problems.append(
-            f"{where} the per-sequence key smoothing vector (read from the first tile's record) would be lost; set "
-            f"{KEY_SMOOTHING_ENV}=off or use a dtype without the _ks suffix, or {WINDOW_FIX}"
+            f"{where} the per-sequence key smoothing vector (read from the first tile's record on a GPU) would be "
+            f"lost; set {KEY_SMOOTHING_ENV}=off or use a dtype without the _ks suffix, or {WINDOW_FIX}"
         )
     tails = os.environ.get(TAIL_BLOCKS_ENV, "")
-    device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
     if tails == "1" or (tails == "" and device == "cuda"):  # the GPU engine's default where they are built
         problems.append(
             f"{where} tails in blocks are not allocated by vLLM's window manager; set {TAIL_BLOCKS_ENV}=0 (a tail pool)"
