@@ -240,3 +240,21 @@ def test_drafts_that_fill_a_tile_after_a_verified_one_take_their_own_slot():
         plan(p, [(2, 2 * G + 3)], [[5, 6, 7]], drafts=[2])
     with pytest.raises(ValueError, match="one count per request"):
         plan(p, [(1, 2 * G + 2)], [[5, 6, 7]], drafts=[0, 0])
+
+
+def test_a_window_planner_ignores_the_stale_and_null_ids_before_a_row_s_window():
+    """vLLM frees the blocks a request's window left and hands them to others while the request's row keeps their
+    ids (or the null block 0): a stale id is no recycled block of the row, so the new owner's tail stays."""
+    p = TilePlanner(4, G, window=10)
+    plan(p, [(20, 20)], [[5, 6, 7]])  # request A: tiles 0, 1 full, its tail in block 7
+    assert p.live_slots.keys() == {7}
+    plan(p, [(3, 3)], [[5]])  # vLLM freed A's block 5 (its window starts at 10 from position 19) and gave it to B
+    # A decodes on: its row still says 5 and 6 in front; B waits with its tail in block 5
+    plan(p, [(1, 21)], [[5, 6, 7]])
+    assert p.live_slots.keys() == {5, 7}, "B's tail is not A's recycled block"
+    plan(p, [(2, 5)], [[5]])  # B continues its tile
+    plan(p, [(1, 22)], [[0, 0, 7]])  # a resumed row shows the null block before the window
+    assert p.live_slots.keys() == {5, 7}
+    assert p.first_live(21) == 1 and TilePlanner(4, G).first_live(21) == 0
+    with pytest.raises(ValueError, match="without sink slots"):
+        TilePlanner(4, G, num_sink_slots=2, window=10)

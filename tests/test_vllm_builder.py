@@ -599,3 +599,39 @@ def test_speculative_decoding_needs_the_runner_hook_that_notes_drafts(monkeypatc
     with pytest.raises(ValueError, match=r"kvarn_k4v2_g64 with --speculative-config: .*_update_states"):
         Sim("kvarn_k4v2_g64", torch.bfloat16, speculative=True)
     Sim("kvarn_k4v2_g64", torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("preset", "dtype", "window", "sinks"),
+    [
+        ("kvarn_k4v2_g64", torch.float32, 100, False),
+        ("kvarn_k4v2_g64", torch.bfloat16, 40, True),
+        ("kvarn_k4v2_g64_ks", torch.bfloat16, 20, False),
+    ],
+)
+def test_a_window_group_plans_nothing_by_the_blocks_its_window_left(preset, dtype, window, sinks):
+    """A sliding-window group through a random schedule, its blocks going back to the pool as each window leaves
+    them and handed to other requests in the same step, while the rows keep their stale ids (or the null block):
+    records of the live tiles and attention within the window (with learned sink logits) equal the reference's, no
+    tail is lost, and a departed request's slot is released by its live blocks only."""
+    logits = torch.randn(HQ, generator=torch.Generator().manual_seed(1)).to(dtype) if sinks else None
+    sim = Sim(preset, dtype, seed=window, num_blocks=40, window=window, sink_logits=logits)
+    g, rng = sim.g, sim.rng
+    assert sim.builder.planner.window == sim.spec.sliding_window  # the window vLLM frees blocks by
+    for _ in range(6):
+        sim.add(rng.randrange(g, 5 * g))
+    for _step in range(40):
+        for rid in [r for r, q in sim.reqs.items() if q["len"] >= q["target"]]:
+            sim.free_req(rid)
+        while len(sim.reqs) < 6 and len(sim.free) > 12:
+            sim.add(rng.randrange(g // 2, 5 * g))
+        live = [r for r, q in sim.reqs.items() if q["len"] < q["target"]]
+        scheduled = [r for r in live if rng.random() < 0.6] or live[:1]  # the others keep open tiles
+        chunks = {}
+        for rid in scheduled:
+            req = sim.reqs[rid]
+            n = 1 if req["len"] and rng.random() < 0.4 else rng.randrange(1, g + g // 2)
+            chunks[rid] = min(n, req["target"] - req["len"])
+        sim.step(chunks)
+    assert sim.window_freed >= 5
+    assert len(sim.builder.planner.live_slots) <= len(sim.reqs)

@@ -37,18 +37,59 @@ def _selector(**kw):
     ("overrides", "advice"),
     [
         ({"use_mla": True}, "--kv-cache-dtype auto"),
-        ({"has_sliding_window": True}, "--kv-cache-dtype-skip-layers sliding_window"),
         ({"attn_type": "encoder_only"}, "--kv-cache-dtype auto"),
         ({"attn_type": "encoder_decoder"}, "--kv-cache-dtype auto"),
         ({"head_size": 96}, "64, 128, 256"),
         ({"use_kv_connector": True}, "--kv-cache-dtype auto"),
-        ({"has_sink": True}, "--kv-cache-dtype auto"),
     ],
 )
 def test_unservable_layers_are_refused_with_what_to_change(overrides, advice):
     with pytest.raises(ValueError, match="--kv-cache-dtype kvarn_k4v2_g128") as err:
         current_platform.get_attn_backend_cls(None, _selector(**overrides))
     assert advice in str(err.value)
+
+
+def test_window_layers_and_learned_sinks_are_served():
+    path = current_platform.get_attn_backend_cls(None, _selector(has_sliding_window=True, has_sink=True))
+    assert path.endswith("KVarNBackend_k4v2_g128"), path
+
+
+@pytest.mark.parametrize(
+    ("preset", "env", "device", "spec", "advice"),
+    [
+        ("kvarn_k4v2_g128_sink", None, "cpu", None, "use --kv-cache-dtype kvarn_k4v2_g128,"),
+        ("kvarn_k4v2_g128_ks", "0", "cuda", None, "KVARN_KEY_SMOOTHING=off"),  # served on the CPU engine
+        ("kvarn_k4v2_g128", "1", "cpu", None, "set KVARN_TAIL_BLOCKS=0"),
+        ("kvarn_k4v2_g128", "", "cuda", None, "set KVARN_TAIL_BLOCKS=0"),  # tails in blocks: the GPU default
+        ("kvarn_k4v2_g128", None, "cpu", SimpleNamespace(method="ngram", num_speculative_tokens=3), "--speculative"),
+    ],
+)
+def test_window_layers_refuse_what_lives_by_a_block_the_window_frees(monkeypatch, preset, env, device, spec, advice):
+    """Where vLLM frees a window layer's blocks as the window moves (0.32), nothing may live by a block before the
+    window; where it keeps them (0.26: full-attention pages) all of it is served."""
+    if env is None:
+        monkeypatch.delenv("KVARN_TAIL_BLOCKS", raising=False)
+    else:
+        monkeypatch.setenv("KVARN_TAIL_BLOCKS", env)
+    run = SimpleNamespace(speculative_config=spec, device_config=SimpleNamespace(device_type=device))
+    monkeypatch.setattr(serving, "window_blocks_freed", True)
+    (problem,) = checks.window_problems(preset, run)
+    assert "sliding-window layer, whose blocks vLLM frees" in problem and advice in problem, problem
+    assert "--kv-cache-dtype-skip-layers sliding_window" in problem or "TAIL_BLOCKS" in advice
+    monkeypatch.setattr(serving, "window_blocks_freed", False)
+    assert checks.window_problems(preset, run) == []
+    monkeypatch.setattr(serving, "window_blocks_freed", True)
+    plain = SimpleNamespace(speculative_config=None, device_config=SimpleNamespace(device_type="cpu"))
+    monkeypatch.delenv("KVARN_TAIL_BLOCKS", raising=False)
+    assert checks.window_problems("kvarn_k4v2_g128", plain) == []
+    assert checks.window_problems("kvarn_k4v2_g128_ks", plain) == [], "the CPU engine's planner keeps the vector"
+
+
+def test_the_selection_hook_refuses_a_window_layer_with_the_sink(monkeypatch):
+    monkeypatch.setattr(serving, "window_blocks_freed", True)
+    selector = _selector(has_sliding_window=True, kv_cache_dtype="kvarn_k4v2_g128_sink")
+    with pytest.raises(ValueError, match=r"^--kv-cache-dtype kvarn_k4v2_g128_sink: on a sliding-window layer"):
+        current_platform.get_attn_backend_cls(None, selector)
 
 
 def _run(block_size=128, user_block=False, unit=None, spec=None, dbo=False, dp=1):

@@ -571,3 +571,25 @@ def test_the_config_hook_turns_asynchronous_scheduling_off_for_speculative_decod
         assert Platform.check_and_update_config(run("auto", ngram)) is True
     finally:
         wrapping._unwrap(platform, "check_and_update_config")
+
+
+def test_the_spec_hook_says_whether_vllm_frees_window_blocks(monkeypatch):
+    """vLLM 0.32 asks the backend for a window layer's page and keeps its window spec (blocks freed as the window
+    moves: refusals apply); where it does not ask (0.26), the hook gives window layers full-attention pages, which
+    keep every block, and says so once."""
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.v1.attention.backend import AttentionBackend
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    window = SlidingWindowSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=200)
+    monkeypatch.setattr(Attention, "get_kv_cache_spec", lambda self, config: window)  # restored after the test
+    monkeypatch.setattr(serving, "window_blocks_freed", False)
+    monkeypatch.setattr(serving, "warned", set())
+    backend = BACKENDS["kvarn_k4v2_g128"]
+    assert not hooks.install_spec_hook(backend) and serving.window_blocks_freed
+    page = backend.customize_spec(window)
+    assert type(page) is SlidingWindowSpec and page.sliding_window == 200, "the class stays: vLLM frees the blocks"
+    monkeypatch.delattr(AttentionBackend, "customize_spec")  # as vLLM 0.26
+    assert hooks.install_spec_hook(backend) and not serving.window_blocks_freed
+    Attention.get_kv_cache_spec(SimpleNamespace(attn_backend=backend), None)
+    assert any("full-attention pages" in w for w in serving.warned)

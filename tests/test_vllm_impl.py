@@ -74,3 +74,30 @@ def test_a_captured_layer_without_a_name_is_refused():
     sim.layer.layer_name = None
     with pytest.raises(RuntimeError, match="layer_name"):
         sim.step({a: 1})
+
+
+def test_a_window_layer_with_sinks_attends_through_the_paged_kernel_with_both(monkeypatch):
+    """The impl passes the layer's window and its sink logits, read at forward time (vLLM loads them after building
+    the layer) as float32, on every step, and never splits prompt chunks off to the full-attention varlen path."""
+    from kvarn.paged import PagedKV
+
+    attend, seen = PagedKV.attend, []
+
+    def spy(self, *args, **kwargs):
+        seen.append((kwargs["window"], kwargs["sink_logits"]))
+        return attend(self, *args, **kwargs)
+
+    monkeypatch.setattr(PagedKV, "attend", spy)
+    monkeypatch.setattr(PagedKV, "attend_split", lambda *a, **k: pytest.fail("a window layer took attend_split"))
+    sinks = torch.nn.Parameter(torch.empty(4, dtype=torch.bfloat16), requires_grad=False)
+    sim = Sim("kvarn_k4v2_g64", torch.bfloat16, seed=5, window=90, sink_logits=sinks)
+    sim.builder.prefill_split = True  # the CUDA path's split, which a window or sink layer must not take
+    with torch.no_grad():
+        sinks.copy_(torch.tensor([1.5, -0.5, 3.0, 0.0]))  # the weights, loaded after construction
+    a, b = sim.add(260), sim.add(200)
+    sim.step({a: 100, b: 70})
+    assert sim.last_meta.prefill is not None
+    sim.step({a: 100, b: 1})
+    sim.step({a: 1, b: 1})
+    assert len(seen) == 3 and all(w == 90 for w, _ in seen)
+    assert all(s.dtype == torch.float32 and torch.equal(s, sinks.float()) for _, s in seen)

@@ -166,3 +166,65 @@ def build_tiny_gguf(path: pathlib.Path, add_bos: bool | None = None, add_eos: bo
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+WINDOWED = ("gemma3", "granite_swa", "gpt_oss")
+WINDOW = 200
+"""The tiny windowed models' sliding window: not a multiple of the tile, so the first visible tile is masked."""
+
+
+def build_tiny_windowed(path: pathlib.Path, kind: str) -> pathlib.Path:
+    """A random float32 dense model with sliding-window layers between global ones (window :data:`WINDOW`, head_dim
+    64, 2 query and 2 KV heads, 4 layers: window, global, window, global) and the byte-level tokenizer, at ``path``.
+
+    ``gemma3``: ``Gemma3ForCausalLM`` (text only). ``granite_swa``: vLLM's Granite with ``layer_types``, which
+    gives every layer learned per-head attention sinks; transformers' Granite has none, so random ``sinks`` are
+    written into the checkpoint beside its weights. ``gpt_oss``: ``GptOssForCausalLM`` (4 experts, 2 a token,
+    biased projections, random sinks on every layer).
+    """
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok, vocab = _byte_tokenizer()
+    common = {"vocab_size": len(vocab), "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2}
+    common.update(bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"], pad_token_id=vocab["<unk>"])
+    common.update(max_position_embeddings=2048, initializer_range=0.05, intermediate_size=256, num_hidden_layers=4)
+    layer_types = ["sliding_attention", "full_attention"] * 2
+    if kind == "gemma3":
+        from transformers import Gemma3TextConfig
+
+        config = Gemma3TextConfig(
+            **common, head_dim=64, layer_types=layer_types, sliding_window=WINDOW, query_pre_attn_scalar=64
+        )
+        config.architectures = ["Gemma3ForCausalLM"]
+    elif kind == "granite_swa":
+        from transformers import GraniteConfig
+
+        config = GraniteConfig(
+            **common, layer_types=layer_types, sliding_window=WINDOW, attention_sinks=True, attention_multiplier=0.125
+        )
+    elif kind == "gpt_oss":
+        from transformers import GptOssConfig
+
+        common.update(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2)
+        config = GptOssConfig(**common, head_dim=64, layer_types=layer_types, sliding_window=WINDOW)
+    else:
+        raise ValueError(f"kind must be one of {WINDOWED}, got {kind!r}")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    if kind == "gpt_oss":  # larger than transformers starts them, so they weigh
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.copy_(torch.randn(config.num_attention_heads) + 1.0)
+    _save(path, model, tok)
+    if kind == "granite_swa":
+        from safetensors.torch import load_file, save_file
+
+        (weights,) = path.glob("*.safetensors")
+        tensors = load_file(weights)
+        for i in range(config.num_hidden_layers):
+            tensors[f"model.layers.{i}.self_attn.sinks"] = torch.randn(config.num_attention_heads) + 1.0
+        save_file(tensors, weights, metadata={"format": "pt"})
+    return path

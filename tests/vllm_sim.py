@@ -3,7 +3,9 @@
 :class:`Sim` runs many steps: ragged chunks that end inside tiles, decode and prefill in the same batch,
 permuted and recycled block ids, requests that skip steps, prefix-cache hits on shared tiles, preemption
 and requests that finish with an incomplete tile, and speculative verification steps whose rejected
-drafts are rolled back (:meth:`Sim.reject`). After every step the records of every full tile must
+drafts are rolled back (:meth:`Sim.reject`), and with ``window`` a sliding-window group whose blocks go back to
+the pool as the window leaves them (vLLM's window manager: a running request's row keeps their stale ids, or
+the null block 0), with ``sink_logits`` learned sinks. After every step the records of every full tile must
 equal, byte for byte, the reference's ``store_tiles`` of that tile's tokens, and the attention output
 must equal ``kvarn.reference.paged_attention`` over a cache the reference built from the token history.
 """
@@ -18,7 +20,7 @@ from unittest import mock
 import numpy as np
 import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
 from kvarn import reference
 from kvarn.config import cache_dtype_config, has_sink
@@ -77,6 +79,8 @@ class Sim:
         tail_slots=None,
         request_slots=False,
         speculative=False,
+        window=None,
+        sink_logits=None,
     ):
         self.rng = random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed)
@@ -89,9 +93,16 @@ class Sim:
         self.g = self.cfg.group_size
         self.dtype = dtype
         self.backend = BACKENDS[preset]
-        spec = self.backend.customize_spec(
-            FullAttentionSpec(block_size=self.g, num_kv_heads=HKV, head_size=D, dtype=torch.uint8)
-        )
+        self.window, self.sink_logits = window, sink_logits
+        shape = {"block_size": self.g, "num_kv_heads": HKV, "head_size": D, "dtype": torch.uint8}
+        if window is None:
+            spec = self.backend.customize_spec(FullAttentionSpec(**shape))
+        else:  # vLLM 0.32 hands the backend the window spec; its class must stay, so vLLM frees the blocks
+            spec = self.backend.customize_spec(SlidingWindowSpec(**shape, sliding_window=window))
+            # a _ks format keeps one tile more: its stores read the smoothing vector from the tile before the step's
+            assert type(spec) is SlidingWindowSpec and spec.sliding_window == window + self.g * self.cfg.seq_smooth
+            assert self.backend.customize_spec(spec) == spec, "asked twice, widened once"
+        self.spec = spec
         assert spec.page_size_bytes == HKV * self.g * page_slot_bytes(self.cfg) >= HKV * self.cfg.record_bytes
         self.kv_cache = torch.zeros(num_blocks, HKV, self.g, spec.state_content_bytes, dtype=torch.uint8)
         vllm_config = SimpleNamespace(
@@ -124,7 +135,10 @@ class Sim:
                 serving.sink_book.pools.add(self.builder.sinks)
             self.departed = set()
             self.scheduled_before = set()
-        self.impl = KVarNAttentionImpl(HQ, D, 0.125, HKV, kv_cache_dtype=preset)
+        self.impl = KVarNAttentionImpl(
+            HQ, D, 0.125, HKV, sliding_window=window, kv_cache_dtype=preset, sinks=sink_logits
+        )
+        self.window_freed = 0
         self.layer = torch.nn.Module()
         self.layer.layer_name = "layer.0"
         self.free = list(range(1, num_blocks))
@@ -167,8 +181,11 @@ class Sim:
             self.free_index.append(self.index.pop(rid))
             self.departed.add(str(rid))
         elif self.report_departures:  # what the release hook does for vLLM's finished/preempted ids
-            release_request_tails((req["blocks"],))
-        if keep_prefix:
+            group = SimpleNamespace(kv_cache_group_id=0, metadata_builders=[self.builder], kv_cache_spec=self.spec)
+            release_request_tails((req["blocks"],), [[group]], req.get("computed", 0))
+        if self.window is not None:  # the blocks before the window went back to the pool already
+            self.free.extend(req["blocks"][max(req.get("freed", 0), req.get("shared", 0)) :])
+        elif keep_prefix:
             self.prefix[rid] = req
             full = len(req["k"]) // self.g
             self.free.extend(req["blocks"][full:])
@@ -199,6 +216,8 @@ class Sim:
         qsl, lens, ks, vs = [0], [], [], []
         had = {rid: len(self.reqs[rid]["blocks"]) for rid in order}
         computed = {rid: self.reqs[rid]["len"] for rid in order}
+        if self.window is not None:
+            self._slide(order, computed)
         for rid in order:
             req, n = self.reqs[rid], chunks[rid]
             k, v = self.tokens(n)
@@ -271,6 +290,23 @@ class Sim:
         self.step_kv = (key[: qsl[-1]], value[: qsl[-1]])
         self.check(order, query[: qsl[-1]], qsl_t, lens_t, table, output[: qsl[-1]], replayed)
 
+    def _slide(self, order, computed):
+        """vLLM's window manager as it schedules a step: the blocks wholly before each scheduled request's window
+        go back to the pool (handed out again in this very step); the request's row keeps their stale ids, or
+        shows the null block 0 there (a resumed request's fresh row)."""
+        for rid in order:
+            req = self.reqs[rid]
+            req["computed"] = computed[rid]
+            skip = min(max(0, computed[rid] - self.spec.sliding_window + 1) // self.g, len(req["blocks"]))
+            for col in range(req.get("freed", 0), skip):
+                if col >= req.get("shared", 0) and req["blocks"][col]:
+                    self.free.append(req["blocks"][col])
+                    self.window_freed += 1
+                if self.rng.random() < 0.3:
+                    req["blocks"][col] = 0
+            req["freed"] = max(req.get("freed", 0), skip)
+        self.rng.shuffle(self.free)
+
     def held(self, i, order, qsl, dtype=None):
         """The tokens the own-tile rule reads from request ``order[i]``'s slot: its step's first tile, as prepared."""
         req = self.reqs[order[i]]
@@ -299,9 +335,10 @@ class Sim:
                 recs = torch.zeros(len(tiles), HKV, self.cfg.record_bytes, dtype=torch.uint8)
                 reference.store_tiles(k, v, ids, recs, self.cfg, torch.zeros_like(ids) if self.cfg.seq_smooth else None)
                 req["rec"].append(recs[-1])
-            if full:
-                blocks = torch.tensor(req["blocks"][:full])
-                expect[blocks] = torch.stack(req["rec"][:full])
+            live = req.get("freed", 0)  # the blocks a window left belong to others now
+            if full > live:
+                blocks = torch.tensor(req["blocks"][live:full])
+                expect[blocks] = torch.stack(req["rec"][live:full])
                 assert torch.equal(cache[blocks], expect[blocks]), f"records of request {rid} differ"
             k, v = self.held(i, order, qsl, self.dtype)
             tail_k[i, : k.shape[0]], tail_v[i, : v.shape[0]] = k, v
@@ -320,7 +357,21 @@ class Sim:
         key, value = self.step_kv
         slots = torch.arange(len(order))
         want = reference.paged_attention(
-            query, expect, table, lens, tail_k, tail_v, slots, self.cfg, qsl, sinks, 0.125, key, value
+            query,
+            expect,
+            table,
+            lens,
+            tail_k,
+            tail_v,
+            slots,
+            self.cfg,
+            qsl,
+            sinks,
+            0.125,
+            key,
+            value,
+            window=self.window,
+            sink_logits=None if self.sink_logits is None else self.sink_logits.float(),
         )
         assert not output.isnan().any(), "the backend left output rows unwritten"
         if self.builder.prefill_split:  # prompt chunks attend by another order of arithmetic

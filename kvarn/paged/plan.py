@@ -111,8 +111,10 @@ class TilePlan:
             slot to the new tile, and attention still reads the completed tile from it), ``-1``
             elsewhere.
         commit_first, store_first: ``[Nc]``, ``[Ns]`` int64, the block of the first tile of each
-            committed / stored tile's request (its block table entry 0): where formats with one
-            smoothing vector per sequence read it (``smooth_src`` of :func:`kvarn.ops.store_tiles`).
+            committed / stored tile's request (its block table entry 0; with a window, once the step
+            starts past tile 0, the block of the tile before the step's, whose record carries the same
+            vector): where formats with one smoothing vector per sequence read it (``smooth_src`` of
+            :func:`kvarn.ops.store_tiles`).
             ``None`` from planners that predate them is not accepted for such formats.
     """
 
@@ -294,11 +296,18 @@ class TilePlanner:
         num_sink_slots: int = 0,
         sink_pinned: Callable[[int], bool] | None = None,
         on_sink_evicted: Callable[[int], None] | None = None,
+        window: int | None = None,
     ):
         if num_slots < 1:
             raise ValueError(f"num_slots must be at least 1, got {num_slots}")
         if num_sink_slots < 0:
             raise ValueError(f"num_sink_slots must be non-negative, got {num_sink_slots}")
+        if window is not None and (window < 1 or num_sink_slots):
+            raise ValueError(
+                f"window must be positive and come without sink slots (a first tile's block leaves with the window), "
+                f"got window={window}, num_sink_slots={num_sink_slots}"
+            )
+        self.window = window
         self.num_slots = num_slots
         self.num_sink_slots = num_sink_slots
         self.group_size = group_size
@@ -320,6 +329,10 @@ class TilePlanner:
         taken from an idle tail when the pool ran dry), and with a sink ``new_sinks`` (first tiles
         written from offset 0), ``recycled_sinks`` (freed because their block was written as another
         tile) and ``evicted_sinks`` (taken from an unheld block when the sink pool ran dry)."""
+
+    def first_live(self, start: int) -> int:
+        """The first block-table column a step starting at position ``start`` may read (0 without a window)."""
+        return 0 if self.window is None else max(0, start - self.window + 1) // self.group_size
 
     @property
     def live_slots(self) -> dict[int, int]:
@@ -388,7 +401,7 @@ class TilePlanner:
                 continue
             row = block_table[r]
             written.update(int(b) for b in row[start // g : (length - 1) // g + 1].tolist())
-            if start >= g:
+            if start // g - 1 >= self.first_live(start):  # a stale id before the window is no block of this row
                 below.append(int(row[start // g - 1]))
         for block in below:
             slot = self._slot_of.get(block)
@@ -457,7 +470,10 @@ class TilePlanner:
             if n > 1 and start % g:
                 self.stats["chunks_starting_inside_a_tile"] += 1
             row = block_table[r]
-            full_rows.append(row[: length // g])
+            full_rows.append(row[self.first_live(start) : length // g])
+            # per-sequence smoothing reads the vector every record carries: from the first tile, or with a window
+            # (whose first block vLLM frees) from the tile before the step's, which the caller's window keeps
+            src = int(row[0]) if self.window is None or start < g else int(row[start // g - 1])
             if sink:
                 sink_slot = sink_slots[r]
                 if start < g:
@@ -470,7 +486,7 @@ class TilePlanner:
                 first = qsl[r] + lo - start
                 if lo == tile * g and hi == (tile + 1) * g <= verified:
                     stores.append((first, block))
-                    store_first.append(int(row[0]))
+                    store_first.append(src)
                     continue
                 if lo > tile * g and block not in self._slot_of:
                     raise TailLostError(
@@ -496,7 +512,7 @@ class TilePlanner:
                 target[first : first + hi - lo] = torch.arange(slot * g + lo - tile * g, slot * g + hi - tile * g)
                 if hi == (tile + 1) * g:
                     commits.append((slot, block))
-                    commit_first.append(int(row[0]))
+                    commit_first.append(src)
                     if hi <= verified:
                         committing = slot
                     else:  # a draft in it: kept for a rewind, and the next tile takes a slot of its own

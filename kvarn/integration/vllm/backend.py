@@ -61,6 +61,18 @@ from kvarn.paged import tail_geometry
 BACKEND_NAME = "KVARN"
 
 
+def freed_window(kv_cache_spec) -> int | None:
+    """The group's sliding window where vLLM frees its blocks as the window moves (a ``SlidingWindowSpec``: its
+    manager drops the blocks before the window), else ``None`` (a full-attention spec keeps every block, and a
+    window layer in it is masked by attention alone). A ``_ks`` format's spec window is a tile wider than its
+    layers' (:meth:`KVarNBackend._record_page_spec`)."""
+    try:
+        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    except ImportError:
+        return None
+    return int(kv_cache_spec.sliding_window) if isinstance(kv_cache_spec, SlidingWindowSpec) else None
+
+
 def page_slot_bytes(cfg) -> int:
     """Bytes per (KV head, token slot) of a vLLM page: the record over ``G`` slots, rounded up.
 
@@ -245,6 +257,16 @@ class KVarNBackend(AttentionBackend):
         return False
 
     @classmethod
+    def supports_sink(cls) -> bool:
+        """Learned sink logits (``sinks=``) go to attention as ``sink_logits`` on every path the layer takes."""
+        return True
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        """The layer's window goes to attention; :mod:`kvarn.paged` reads no block before it."""
+        return True
+
+    @classmethod
     def customize_spec(cls, spec):
         """One record per (block, KV head): ``record_bytes / G`` bytes per head and token slot."""
         if spec.head_size_v != spec.head_size:
@@ -263,9 +285,18 @@ class KVarNBackend(AttentionBackend):
 
     @classmethod
     def _record_page_spec(cls, spec):
-        """``spec`` with pages of one record per (block, KV head)."""
-        per_slot = page_slot_bytes(cls.config(spec.head_size))
+        """``spec`` with pages of one record per (block, KV head).
+
+        A window layer of a per-sequence smoothed format (``_ks``) keeps one tile more than its window: each
+        store reads the sequence's smoothing vector from the record before the step's first tile, which vLLM
+        must not have freed (the layer's own window still masks attention)."""
+        cfg = cls.config(spec.head_size)
+        per_slot = page_slot_bytes(cfg)
         if "state_content_bytes" in {f.name for f in dataclasses.fields(spec)}:
+            done = spec.dtype == torch.uint8 and spec.state_content_bytes == per_slot  # asked twice: widened once
+            window = getattr(spec, "sliding_window", None)
+            if cfg.seq_smooth and window is not None and freed_window(spec) is not None and not done:
+                spec = dataclasses.replace(spec, sliding_window=window + cfg.group_size)
             return dataclasses.replace(spec, dtype=torch.uint8, state_content_bytes=per_slot, tokens_per_state=1)
         from vllm.v1.kv_cache_interface import TQFullAttentionSpec
 

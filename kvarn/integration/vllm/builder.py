@@ -74,6 +74,7 @@ from kvarn.integration.vllm.backend import (
     KVarNBackend,
     check_sink,
     departures_reported,
+    freed_window,
     page_slot_bytes,
     per_request_slots,
     pool_itemsize,
@@ -134,19 +135,21 @@ class KVarNMetadata(AttentionMetadata):
     capture); a step vLLM replays from a CUDA graph leaves it ``False`` (see the module docstring)."""
 
 
-def _layer_counts(vllm_config, preset: str, group_layers: int) -> tuple[int, int]:
-    """The layers of this process that ``preset``'s backend serves, and its Mamba/conv layers (their state shares
-    vLLM's block pool), from the model's layers as vLLM registered them; ``(group_layers, 0)`` where there are none.
+def _layer_counts(vllm_config, preset: str, group_layers: int) -> tuple[int, int, int]:
+    """The layers of this process that ``preset``'s backend serves, its Mamba/conv layers (their state shares
+    vLLM's block pool) and how many of the first are sliding-window layers, from the model's layers as vLLM
+    registered them; ``(group_layers, 0, 0)`` where there are none.
     """
     context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
-    kvarn = state = 0
+    kvarn = state = window = 0
     for layer in context.values():
         backend = getattr(layer, "attn_backend", None)
         if isinstance(backend, type) and issubclass(backend, KVarNBackend) and backend.preset == preset:
             kvarn += 1
+            window += getattr(layer, "sliding_window", None) is not None
         elif callable(getattr(layer, "get_state_shape", None)):  # vLLM's MambaBase: a Mamba, conv or linear layer
             state += 1
-    return (kvarn, state) if kvarn >= group_layers else (group_layers, state)
+    return (kvarn, state, window) if kvarn >= group_layers else (group_layers, state, 0)
 
 
 class _DecodeBuffers:
@@ -226,6 +229,12 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         self.sinks = None  # request-index mode: the sink slots (the planner keeps them otherwise)
         self._first_cache = None  # (book version, request ids, their first blocks) of the last step
         self.layer_name = layer_names[0] if layer_names else ""
+        self.window = freed_window(kv_cache_spec)
+        if self.window is not None and (self.num_sink_slots or self.tail_rows or (self.cfg.seq_smooth and cuda)):
+            raise ValueError(  # refused at start-up (checks.window_problems); a builder never plans stale blocks
+                f"--kv-cache-dtype {preset}: sliding-window layers whose blocks vLLM frees keep no sink, no tails in "
+                "blocks, and on a GPU no per-sequence smoothing vector; add --kv-cache-dtype-skip-layers sliding_window"
+            )
         self.planner = None
         if not self.per_request and not self.tail_rows:
             self.planner = TilePlanner(
@@ -234,6 +243,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
                 num_sink_slots=self.num_sink_slots,
                 sink_pinned=block_held,
                 on_sink_evicted=forget_cached_block,
+                window=self.window,
             )
         elif self.num_sink_slots:
             self.sinks = SinkSlots(self.num_sink_slots, self.cfg.group_size, block_held, forget_cached_block)
@@ -267,7 +277,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         num_blocks = vllm_config.cache_config.num_gpu_blocks
         cfg = self.cfg
         block_tokens = int(getattr(vllm_config.cache_config, "block_size", None) or cfg.group_size)
-        kvarn_layers, state_layers = _layer_counts(vllm_config, self.backend.preset, num_layers)
+        kvarn_layers, state_layers, window_layers = _layer_counts(vllm_config, self.backend.preset, num_layers)
         key = (num_blocks, block_tokens, spec.num_kv_heads, spec.head_size, kvarn_layers, self.backend.preset)
         key += (self.tail_rows,)
         if not num_blocks or key in serving.logged_capacity:
@@ -299,6 +309,11 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
                 "few blocks per running request (vLLM's concurrency line counts them)"
             )
         shared = f" Hybrid model: {'; '.join(shared)}." if shared else ""
+        if window_layers:
+            shared += (
+                f" {window_layers} of the {kvarn_layers} layers have a sliding window: where vLLM frees a request's "
+                "blocks before its window, long sequences fit more tokens than this."
+            )
         logger.info(
             "KVarN %s KV cache: %d blocks of %d tokens = %d tokens in %.1f MiB of records (%d layers, %d KV "
             "heads, %d B per record); an fp16 cache of the same size holds %d tokens: %.2fx the capacity.%s "

@@ -120,10 +120,7 @@ def check_layer(selector_config, vllm_config=None) -> None:
     if selector_config.use_mla:
         problems.append(f"this model uses MLA (a latent KV cache KVarN does not quantize); {fix}")
     if selector_config.has_sliding_window:
-        problems.append(
-            "this layer uses sliding-window attention, whose blocks vLLM recycles while the window moves; "
-            "add --kv-cache-dtype-skip-layers sliding_window to keep those layers in the model dtype"
-        )
+        problems.extend(window_problems(preset, vllm_config))
     if selector_config.attn_type != "decoder":
         problems.append(f"this is an {selector_config.attn_type} attention layer; KVarN serves decoder layers; {fix}")
     if selector_config.head_size not in SUPPORTED_HEAD_DIMS:
@@ -135,7 +132,6 @@ def check_layer(selector_config, vllm_config=None) -> None:
         problems.append(f"model dtype {selector_config.dtype} is not supported; use --dtype float16 or bfloat16")
     for attr, what in (
         ("use_sparse", "sparse attention"),
-        ("has_sink", "learned attention sinks"),
         ("use_mm_prefix", "bidirectional multimodal prefixes"),
         ("use_non_causal", "non-causal attention"),
         ("use_per_head_quant_scales", "a checkpoint KV-cache quantization scheme"),
@@ -152,6 +148,52 @@ def check_layer(selector_config, vllm_config=None) -> None:
         problems.extend(run_problems(vllm_config, preset))
     if problems:
         raise ValueError(f"{flag}: " + "; ".join(dict.fromkeys(problems)))
+
+
+WINDOW_FIX = "add --kv-cache-dtype-skip-layers sliding_window to keep the window layers in the model dtype"
+
+
+def window_problems(preset: str, vllm_config=None) -> list[str]:
+    """What KVarN cannot serve on a sliding-window layer of this run (nothing where vLLM keeps its blocks).
+
+    Where vLLM gives a window layer a sliding-window spec (:attr:`~kvarn.integration.vllm.state.ServingState.
+    window_blocks_freed`: vLLM 0.32 and later), its manager frees the blocks a request's window has left, so
+    nothing may live by a block before the window: not the ``_sink`` dtypes' first tile (kept by its block), not
+    on a GPU the ``_ks`` formats' per-sequence smoothing vector (its request-index planner reads it from the first
+    tile's record; the CPU engine's planner reads the tile before the step's, which a spec window one tile wider
+    than the layer's keeps), not tails in blocks (vLLM's window manager allocates no tail blocks; the GPU engine's
+    default, so refused there unless ``KVARN_TAIL_BLOCKS=0``), and not a tile filled with a speculative draft (kept
+    by its block until a later step starts past it, which the window may pass first). vLLM 0.26 asks no backend
+    for its page: the plugin's spec hook gives window layers full-attention pages, blocks for every token, and
+    attention applies the window alone.
+    """
+    if not serving.window_blocks_freed:
+        return []
+    where = "on a sliding-window layer, whose blocks vLLM frees as the window moves,"
+    problems = []
+    cfg = cache_dtype_config(preset)
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
+    if has_sink(preset):
+        problems.append(
+            f"{where} the full-precision sink would lose the first tile's block; use --kv-cache-dtype "
+            f"{without_sink(preset)}, or {WINDOW_FIX}"
+        )
+    if cfg.seq_smooth and device in (None, "cuda"):
+        problems.append(
+            f"{where} the per-sequence key smoothing vector (read from the first tile's record on a GPU) would be "
+            f"lost; set {KEY_SMOOTHING_ENV}=off or use a dtype without the _ks suffix, or {WINDOW_FIX}"
+        )
+    tails = os.environ.get(TAIL_BLOCKS_ENV, "")
+    if tails == "1" or (tails == "" and device == "cuda"):  # the GPU engine's default where they are built
+        problems.append(
+            f"{where} tails in blocks are not allocated by vLLM's window manager; set {TAIL_BLOCKS_ENV}=0 (a tail pool)"
+        )
+    if vllm_config is not None and getattr(vllm_config, "speculative_config", None) is not None:
+        problems.append(
+            f"{where} a tile filled with an unverified draft keeps its tail by a block the window may leave; "
+            f"drop --speculative-config, or {WINDOW_FIX}"
+        )
+    return problems
 
 
 SPECULATIVE_METHODS = ("ngram", "ngram_gpu", "suffix", "medusa", "mlp_speculator")

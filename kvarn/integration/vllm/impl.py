@@ -88,11 +88,9 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
         preset = self.backend.preset or kv_cache_dtype
         refused = {
             "ALiBi slopes": alibi_slopes is not None,
-            "a sliding window": sliding_window is not None,
             "a logits soft cap": logits_soft_cap not in (None, 0, 0.0),
             f"attention type {attn_type!r}": attn_type != AttentionType.DECODER,
             "KV-cache sharing between layers": kv_sharing_target_layer_name is not None,
-            "learned attention sinks": kwargs.get("sinks") is not None,
         }
         for what, present in refused.items():
             if present:
@@ -107,6 +105,11 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
         self.kv_cache_dtype = preset
         self.cfg = cache_dtype_config(preset, head_size)
         self.attn_type = attn_type
+        self.window = None if sliding_window is None else int(sliding_window)
+        self.sinks = kwargs.get("sinks")
+        """The layer's learned sink logits ``[Hq]`` (this rank's heads), a parameter vLLM fills after construction."""
+        if self.sinks is not None and self.sinks.shape[0] != num_heads:
+            raise ValueError(f"sinks must hold one logit per query head ({num_heads}), got {tuple(self.sinks.shape)}")
         from vllm.config import get_current_vllm_config_or_none
 
         config = get_current_vllm_config_or_none()
@@ -138,6 +141,12 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
     def _varlen(dtype: torch.dtype) -> VarlenAttention | None:
         """vLLM's flash attention for prompt chunks where it takes the dtype (fp16, bf16); else SDPA."""
         return flash_varlen() if dtype in (torch.float16, torch.bfloat16) else None
+
+    def _attention_args(self) -> dict:
+        """The layer's window and sink logits for :meth:`kvarn.paged.PagedKV.attend` (read at forward time: the
+        sinks are loaded after construction; float32 as the kernels take them)."""
+        sinks = None if self.sinks is None else self.sinks.to(torch.float32)
+        return {"window": self.window, "sink_logits": sinks}
 
     def _records(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """vLLM's ``[num_blocks, Hkv, G, C]`` page view as ``[num_blocks, Hkv, record_bytes]`` (padding cut off)."""
@@ -196,7 +205,7 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
                 paged.commit(plan)
             paged.store_whole(plan, k, v)
         q = query[:n].view(n, self.num_heads, self.head_size)
-        if meta.prefill is not None and not capturing:
+        if meta.prefill is not None and not capturing and self.window is None and self.sinks is None:
             out = paged.attend_split(
                 plan, q, meta.block_table, meta.seq_lens, meta.prefill, self.scale, self._varlen(q.dtype), k, v
             )
@@ -206,7 +215,9 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
             qsl, kv = (None, (None, None)) if meta.decode else (meta.query_start_loc, (k, v))
             # the kernel writes vLLM's buffer: no copy launch per layer
             dst = output[:n].view(q.shape) if output.dtype == q.dtype else None
-            out = paged.attend(plan, q, meta.block_table, meta.seq_lens, qsl, self.scale, dst, *kv)
+            out = paged.attend(
+                plan, q, meta.block_table, meta.seq_lens, qsl, self.scale, dst, *kv, **self._attention_args()
+            )
             if dst is None:
                 output[:n] = out.view(output[:n].shape)
         if stored:
@@ -246,7 +257,9 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
                 paged.commit_block_tails(plan, tails)
         q = query[:n].view(n, self.num_heads, self.head_size)
         dst = output[:n].view(q.shape) if output.dtype == q.dtype else None
-        out = paged.attend(plan, q, meta.block_table, meta.seq_lens, None, self.scale, dst, tails=tails)
+        out = paged.attend(
+            plan, q, meta.block_table, meta.seq_lens, None, self.scale, dst, tails=tails, **self._attention_args()
+        )
         if dst is None:
             output[:n] = out.view(output[:n].shape)
         serving.probe.record(

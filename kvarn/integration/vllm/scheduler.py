@@ -165,8 +165,13 @@ def kernel_blocks(group, blocks) -> list[int]:
     return [int(b) * stride + j for b in blocks for j in range(per)]
 
 
-def release_request_tails(block_ids, attn_groups=None) -> int:
+def release_request_tails(block_ids, attn_groups=None, num_computed: int | None = None) -> int:
     """Free the tail slots of a request that left: ``block_ids`` is its cache blocks per KV-cache group.
+
+    A planner of a sliding-window group (:attr:`~kvarn.paged.TilePlanner.window`) gets only the blocks from
+    the request's last window on (``num_computed``: its computed tokens as of its last step): vLLM freed the
+    ones before, and their stale ids may be another request's now. Without ``num_computed`` it gets none (a
+    slot left behind is recycled with its block, or evicted).
 
     With the runner's ``attn_groups`` (lists of vLLM attention groups per KV-cache group), each KVarN
     builder's planner gets its own group's blocks as the kernel blocks its block tables held
@@ -181,11 +186,16 @@ def release_request_tails(block_ids, attn_groups=None) -> int:
             for builder in getattr(group, "metadata_builders", None) or ():
                 planner = getattr(builder, "planner", None)
                 if isinstance(planner, TilePlanner) and gid is not None and gid < len(block_ids):
-                    found.append((planner, kernel_blocks(group, block_ids[gid])))
+                    blocks = block_ids[gid]
+                    if planner.window is not None:
+                        size = getattr(getattr(group, "kv_cache_spec", None), "block_size", None)
+                        skipped = max(0, (num_computed or 0) - planner.window + 1)
+                        blocks = blocks[skipped // size :] if num_computed is not None and size else []
+                    found.append((planner, kernel_blocks(group, blocks)))
     if found:
         return sum(planner.release_blocks(blocks) for planner, blocks in found)
     blocks = [int(b) for group in block_ids for b in group]
-    return sum(planner.release_blocks(blocks) for planner in list(serving.planners))
+    return sum(planner.release_blocks(blocks) for planner in list(serving.planners) if planner.window is None)
 
 
 def _pools_with(block: int) -> list:

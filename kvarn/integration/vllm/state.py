@@ -69,6 +69,10 @@ class ServingState:
     hybrid_pages_sized: bool = False
     """This vLLM sizes a hybrid model's attention pages as KVarN's (``customize_spec``, or the plugin's
     :func:`~kvarn.integration.vllm.hooks.install_hybrid_page_hook`); else hybrid models are refused."""
+    window_blocks_freed: bool = True
+    """This vLLM gives sliding-window layers a sliding-window spec, whose blocks it frees as the window moves (it
+    asks the backend's ``customize_spec``); ``False`` where the plugin's spec hook gives them full-attention pages
+    (vLLM 0.26, :func:`~kvarn.integration.vllm.hooks.install_spec_hook`)."""
     step_rows: np.ndarray | None = None
     """The stable request index of each row of the step being built (:meth:`set_step_rows`)."""
     step_qsl: np.ndarray | None = None

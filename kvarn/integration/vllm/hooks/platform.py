@@ -106,11 +106,15 @@ def install_spec_hook(backend_cls: type) -> bool:
     """Where vLLM never asks the backend to size its page (no ``customize_spec``: 0.26), ask it.
 
     Wraps ``Attention.get_kv_cache_spec`` so a layer served by a subclass of ``backend_cls`` (the KVarN
-    backend) gets that backend's ``customize_spec``; returns whether a hook was installed.
+    backend) gets that backend's ``customize_spec``; returns whether a hook was installed. A sliding-window
+    layer then gets full-attention pages (``TQFullAttentionSpec``: 0.26's window spec has no page field to set):
+    blocks for every token, which vLLM never frees while the request runs, and attention applies the window.
+    Correct, with no memory saved on those layers (logged once).
     """
     from vllm.v1.attention.backend import AttentionBackend
 
-    if hasattr(AttentionBackend, "customize_spec"):
+    serving.window_blocks_freed = hasattr(AttentionBackend, "customize_spec")
+    if serving.window_blocks_freed:
         return False
     from vllm.model_executor.layers.attention.attention import Attention
 
@@ -122,6 +126,11 @@ def install_spec_hook(backend_cls: type) -> bool:
         spec = original(self, vllm_config)
         backend = getattr(self, "attn_backend", None)
         if spec is not None and isinstance(backend, type) and issubclass(backend, backend_cls):
+            if getattr(spec, "sliding_window", None) is not None:
+                warn_once(
+                    "KVarN: sliding-window layers get full-attention pages on this vLLM (blocks for every token, the "
+                    "window applied in attention): no memory is saved on them"
+                )
             spec = backend.customize_spec(spec)
         return spec
 

@@ -180,7 +180,8 @@ def install_release_hook(runner_cls=None) -> bool:
         for req_id in leaving:
             state = requests.get(req_id)
             if state is not None and serving.planners:
-                release_request_tails(state.block_ids, getattr(self, "attn_groups", None))
+                computed = getattr(state, "num_computed_tokens", None)
+                release_request_tails(state.block_ids, getattr(self, "attn_groups", None), computed)
         result = original(self, scheduler_output, *args, **kwargs)
         note_drafts(scheduler_output, getattr(getattr(self, "input_batch", None), "req_ids", None))
         return result
