@@ -1,6 +1,6 @@
 """End to end: sliding-window layers and learned attention sinks on vLLM's CPU engine with ``kv_cache_dtype="kvarn_*"``.
 
-Two tiny random float32 dense models (:func:`tiny_model.build_tiny_windowed`, no download), window layers of 200
+Three tiny random float32 models (:func:`tiny_model.build_tiny_windowed`, no download), window layers of 200
 tokens (not a multiple of the 128-token tile) between global layers, every layer quantized:
 
 - ``Gemma3ForCausalLM``: window layers in KV-cache groups of vLLM's sliding-window spec, whose manager frees a
