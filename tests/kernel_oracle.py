@@ -363,3 +363,30 @@ def expect_math_constants(kernels_common) -> None:
         got = getattr(kernels_common, name)
         got = getattr(got, "value", got)
         assert math.isclose(got, want, rel_tol=0, abs_tol=0), f"{name}: kernels {got} != reference {want}"
+
+
+DECODE_VARIANTS = {
+    # id: knobs of a decode launch (each a variant the launch rules can pick)
+    "rows": {"tokens_m": False, "num_splits": 2},
+    "rows_pair": {"tokens_m": False, "pair_tiles": True, "num_splits": 3},
+    "rows_fold_one_split": {"tokens_m": False, "fold_offsets": True, "num_splits": 1},
+    "tokens_m_fold": {"tokens_m": True, "fold_offsets": True, "num_splits": 2},
+    "tokens_m_pair": {"tokens_m": True, "pair_tiles": True, "num_splits": 1},
+    "stack": {"tokens_m": True, "stack_tiles": True, "num_splits": 2},
+    "one_warp": {"tokens_m": True, "num_warps": 1, "num_splits": 3},
+    "prologue": {"fuse_query": False, "num_splits": 2},
+    "epilogue": {"fuse_merge": False, "num_splits": 3},
+    "epilogue_one_split": {"fuse_merge": False, "num_splits": 1},
+    "prologue_epilogue_tokens_m": {"fuse_query": False, "fuse_merge": False, "tokens_m": True, "num_splits": 2},
+    "min_split_tiles": {"tokens_m": True, "num_splits": 4, "min_split_tiles": 2},
+}
+"""Knobs of ``attention.paged_attention`` for one decode token a sequence: each a variant the launch rules can pick."""
+
+
+MULTI_QUERY_VARIANTS = {
+    "one_split": {"num_splits": 1},
+    "splits_pair_fold": {"num_splits": 3, "pair_tiles": True, "fold_offsets": True},
+    "prologue_epilogue": {"num_splits": 2, "fuse_query": False, "fuse_merge": False},
+    "epilogue_one_split": {"num_splits": 1, "fuse_merge": False},
+}
+"""Knobs of ``attention.paged_attention`` for prompt chunks (several queries a sequence)."""

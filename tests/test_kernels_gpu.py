@@ -19,12 +19,15 @@ pytestmark = [
 triton = pytest.importorskip("triton")
 
 from kernel_oracle import (  # noqa: E402
+    DECODE_VARIANTS,
+    MULTI_QUERY_VARIANTS,
     attention_args,
     build_cache,
     check_attention,
     check_prepared,
     check_records,
     make_kv,
+    poison_before_window,
     poisoned_empty,
     query_sensitivity,
     ragged_lengths,
@@ -469,6 +472,58 @@ def test_paged_attention_own_tile_chunks_gpu(preset, hq, splits):
     args = attention_args(state, query[: 34 + g], cfg, qsl=qsl, sink=True, step_kv=False)
     err_slot = check_attention(attention.paged_attention(*args, num_splits=splits, empty=poisoned_empty), args)
     print(f"STATS own_tile {preset} hq={hq} splits={splits} rel_err={err:.2e} from_slot={err_slot:.2e}")
+
+
+WINDOW_CASES = [
+    *[("kvarn_k4v2_g128", 128, torch.float16, 32, 8, variant, 100) for variant in DECODE_VARIANTS],
+    ("kvarn_k4v2_g128", 128, torch.float16, 32, 8, "rows", 1),
+    ("kvarn_k4v2_g128", 128, torch.float16, 32, 8, "tokens_m_fold", 1),
+    *[("kvarn_k4v4_g64", 256, torch.bfloat16, 8, 4, v, 1000) for v in ("rows_pair", "stack", "epilogue")],
+    *[("kvarn_k2v2_g128", 64, torch.bfloat16, 64, 8, v, 1000) for v in ("tokens_m_pair", "prologue")],
+]
+"""Every decode variant at Llama-3-8B's attention shape, and a few at other tiles, bit widths and head dims."""
+
+
+def _window_logits(hq: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Learned sink logits of mixed size (some below every score, some above), on the device."""
+    return (torch.randn(hq, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype).to(DEV)
+
+
+@pytest.mark.parametrize("preset,d,dtype,hq,hkv,variant,window", WINDOW_CASES)
+def test_paged_attention_window_and_sink_logits_gpu(preset, d, dtype, hq, hkv, variant, window):
+    """Sliding windows (edges inside tiles, one key, most of a sequence) with the sink slot and learned sink
+    logits, in every decode variant the launch rules can pick; what the window leaves is poisoned."""
+    knobs = DECODE_VARIANTS[variant]
+    cfg = KVarNConfig.from_preset(preset, head_dim=d)
+    lengths = ragged_lengths(cfg.group_size, cfg.group_size, seed=d + window, max_tiles=12)
+    state = build_cache(cfg, lengths, hkv, dtype, seed=6, device=DEV)
+    query = (torch.randn(len(lengths), hq, d, generator=torch.Generator().manual_seed(d)) * 2).to(dtype).to(DEV)
+    args = poison_before_window(attention_args(state, query, cfg, sink=True), window)
+    logits = _window_logits(hq, dtype, window)
+    out = attention.paged_attention(*args, window=window, sink_logits=logits, empty=poisoned_empty, **knobs)
+    err = check_attention(out, args, window=window, sink_logits=logits)
+    print(f"STATS window {preset} d={d} {dtype} hq={hq} hkv={hkv} {variant} W={window} rel_err={err:.2e}")
+
+
+@pytest.mark.parametrize("variant", list(MULTI_QUERY_VARIANTS))
+def test_paged_attention_multi_query_window_gpu(variant):
+    """Prompt chunks of window layers (mid-tile starts, many tiles, a first token, a query alone in a full tile)
+    with the step's K/V and sink logits: queries of one block whose windows start in different tiles."""
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
+    g = cfg.group_size
+    lengths = [5 * g + 37, 9 * g, 2 * g + 1, 4 * g, 3, 7 * g + 100]
+    n_q = [3 * g + 50, 2 * g, 2, 1, 3, 1]
+    window = 300  # the first chunk's first query sees tiles 0-1, its last tiles 2-5
+    state = build_cache(cfg, lengths, 8, torch.bfloat16, seed=14, device=DEV)
+    qsl = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    query = torch.randn(int(qsl[-1]), 32, 128, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
+    args = poison_before_window(attention_args(state, query.to(DEV), cfg, qsl=qsl, sink=True), window)
+    logits = _window_logits(32, torch.bfloat16, window)
+    out = attention.paged_attention(
+        *args, window=window, sink_logits=logits, empty=poisoned_empty, **MULTI_QUERY_VARIANTS[variant]
+    )
+    err = check_attention(out, args, window=window, sink_logits=logits)
+    print(f"STATS multi_query window {variant} rel_err={err:.2e}")
 
 
 def test_ops_auto_picks_triton_on_cuda():

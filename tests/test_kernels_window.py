@@ -15,6 +15,8 @@ pytest.importorskip("triton")
 
 from interpreted import INTERPRETER_MARKS, attention, launch_rules, seq_cfg, smooth_cfg
 from kernel_oracle import (
+    DECODE_VARIANTS,
+    MULTI_QUERY_VARIANTS,
     attention_args,
     build_cache,
     check_attention,
@@ -48,23 +50,6 @@ def _decode_args(preset, d, dtype, hq, hkv, sink, window, lengths=G64_LENGTHS, s
 def _run(args, window, logits, conditioned=False, **knobs):
     out = attention.paged_attention(*args, window=window, sink_logits=logits, empty=poisoned_empty, **knobs)
     return check_attention(out, args, conditioned, window=window, sink_logits=logits)
-
-
-DECODE_VARIANTS = {
-    # id: knobs of a decode launch (each a variant the launch rules can pick)
-    "rows": {"tokens_m": False, "num_splits": 2},
-    "rows_pair": {"tokens_m": False, "pair_tiles": True, "num_splits": 3},
-    "rows_fold_one_split": {"tokens_m": False, "fold_offsets": True, "num_splits": 1},
-    "tokens_m_fold": {"tokens_m": True, "fold_offsets": True, "num_splits": 2},
-    "tokens_m_pair": {"tokens_m": True, "pair_tiles": True, "num_splits": 1},
-    "stack": {"tokens_m": True, "stack_tiles": True, "num_splits": 2},
-    "one_warp": {"tokens_m": True, "num_warps": 1, "num_splits": 3},
-    "prologue": {"fuse_query": False, "num_splits": 2},
-    "epilogue": {"fuse_merge": False, "num_splits": 3},
-    "epilogue_one_split": {"fuse_merge": False, "num_splits": 1},
-    "prologue_epilogue_tokens_m": {"fuse_query": False, "fuse_merge": False, "tokens_m": True, "num_splits": 2},
-    "min_split_tiles": {"tokens_m": True, "num_splits": 4, "min_split_tiles": 2},
-}
 
 
 @pytest.mark.parametrize("variant", list(DECODE_VARIANTS))
@@ -103,14 +88,6 @@ def test_decode_own_tiles_in_block_rows(window, logits, knobs):
     query = torch.randn(len(G64_LENGTHS), 4, 64, generator=torch.Generator().manual_seed(3)).half()
     args = poison_before_window(attention_args(with_block_tails(pooled, cfg, seed=4), query, cfg), window)
     _run(args, window, _logits(4) if logits else None, **knobs)
-
-
-MULTI_QUERY_VARIANTS = {
-    "one_split": {"num_splits": 1},
-    "splits_pair_fold": {"num_splits": 3, "pair_tiles": True, "fold_offsets": True},
-    "prologue_epilogue": {"num_splits": 2, "fuse_query": False, "fuse_merge": False},
-    "epilogue_one_split": {"num_splits": 1, "fuse_merge": False},
-}
 
 
 @pytest.mark.parametrize("variant", list(MULTI_QUERY_VARIANTS))

@@ -59,7 +59,8 @@ def _facts(llm) -> dict:
             for g in per_kv:
                 planner = getattr(g.metadata_builders[0], "planner", None)
                 stats = dict(planner.stats) if planner is not None else None
-                out.append([g.backend.__name__, type(g.kv_cache_spec).__name__, g.kernel_block_size, stats])
+                block = getattr(g, "kernel_block_size", None)  # vLLM 0.26's groups do not name it
+                out.append([g.backend.__name__, type(g.kv_cache_spec).__name__, block, stats])
         return out
 
     cache = llm.llm_engine.vllm_config.cache_config
