@@ -30,7 +30,7 @@ PAGE = HERE / "RESULTS.md"
 
 # Variants measured against the code of their day and not merged: never the current figures.
 NOT_MERGED = {
-    "2026-12-04-h200-session25.json": ("calls/0/store_new", "calls/1/store_split"),
+    "2026-12-04-h200-store-split-kernels.json": ("calls/0/store_new", "calls/1/store_split"),
 }
 
 ENV_KEYS = ("gpu", "torch", "triton", "vllm", "transformers", "date", "commit", "base_commit", "tree", "code")
