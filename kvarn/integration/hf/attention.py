@@ -37,7 +37,8 @@ def kvarn_attention(
     """The ``attn_implementation="kvarn"`` attention function: paged attention over a ``KVarNCache(paged=True)``.
 
     ``query: [B, Hq, n, D]`` -> ``([B, n, Hq, D], None)``. The prompt chunk runs transformers' SDPA
-    over its exact K/V; later chunks read the cache through :meth:`kvarn.paged.PagedKV.attend`.
+    over its exact K/V; later chunks read the cache through :meth:`kvarn.paged.PagedKV.attend`, within the
+    layer's sliding window where it has one (``module.sliding_window``, as transformers passes it).
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -55,7 +56,9 @@ def kvarn_attention(
         if layer.quantized:
             layer.finish_step()
         return out
-    return layer.attend(query, scaling), None
+    # transformers builds the window into the mask, which the paged read does not take: hand the window over
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    return layer.attend(query, scaling, window), None
 
 
 def register_kvarn_attention() -> str:

@@ -204,15 +204,20 @@ class KVarNLayer(CacheLayerMixin):
             self.decoded = (new_k, new_v)
         return self.decoded[0][:, : n * g], self.decoded[1][:, : n * g]
 
-    def attend(self, query: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-        """Paged attention of ``query: [B, Hq, n, D]`` (the last ``n`` stored positions) -> ``[B, n, Hq, D]``."""
+    def attend(self, query: torch.Tensor, scale: float | None = None, window: int | None = None) -> torch.Tensor:
+        """Paged attention of ``query: [B, Hq, n, D]`` (the last ``n`` stored positions) -> ``[B, n, Hq, D]``.
+
+        ``window``: the layer's sliding window (a query at ``p`` sees keys ``p - window + 1 .. p``), or None.
+        """
         step = self.step
         batch, hq, n, d = query.shape
         if any(a - b != n for a, b in zip(step.after, step.before, strict=True)):
             raise ValueError("KVarNCache(paged=True) attends only chunks without padding after the prompt")
         q = query.transpose(1, 2).reshape(batch * n, hq, d).to(self.store_dtype)
         k, v = self.pending
-        out = self.kv.attend(step.plan, q, step.block_table, step.seq_lens, step.query_start_loc, scale, None, k, v)
+        out = self.kv.attend(
+            step.plan, q, step.block_table, step.seq_lens, step.query_start_loc, scale, None, k, v, window=window
+        )
         self.finish_step()
         return out.reshape(batch, n, hq, d).to(query.dtype)
 
