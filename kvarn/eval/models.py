@@ -192,8 +192,8 @@ def follow_token_flags(tok, flags: dict[str, bool], source: str):
     """Make transformers tokenizer ``tok`` add BOS and EOS as the GGUF's ``flags`` (:func:`gguf_token_flags`) say.
 
     transformers' GGUF loader ignores those keys: Gemma 3's GGUF says ``add_bos_token = true`` and its converted
-    tokenizer added none (exact-run perplexity 14.2 instead of 8.8 on the same text). Raises ValueError where
-    the tokenizer cannot be made to follow them.
+    tokenizer added none (on the bundled text, teacher-forced perplexity 37.4 without it against 22.3 with it).
+    Raises ValueError where the tokenizer cannot be made to follow them.
     """
     for flag, wanted in flags.items():
         if _adds(tok, flag) == wanted:
