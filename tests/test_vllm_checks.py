@@ -59,8 +59,8 @@ def test_window_layers_and_learned_sinks_are_served():
     [
         ("kvarn_k4v2_g128_sink", None, "cpu", None, "use --kv-cache-dtype kvarn_k4v2_g128,"),
         ("kvarn_k4v2_g128_ks", "0", "cuda", None, "KVARN_KEY_SMOOTHING=off"),  # served on the CPU engine
-        ("kvarn_k4v2_g128", "1", "cpu", None, "set KVARN_TAIL_BLOCKS=0"),
-        ("kvarn_k4v2_g128", "", "cuda", None, "set KVARN_TAIL_BLOCKS=0"),  # tails in blocks: the GPU default
+        ("kvarn_k4v2_g128", "1", "cpu", None, "unset KVARN_TAIL_BLOCKS or set it to 0"),
+        ("kvarn_k4v2_g128", "1", "cuda", None, "unset KVARN_TAIL_BLOCKS or set it to 0"),
         ("kvarn_k4v2_g128", None, "cpu", SimpleNamespace(method="ngram", num_speculative_tokens=3), "--speculative"),
     ],
 )
@@ -83,6 +83,8 @@ def test_window_layers_refuse_what_lives_by_a_block_the_window_frees(monkeypatch
     monkeypatch.delenv("KVARN_TAIL_BLOCKS", raising=False)
     assert checks.window_problems("kvarn_k4v2_g128", plain) == []
     assert checks.window_problems("kvarn_k4v2_g128_ks", plain) == [], "the CPU engine's planner keeps the vector"
+    gpu = SimpleNamespace(speculative_config=None, device_config=SimpleNamespace(device_type="cuda"))
+    assert checks.window_problems("kvarn_k4v2_g128", gpu) == [], "unset on a GPU: the pool, not a refusal"
 
 
 def test_the_selection_hook_refuses_a_window_layer_with_the_sink(monkeypatch):

@@ -182,15 +182,43 @@ def test_a_prefix_hit_shares_whole_tiles_only_and_admission_counts_the_tail_bloc
     assert m.allocate_slots(c, 40) is not None and len(_held(m, "c")) == 1 + n
 
 
-def _run(device="cpu", block_size=G, max_num_seqs=8, v2=False, dcp=1, skip=()):
+def _run(device="cpu", block_size=G, max_num_seqs=8, v2=False, dcp=1, skip=(), text=None):
     return SimpleNamespace(
         use_v2_model_runner=v2,
         parallel_config=SimpleNamespace(decode_context_parallel_size=dcp),
         device_config=SimpleNamespace(device_type=device),
         cache_config=SimpleNamespace(block_size=block_size, kv_cache_dtype_skip_layers=list(skip)),
         scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
-        model_config=SimpleNamespace(dtype=torch.bfloat16),
+        model_config=SimpleNamespace(dtype=torch.bfloat16, hf_text_config=text or SimpleNamespace()),
     )
+
+
+GEMMA3 = SimpleNamespace(layer_types=["sliding_attention"] * 5 + ["full_attention"], sliding_window=1024)
+MISTRAL = SimpleNamespace(sliding_window=4096)
+QWEN2 = SimpleNamespace(layer_types=["full_attention"] * 4, sliding_window=None)  # use_sliding_window off
+QWEN2_MOE = SimpleNamespace(sliding_window=0)  # the same, where transformers writes 0
+
+
+def test_a_model_with_window_layers_keeps_its_tails_in_the_pool_where_vllm_frees_window_blocks(monkeypatch):
+    """vLLM's window manager (0.32 and later) frees a window layer's blocks and allocates no tail blocks there:
+    unset, such a model gets the pool on the GPU too (served, not refused); ``1`` is refused with the reason.
+    Where vLLM keeps every block of a window layer (0.26), tails in blocks stay the GPU default."""
+    from kvarn.integration.vllm.backend import tail_blocks_enabled
+    from kvarn.integration.vllm.checks import TAIL_BLOCKS_ENV
+
+    monkeypatch.delenv(TAIL_BLOCKS_ENV, raising=False)
+    monkeypatch.setattr(serving, "block_tables_widened", True)
+    monkeypatch.setattr(serving, "window_blocks_freed", True)
+    for text in (QWEN2, QWEN2_MOE, None):
+        assert tail_blocks_enabled(_run("cuda", v2=True, text=text), PRESET), "no window layer: tails in blocks"
+    for text in (GEMMA3, MISTRAL):
+        assert not tail_blocks_enabled(_run("cuda", v2=True, text=text), PRESET)
+        monkeypatch.setenv(TAIL_BLOCKS_ENV, "1")
+        with pytest.raises(ValueError, match="window manager frees"):
+            tail_blocks_enabled(_run("cuda", v2=True, text=text), PRESET)
+        monkeypatch.delenv(TAIL_BLOCKS_ENV)
+    monkeypatch.setattr(serving, "window_blocks_freed", False)
+    assert tail_blocks_enabled(_run("cuda", v2=True, text=GEMMA3), PRESET)
 
 
 def test_tails_in_blocks_are_opt_in_and_refused_where_not_built(monkeypatch):

@@ -50,6 +50,7 @@ from kvarn.config import CACHE_DTYPES, SUPPORTED_HEAD_DIMS, KVarNConfig, cache_d
 from kvarn.integration.vllm.checks import (
     SUPPORTED_MODEL_DTYPES,
     TAIL_BLOCKS_ENV,
+    has_window_layers,
     sink_slot_count,
     tail_slot_count,
 )
@@ -123,8 +124,9 @@ def tail_blocks_enabled(vllm_config, preset: str) -> bool:
     tiles into one step pool that all layers share and scatter them back
     (:meth:`kvarn.paged.PagedKV.gather_tails`). Built for vLLM's CPU engine and for the GPU engine's V2
     model runner (block tables widened by :func:`kvarn.integration.vllm.hooks.install_block_table_hook`),
-    without the sink, with cache blocks of one tile, without ``--kv-cache-dtype-skip-layers`` and without
-    speculative decoding.
+    without the sink, with cache blocks of one tile, without ``--kv-cache-dtype-skip-layers``, without
+    speculative decoding, and on models without sliding-window layers where vLLM frees their blocks (0.32 and
+    later).
 
     ``$KVARN_TAIL_BLOCKS``: unset, the default, takes them on the GPU engine wherever they are built
     (else the pool); ``1`` asks for them anywhere and refuses, saying why, a run they are not built for;
@@ -159,6 +161,11 @@ def tail_blocks_enabled(vllm_config, preset: str) -> bool:
         problems.append(
             "with speculative decoding a tile filled with an unverified draft keeps its tail while the next tile "
             "starts, and a request's tail blocks hold one tile"
+        )
+    if serving.window_blocks_freed and has_window_layers(vllm_config):
+        problems.append(
+            "vLLM's window manager frees a sliding-window layer's blocks as the window moves and allocates no tail "
+            "blocks there"
         )
     skipped = getattr(cache_config, "kv_cache_dtype_skip_layers", None)
     if skipped:

@@ -161,8 +161,9 @@ def window_problems(preset: str, vllm_config=None) -> list[str]:
     nothing may live by a block before the window: not the ``_sink`` dtypes' first tile (kept by its block), not
     on a GPU the ``_ks`` formats' per-sequence smoothing vector (its request-index planner reads it from the first
     tile's record; the CPU engine's planner reads the tile before the step's, which a spec window one tile wider
-    than the layer's keeps), not tails in blocks (vLLM's window manager allocates no tail blocks; the GPU engine's
-    default, so refused there unless ``KVARN_TAIL_BLOCKS=0``), and not a tile filled with a speculative draft (kept
+    than the layer's keeps), not tails in blocks (vLLM's window manager allocates no tail blocks: refused where
+    ``KVARN_TAIL_BLOCKS=1`` asks for them; unset, :func:`~kvarn.integration.vllm.backend.tail_blocks_enabled`
+    keeps such a model's tails in the pool), and not a tile filled with a speculative draft (kept
     by its block until a later step starts past it, which the window may pass first). vLLM 0.26 asks no backend
     for its page: the plugin's spec hook gives window layers full-attention pages, blocks for every token, and
     attention applies the window alone.
@@ -183,10 +184,10 @@ def window_problems(preset: str, vllm_config=None) -> list[str]:
             f"{where} the per-sequence key smoothing vector (read from the first tile's record on a GPU) would be "
             f"lost; set {KEY_SMOOTHING_ENV}=off or use a dtype without the _ks suffix, or {WINDOW_FIX}"
         )
-    tails = os.environ.get(TAIL_BLOCKS_ENV, "")
-    if tails == "1" or (tails == "" and device == "cuda"):  # the GPU engine's default where they are built
+    if os.environ.get(TAIL_BLOCKS_ENV, "") == "1":  # unset, such a model keeps its tails in the pool
         problems.append(
-            f"{where} tails in blocks are not allocated by vLLM's window manager; set {TAIL_BLOCKS_ENV}=0 (a tail pool)"
+            f"{where} tails in blocks are not allocated by vLLM's window manager; unset {TAIL_BLOCKS_ENV} or set it "
+            "to 0 (a tail pool)"
         )
     if vllm_config is not None and getattr(vllm_config, "speculative_config", None) is not None:
         problems.append(
@@ -194,6 +195,17 @@ def window_problems(preset: str, vllm_config=None) -> list[str]:
             f"drop --speculative-config, or {WINDOW_FIX}"
         )
     return problems
+
+
+def has_window_layers(vllm_config) -> bool:
+    """Whether the model has sliding-window attention layers, by its text config as vLLM builds the layers from
+    it: ``layer_types`` naming a sliding layer (Gemma 2/3, GPT-OSS), or a ``sliding_window`` without them
+    (Mistral-style; transformers sets it to None or 0 where ``use_sliding_window`` is off)."""
+    text = getattr(getattr(vllm_config, "model_config", None), "hf_text_config", None)
+    types = getattr(text, "layer_types", None)
+    if types:
+        return any("sliding" in str(t) for t in types)
+    return bool(getattr(text, "sliding_window", None))
 
 
 SPECULATIVE_METHODS = ("ngram", "ngram_gpu", "suffix", "medusa", "mlp_speculator")
