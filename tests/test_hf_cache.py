@@ -208,6 +208,15 @@ def test_kvarn_attention_without_a_paged_cache_says_so(tiny):
         tiny.set_attn_implementation("sdpa")
 
 
+def test_kvarn_attention_refuses_learned_sinks_it_would_drop():
+    """GPT-OSS passes its per-head sink logits as ``s_aux``; SDPA on the prompt chunk would ignore them."""
+    from kvarn.integration.hf.attention import kvarn_attention
+
+    q = torch.zeros(1, 2, 3, 64)
+    with pytest.raises(ValueError, match="learned attention sinks"):
+        kvarn_attention(torch.nn.Module(), q, q, q, None, s_aux=torch.zeros(2))
+
+
 @pytest.mark.slow
 def test_smollm2_decode_matches_the_reference():
     """The real model: decode logits over KVarNCache equal those over reference-dequantized K/V."""

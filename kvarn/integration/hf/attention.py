@@ -38,10 +38,16 @@ def kvarn_attention(
 
     ``query: [B, Hq, n, D]`` -> ``([B, n, Hq, D], None)``. The prompt chunk runs transformers' SDPA
     over its exact K/V; later chunks read the cache through :meth:`kvarn.paged.PagedKV.attend`, within the
-    layer's sliding window where it has one (``module.sliding_window``, as transformers passes it).
+    layer's sliding window where it has one (``module.sliding_window``, as transformers passes it). Learned
+    attention sinks (``s_aux``) are refused.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if kwargs.get("s_aux") is not None:  # transformers' SDPA, which the prompt chunk runs, would drop them
+        raise ValueError(
+            "attn_implementation='kvarn' does not apply learned attention sinks (s_aux, as GPT-OSS passes them); "
+            "use KVarNCache(paged=False) with the model's own attention implementation"
+        )
     entry = ATTENDING.get()
     ATTENDING.set(None)
     layer = entry[0] if entry is not None and entry[1] is key else None
