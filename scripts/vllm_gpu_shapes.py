@@ -72,6 +72,7 @@ class Recorder:
             llm, row = fn()
             row["seconds"] = round(time.time() - t0, 1)
             _shutdown(llm)
+            del llm  # so that _free_gpu below can collect the engine
         except Exception:  # the next engine still runs; the error is in the results
             self.data["errors"][key] = traceback.format_exc()[-3000:]
             row = None
@@ -106,23 +107,12 @@ def _window_base(model: str, prompts: list, common: dict):
 
 
 def _window_kvarn(model: str, ids: list, common: dict, watch, base: dict | None):
-    from test_vllm_e2e import _generate, _teacher_forced
-    from test_vllm_window import MAX_TOKENS, PRESET, SHORT, _facts
-    from vllm import LLM, TokensPrompt
+    from test_vllm_window import PRESET, kvarn_rows
+    from vllm import LLM
 
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
     # about 50 blocks: the eight requests need some 80 at once, so they take each other's freed blocks
     llm = LLM(model=model, kv_cache_dtype=PRESET, kv_cache_memory_bytes=int(1.3 * 2**20), **common)
-    before = dict(watch.stats)
-    row = {"tokens": _generate(llm, prompts, MAX_TOKENS)[0], "mode": _mode(llm)}
-    row["blocks_watch"] = {k: v - before[k] for k, v in watch.stats.items()}
-    row["alone"] = [_generate(llm, [p], MAX_TOKENS)[0][0] for p in prompts[len(SHORT) :]]
-    again, outs = _generate(llm, prompts[-1:], MAX_TOKENS)  # the longest prompt again: a prefix hit
-    row["again"], row["num_cached_tokens"] = again[0], outs[0].num_cached_tokens
-    if base is not None:
-        row["teacher_forced_top1"] = _teacher_forced(llm, ids[len(SHORT) :], base["tokens"][len(SHORT) :])
-    row["facts"] = _facts(llm)
-    return llm, row
+    return llm, {**kvarn_rows(llm, ids, watch, base and base["tokens"]), "mode": _mode(llm)}
 
 
 def run_window(rec: Recorder, models: pathlib.Path) -> None:
@@ -147,22 +137,13 @@ def run_window(rec: Recorder, models: pathlib.Path) -> None:
 
 
 def _spec_engine(model: str, dtype: str, spec: dict | None, common: dict, ids: list):
-    from test_vllm_e2e import _engine_facts, _generate, _preemptions, prompts
-    from test_vllm_spec_e2e import MAX_TOKENS, NUM_PROMPTS, _spec_counts
-    from vllm import LLM, TokensPrompt
+    from test_vllm_spec_e2e import engine_rows, prompt_ids
+    from vllm import LLM
 
     llm = LLM(model=model, kv_cache_dtype=dtype, speculative_config=spec, **common)
     if not ids:
-        tok = llm.get_tokenizer()
-        ids.extend(tok.encode(t)[: 96 + 9 * i] for i, t in enumerate(prompts(NUM_PROMPTS)))
-    reqs = [TokensPrompt(prompt_token_ids=p) for p in ids]
-    row = {"tokens": _generate(llm, reqs, MAX_TOKENS)[0], "mode": _mode(llm)}
-    row["again"], outs = _generate(llm, reqs, MAX_TOKENS)  # the prompts' first tiles from the prefix cache
-    row["num_cached_tokens"] = [o.num_cached_tokens or 0 for o in outs]
-    row["preemptions"] = _preemptions(llm)
-    row["spec"] = _spec_counts(llm)
-    row["facts"] = _engine_facts(llm)
-    return llm, row
+        ids.extend(prompt_ids(llm))
+    return llm, {**engine_rows(llm, ids, quantized=dtype != "auto"), "mode": _mode(llm)}
 
 
 def run_spec(rec: Recorder, models: pathlib.Path) -> None:
@@ -193,23 +174,16 @@ def run_spec(rec: Recorder, models: pathlib.Path) -> None:
 
 
 def _hybrid_engine(model: str, dtype: str, ids: list, common: dict, base: dict | None):
-    from test_vllm_e2e import _generate, _teacher_forced
-    from test_vllm_hybrid import MAX_TOKENS, SHORT, _facts
+    from test_vllm_e2e import _generate
+    from test_vllm_hybrid import MAX_TOKENS, _facts, kvarn_rows
     from vllm import LLM, TokensPrompt
 
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
     llm = LLM(model=model, kv_cache_dtype=dtype, **common)
-    row = {"tokens": _generate(llm, prompts, MAX_TOKENS)[0], "mode": _mode(llm), "facts": _facts(llm)}
     if dtype == "auto":
-        return llm, row
-    row["alone"] = [_generate(llm, [p], MAX_TOKENS)[0][0] for p in prompts]
-    if base is not None:
-        row["teacher_forced_top1"] = _teacher_forced(llm, ids[len(SHORT) :], base["tokens"][len(SHORT) :])
-    if common["enable_prefix_caching"]:
-        again, outs = _generate(llm, prompts[-1:], MAX_TOKENS)  # the longest prompt again: a prefix hit
-        row["again"], row["num_cached_tokens"] = again[0], outs[0].num_cached_tokens
-    row["facts"] = _facts(llm)
-    return llm, row
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
+        return llm, {"tokens": _generate(llm, prompts, MAX_TOKENS)[0], "facts": _facts(llm), "mode": _mode(llm)}
+    rows = kvarn_rows(llm, ids, base and base["tokens"], common["enable_prefix_caching"], alone=True)
+    return llm, {**rows, "mode": _mode(llm)}
 
 
 def run_hybrid(rec: Recorder, models: pathlib.Path, kind: str) -> None:

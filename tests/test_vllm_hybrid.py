@@ -67,6 +67,25 @@ def _facts(llm) -> dict:
     return {"groups": llm.collective_rpc(groups)[0], "block_size": cache.block_size, "blocks": cache.num_gpu_blocks}
 
 
+def kvarn_rows(llm, ids: list[list[int]], base: list[list[int]] | None, prefix_caching: bool, alone: bool) -> dict:
+    """A KVarN engine's results on prompts ``ids``: the batch's tokens, each request alone (with ``alone``), the
+    teacher-forced agreement with the unquantized engine's tokens ``base`` where given, the longest prompt again
+    (a prefix hit, with ``prefix_caching``), and its attention groups."""
+    from vllm import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
+    row = {"tokens": _generate(llm, prompts, MAX_TOKENS)[0]}
+    if alone:
+        row["alone"] = [_generate(llm, [p], MAX_TOKENS)[0][0] for p in prompts]
+    if base is not None:
+        row["teacher_forced_top1"] = _teacher_forced(llm, ids[len(SHORT) :], base[len(SHORT) :])
+    if prefix_caching:
+        again, outs = _generate(llm, prompts[-1:], MAX_TOKENS)  # the longest prompt again: a prefix hit
+        row["again"], row["num_cached_tokens"] = again[0], outs[0].num_cached_tokens
+    row["facts"] = _facts(llm)
+    return row
+
+
 def _model_rows(llm_cls, models_dir: str, kind: str, args: dict, ids: list[list[int]]) -> dict:
     """One hybrid model: the unquantized engine, then KVarN (chunks of 96 tokens), then KVarN with
     ``KVARN_TAIL_BLOCKS=1`` (its tokens and probe where built, else the refusal)."""
@@ -85,14 +104,8 @@ def _model_rows(llm_cls, models_dir: str, kind: str, args: dict, ids: list[list[
 
     t0 = time.time()
     llm = llm_cls(model=model_dir, kv_cache_dtype=PRESET, **args)
-    row["tokens"], _ = _generate(llm, prompts, MAX_TOKENS)
-    if kind == "nemotron_h":  # vLLM's own Lfm2 engine on CPU gives a request other tokens alone than in a batch
-        row["alone"] = [_generate(llm, [p], MAX_TOKENS)[0][0] for p in prompts]
-    row["teacher_forced_top1"] = _teacher_forced(llm, ids[len(SHORT) :], row["base"][len(SHORT) :])
-    if args["enable_prefix_caching"]:
-        again, outs = _generate(llm, prompts[-1:], MAX_TOKENS)  # the longest prompt again: a prefix hit
-        row["again"], row["num_cached_tokens"] = again[0], outs[0].num_cached_tokens
-    row["facts"] = _facts(llm)
+    # vLLM's own Lfm2 engine on CPU gives a request other tokens alone than in a batch
+    row.update(kvarn_rows(llm, ids, row["base"], args["enable_prefix_caching"], alone=kind == "nemotron_h"))
     row["seconds"] = time.time() - t0
     _shutdown(llm)
 

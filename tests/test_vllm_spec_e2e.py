@@ -46,6 +46,28 @@ def _spec_counts(llm) -> dict[str, int]:
     return out
 
 
+def prompt_ids(llm) -> list[list[int]]:
+    """The prompts' token ids, 96 to 195 tokens, by the engine's tokenizer."""
+    tok = llm.get_tokenizer()
+    return [tok.encode(t)[: 96 + 9 * i] for i, t in enumerate(prompts(NUM_PROMPTS))]
+
+
+def engine_rows(llm, ids: list[list[int]], quantized: bool) -> dict:
+    """An engine's greedy tokens and speculative-decoding counters; a ``quantized`` (KVarN) engine's also the
+    tokens of a second run (its prompts' first tiles from the prefix cache), its preemptions and facts."""
+    from vllm import TokensPrompt
+
+    reqs = [TokensPrompt(prompt_token_ids=p) for p in ids]
+    row = {"tokens": _generate(llm, reqs, MAX_TOKENS)[0]}
+    if quantized:
+        row["again"], outs = _generate(llm, reqs, MAX_TOKENS)
+        row["num_cached_tokens"] = [o.num_cached_tokens or 0 for o in outs]
+        row["preemptions"] = _preemptions(llm)
+        row["facts"] = _engine_facts(llm)
+    row["spec"] = _spec_counts(llm)
+    return row
+
+
 ENGINES = {
     "auto": ("auto", None),
     "auto_spec": ("auto", SPEC),
@@ -58,7 +80,7 @@ CHILDREN = (("auto", "kvarn", "kvarn_spec"), ("auto_spec",))
 def run_scenarios(out_path: str, tiny_dir: str, engines: list[str]) -> None:
     """A child process: the named engines of :data:`ENGINES` in turn, results as JSON at ``out_path``."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM, TokensPrompt
+    from vllm import LLM
 
     common = {"enforce_eager": True, "seed": 0, "max_num_seqs": 8, "max_model_len": 1024, "disable_log_stats": False}
     kvarn_args = {"kv_cache_memory_bytes": KVARN_BUDGET, "max_num_batched_tokens": 96, "enable_prefix_caching": True}
@@ -71,17 +93,9 @@ def run_scenarios(out_path: str, tiny_dir: str, engines: list[str]) -> None:
         args = {**common, **(kvarn_args if dtype != "auto" else {"kv_cache_memory_bytes": 64 * 2**20})}
         llm = LLM(model=tiny_dir, kv_cache_dtype=dtype, speculative_config=spec, **args)
         if ids is None:
-            tok = llm.get_tokenizer()
-            ids = [tok.encode(t)[: 96 + 9 * i] for i, t in enumerate(prompts(NUM_PROMPTS))]
+            ids = prompt_ids(llm)
             results["prompt_tokens"] = [len(p) for p in ids]
-        reqs = [TokensPrompt(prompt_token_ids=p) for p in ids]
-        row = {"tokens": _generate(llm, reqs, MAX_TOKENS)[0]}
-        if dtype != "auto":
-            row["again"], outs = _generate(llm, reqs, MAX_TOKENS)
-            row["num_cached_tokens"] = [o.num_cached_tokens or 0 for o in outs]
-            row["preemptions"] = _preemptions(llm)
-            row["facts"] = _engine_facts(llm)
-        row["spec"] = _spec_counts(llm)
+        row = engine_rows(llm, ids, quantized=dtype != "auto")
         row["seconds"] = time.time() - t0
         results["engines"][name] = row
         _shutdown(llm)

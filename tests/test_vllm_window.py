@@ -97,6 +97,25 @@ def _facts(llm) -> dict:
     return {"groups": llm.collective_rpc(groups)[0], "blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks}
 
 
+def kvarn_rows(llm, ids: list[list[int]], watch: _BlockWatch, base: list[list[int]] | None) -> dict:
+    """A KVarN engine's results on prompts ``ids``: the batch's tokens, the window blocks vLLM freed and handed on
+    meanwhile, its attention groups, each long prompt alone, the last one again (a prefix hit), and the
+    teacher-forced agreement with the unquantized engine's tokens ``base`` where given."""
+    from vllm import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
+    before = dict(watch.stats)
+    row = {"tokens": _generate(llm, prompts, MAX_TOKENS)[0]}
+    row["blocks_watch"] = {k: v - before[k] for k, v in watch.stats.items()}
+    row["facts"] = _facts(llm)
+    row["alone"] = [_generate(llm, [p], MAX_TOKENS)[0][0] for p in prompts[len(SHORT) :]]
+    again, outs = _generate(llm, prompts[-1:], MAX_TOKENS)  # the last one again: a prefix hit
+    row["again"], row["num_cached_tokens"] = again[0], outs[0].num_cached_tokens
+    if base is not None:
+        row["teacher_forced_top1"] = _teacher_forced(llm, ids[len(SHORT) :], base[len(SHORT) :])
+    return row
+
+
 def run_scenarios(out_path: str, models_dir: str) -> None:
     """The child process: each model's unquantized and KVarN engines, results as JSON at ``out_path``."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -127,14 +146,7 @@ def run_scenarios(out_path: str, models_dir: str) -> None:
         llm = LLM(
             model=model, kv_cache_dtype=PRESET, kv_cache_memory_bytes=int(1.3 * 2**20), **args
         )  # prefix caching on
-        before = dict(watch.stats)
-        row["tokens"], _ = _generate(llm, prompts, MAX_TOKENS)
-        row["blocks_watch"] = {k: v - before[k] for k, v in watch.stats.items()}
-        row["facts"] = _facts(llm)
-        row["alone"] = [_generate(llm, [p], MAX_TOKENS)[0][0] for p in prompts[len(SHORT) :]]
-        again, outs = _generate(llm, prompts[-1:], MAX_TOKENS)  # the last one again: a prefix hit
-        row["again"], row["num_cached_tokens"] = again[0], outs[0].num_cached_tokens
-        row["teacher_forced_top1"] = _teacher_forced(llm, ids[len(SHORT) :], row["base"][len(SHORT) :])
+        row.update(kvarn_rows(llm, ids, watch, row["base"]))
         row["seconds"] = time.time() - t0
         _shutdown(llm)
         results[kind] = row
