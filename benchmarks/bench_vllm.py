@@ -5,6 +5,7 @@ usage: python benchmarks/bench_vllm.py check OUT.json
        python benchmarks/bench_vllm.py skip OUT.json      (check's skipped-layer scenario alone: OUT.json.skip)
        python benchmarks/bench_vllm.py bench MODEL CACHE_DTYPE OUT.json     (MODEL: llama3-8b | qwen3-8b)
        python benchmarks/bench_vllm.py steps MODEL CACHE_DTYPE OUT.json     (one decode step's kernels, profiled)
+       python benchmarks/bench_vllm.py capacity MODEL CACHE_DTYPE OUT.json  (CAP_CTX-token requests held)
 
 ``check``: a tiny Llama (2 layers, head_dim 128, GQA 8/2) with ``kvarn_k4v2_g128`` (or the cache dtype
 in ``CHECK_DTYPE``, e.g. ``kvarn_k4v2_g128_ks``; ``CHECK_MODEL=tiny-biased``: the same Llama with
@@ -77,6 +78,20 @@ _TINY = dict(
 )
 SHAPES = {
     "tiny": _TINY,
+    # five sliding-window layers (1,024 tokens) to one global layer, head_dim 256, as Gemma 3 12B's text model
+    "gemma3-12b": dict(
+        vocab_size=262208,
+        hidden_size=3840,
+        intermediate_size=15360,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=1024,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 8,
+        max_position_embeddings=131072,
+    ),
     "tiny-biased": _TINY | {"attention_bias": True},  # biased q/k/v projections, as Qwen2.5: KVarN serves _ks
     "llama3-8b": dict(
         vocab_size=128256,
@@ -104,14 +119,15 @@ SHAPES = {
 
 
 def _model_dir(shape: str) -> str:
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
 
     d = tempfile.mkdtemp()
-    cls = Qwen3Config if shape.startswith("qwen3") else LlamaConfig
+    family = {"qwen3": (Qwen3Config, "Qwen3ForCausalLM"), "gemma3": (Gemma3TextConfig, "Gemma3ForCausalLM")}
+    cls, arch = family.get(shape.split("-")[0], (LlamaConfig, "LlamaForCausalLM"))
     cfg = cls(**SHAPES[shape])
     cfg.torch_dtype = "bfloat16"
     # without it vLLM resolves a Qwen3 config to the bare ``Qwen3Model``, a pooling (embedding) runner
-    cfg.architectures = ["Qwen3ForCausalLM" if shape.startswith("qwen3") else "LlamaForCausalLM"]
+    cfg.architectures = [arch]
     cfg.save_pretrained(d)
     return d
 
@@ -583,6 +599,44 @@ def steps(shape: str, kv: str, out_path: str) -> int:
     return 0
 
 
+def capacity(shape: str, kv: str, out_path: str) -> int:
+    """What one engine's cache holds at vLLM's defaults and ``CAP_CTX`` tokens a request (default 32,768): KV
+    tokens, blocks, each group's spec and vLLM's own count of such requests held at once (its "maximum
+    concurrency", which counts a window layer's blocks by its window and kvarn's tail blocks); then
+    ``CAP_SERVE`` requests (default 8) of 3,000 prompt + 64 generated tokens, so the window leaves tiles behind,
+    timed and checked to finish."""
+    from vllm import SamplingParams
+    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+
+    ctx = int(os.environ.get("CAP_CTX", "32768"))
+    t0 = time.time()
+    llm = _llm(shape, kv, max_model_len=ctx, gpu_memory_utilization=0.9, disable_log_stats=False)
+    cfg = llm.llm_engine.vllm_config
+    res = {"model": shape, "kv_cache_dtype": kv, "kv_budget": "gpu_memory_utilization 0.9", "ctx": ctx}
+    res["start_s"] = round(time.time() - t0, 1)
+    res["kv_tokens"] = cfg.cache_config.num_gpu_blocks * cfg.cache_config.block_size
+    res["num_gpu_blocks"] = cfg.cache_config.num_gpu_blocks
+    core = llm.llm_engine.engine_core.engine_core  # in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    kv_config = core.scheduler.kv_cache_manager.kv_cache_config
+    res["groups"] = [
+        [type(g.kv_cache_spec).__name__, len(g.layer_names), getattr(g.kv_cache_spec, "sliding_window", None)]
+        for g in kv_config.kv_cache_groups
+    ]
+    res[f"max_requests_ctx{ctx}"] = round(get_max_concurrency_for_kv_cache_config(cfg, kv_config), 2)
+    res["tail_blocks"] = _tail_blocks(llm)
+    print(json.dumps(res), flush=True)
+    rng = random.Random(0)
+    prompts = [_random_prompt(rng, shape, 3000) for _ in range(int(os.environ.get("CAP_SERVE", "8")))]
+    t = time.time()
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+    res["serve_s"] = round(time.time() - t, 2)
+    res["served_tokens"] = [len(o.outputs[0].token_ids) for o in outs]
+    res["preemptions"] = _preemptions(llm)
+    with open(out_path, "w") as f:
+        json.dump(res, f)
+    return 0 if all(n == 64 for n in res["served_tokens"]) else 1
+
+
 def _capacity(llm, res: dict, prompt, plen: int, out: int, save, jit: JitLog | None = None) -> None:
     """Capacity-bound output tokens/s: as many ``plen`` + ``out`` requests as the engine's cache holds, at once.
 
@@ -670,4 +724,6 @@ if __name__ == "__main__":
         sys.exit(0 if skip_only(sys.argv[2]) else 1)
     if sys.argv[1] == "steps":
         sys.exit(steps(sys.argv[2], sys.argv[3], sys.argv[4]))
+    if sys.argv[1] == "capacity":
+        sys.exit(capacity(sys.argv[2], sys.argv[3], sys.argv[4]))
     sys.exit(bench(sys.argv[2], sys.argv[3], sys.argv[4]))

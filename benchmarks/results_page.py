@@ -473,11 +473,52 @@ def serving_capacity_bound(g: Serving) -> list[str] | None:
     ]
 
 
+HELD = re.compile(r"max_requests_ctx(\d+)$")
+
+
+def serving_requests_held(g: Serving) -> list[str] | None:
+    picked = {
+        d: f
+        for d, fs in sorted(g.records.items(), key=lambda kv: dtype_order(kv[0]))
+        if (f := _latest(fs, lambda o: any(HELD.match(k) for k in o)))
+    }
+    if "auto" not in picked:
+        return None
+    base = picked["auto"].obj
+    contexts = sorted({int(m[1]) for f in picked.values() for k in f.obj if (m := HELD.match(k))})
+    idx, footer = _sources_footer(picked)
+
+    def cell(d: str, key: str) -> str:
+        v = picked[d].obj.get(key)
+        if v is None:
+            return ""
+        r = ratio(v, base.get(key)) if d != "auto" else ""
+        return num(v, 2) + (f" ({r})" if r else "")
+
+    body = [
+        [f"requests of {ctx_label(c)} tokens held at once", *[cell(d, f"max_requests_ctx{c}") for d in picked]]
+        for c in contexts
+    ]
+    body.append(["measured (sources below)", *[f"{picked[d].source.date} [{idx[d]}]" for d in picked]])
+    return [
+        f"### {g.model}: requests held at once",
+        "",
+        f"KV budget: {g.budget}. vLLM's own count of requests of that length its cache holds (its \"maximum",
+        "concurrency\": a sliding-window layer's blocks counted by its window, kvarn's tail blocks included; its",
+        "step pool is inside the budget).",
+        "In parentheses: the figure over bf16's.",
+        "",
+        *table(["", *[dtype_label(d) for d in picked]], body),
+        "",
+        *footer,
+    ]
+
+
 def serving_section(found: list[Found]) -> tuple[list[str] | None, list[str]]:
     groups, notes = serving_groups(found)
     parts = []
     for g in groups:
-        for make in (serving_speed, serving_capacity_bound):
+        for make in (serving_speed, serving_capacity_bound, serving_requests_held):
             lines = make(g)
             if lines:
                 parts += ["", *lines]

@@ -44,6 +44,10 @@ def test_a_synthetic_results_dir(tmp_path):
     }
     _write(tmp_path, "2026-01-04-h100-serving.json", serving)
     _write(tmp_path, "2026-01-05-h100-serving.json", {"bf16": _vllm("auto", 1000, 10.0, cap_decode_tok_s=300)})
+    held = {"model": "gemma3-12b", "kv_budget": "gpu_memory_utilization 0.9", "kv_tokens": 1}
+    runs = {"auto": held | {"kv_cache_dtype": "auto", "max_requests_ctx32768": 3.89}}
+    runs["kvarn"] = held | {"kv_cache_dtype": "kvarn_k4v2_g128", "max_requests_ctx32768": 18.27}
+    _write(tmp_path, "2026-01-05-h100-held.json", {"gpu": "NVIDIA H100", "runs": runs})
     e2e = {"meta": {"gpu": "NVIDIA H100", "transformers": "5.17.0", "date": "2026-01-06"}, "rows": []}
     e2e["rows"] = [{"cache": "kvarn", "batch": 70, "context": 16384, "tokens_per_s": 749.1, "vs_fp16": 5.3}]
     _write(tmp_path, "2026-01-06-h100-e2e.json", e2e)
@@ -63,6 +67,7 @@ def test_a_synthetic_results_dir(tmp_path):
     assert "| requests held at once |  | 40 |" in page  # bf16 has no such figure: no ratio
     assert "900 (3.00x)" in page and "2026-01-05 [1]" in page
     assert "20 GiB: no bf16 run" in page
+    assert "| requests of 32K tokens held at once | 3.89 | 18.27 (4.70x) |" in page
     assert "| kvarn | 70 | 16K |" in page and "5.30x" in page and "2026-01-06: NVIDIA H100" in page
     assert "`2026-01-07-h100-broken.json`: not JSON" in page
     assert "`notes.json`: no date" in page

@@ -26,6 +26,7 @@ import kvarn.integration.vllm as kv
 from kvarn.config import CACHE_DTYPES
 from kvarn.integration.vllm import checks, hooks
 from kvarn.integration.vllm import tail_blocks as tb
+from kvarn.integration.vllm.backend import KVarNBackend, page_slot_bytes
 from kvarn.integration.vllm.hooks import install_release_hook, wrapping
 from kvarn.integration.vllm.registry import BACKENDS, backend_path
 from kvarn.integration.vllm.state import serving
@@ -575,11 +576,11 @@ def test_the_config_hook_turns_asynchronous_scheduling_off_for_speculative_decod
 
 def test_the_spec_hook_says_whether_vllm_frees_window_blocks(monkeypatch):
     """vLLM 0.32 asks the backend for a window layer's page and keeps its window spec (blocks freed as the window
-    moves: refusals apply); where it does not ask (0.26), the hook gives window layers full-attention pages, which
-    keep every block, and says so once."""
+    moves: refusals apply). Where it does not ask (0.26), the hook keeps the window spec with KVarN's page where
+    the run can have window blocks freed, and else gives full-attention pages (every block kept), saying why."""
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.v1.attention.backend import AttentionBackend
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     window = SlidingWindowSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=200)
     monkeypatch.setattr(Attention, "get_kv_cache_spec", lambda self, config: window)  # restored after the test
@@ -590,6 +591,13 @@ def test_the_spec_hook_says_whether_vllm_frees_window_blocks(monkeypatch):
     page = backend.customize_spec(window)
     assert type(page) is SlidingWindowSpec and page.sliding_window == 200, "the class stays: vLLM frees the blocks"
     monkeypatch.delattr(AttentionBackend, "customize_spec")  # as vLLM 0.26
-    assert hooks.install_spec_hook(backend) and not serving.window_blocks_freed
-    Attention.get_kv_cache_spec(SimpleNamespace(attn_backend=backend), None)
-    assert any("full-attention pages" in w for w in serving.warned)
+    assert hooks.install_spec_hook(KVarNBackend) and not serving.window_blocks_freed
+    gpu = SimpleNamespace(device_config=SimpleNamespace(device_type="cuda"), speculative_config=None)
+    kept = Attention.get_kv_cache_spec(SimpleNamespace(attn_backend=backend), gpu)
+    assert isinstance(kept, SlidingWindowSpec) and kept.sliding_window == 200 and not serving.warned
+    smoothed = BACKENDS["kvarn_k4v2_g128_ks"]  # its GPU planner reads the first tile's record: blocks kept
+    full = Attention.get_kv_cache_spec(SimpleNamespace(attn_backend=smoothed), gpu)
+    assert isinstance(full, FullAttentionSpec) and full.page_size_bytes == 2 * 128 * page_slot_bytes(
+        smoothed.config(64)
+    )
+    assert any("full-attention pages" in w and "smoothing vector" in w for w in serving.warned)

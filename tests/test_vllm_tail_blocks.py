@@ -199,26 +199,122 @@ QWEN2 = SimpleNamespace(layer_types=["full_attention"] * 4, sliding_window=None)
 QWEN2_MOE = SimpleNamespace(sliding_window=0)  # the same, where transformers writes 0
 
 
-def test_a_model_with_window_layers_keeps_its_tails_in_the_pool_where_vllm_frees_window_blocks(monkeypatch):
-    """vLLM's window manager (0.32 and later) frees a window layer's blocks and allocates no tail blocks there:
-    unset, such a model gets the pool on the GPU too (served, not refused); ``1`` is refused with the reason.
-    Where vLLM keeps every block of a window layer (0.26), tails in blocks stay the GPU default."""
+def test_a_model_with_window_layers_keeps_its_tails_in_blocks(monkeypatch):
+    """A request's tail blocks follow its last tile, which no window has left: window models take tails in blocks
+    on the GPU as any other, whether vLLM frees their window blocks (0.32 and later, 0.26 with the spec hook) or
+    not, and ``KVARN_TAIL_BLOCKS=1`` is not refused for them."""
     from kvarn.integration.vllm.backend import tail_blocks_enabled
-    from kvarn.integration.vllm.checks import TAIL_BLOCKS_ENV
+    from kvarn.integration.vllm.checks import TAIL_BLOCKS_ENV, window_problems
 
     monkeypatch.delenv(TAIL_BLOCKS_ENV, raising=False)
     monkeypatch.setattr(serving, "block_tables_widened", True)
-    monkeypatch.setattr(serving, "window_blocks_freed", True)
-    for text in (QWEN2, QWEN2_MOE, None):
-        assert tail_blocks_enabled(_run("cuda", v2=True, text=text), PRESET), "no window layer: tails in blocks"
-    for text in (GEMMA3, MISTRAL):
-        assert not tail_blocks_enabled(_run("cuda", v2=True, text=text), PRESET)
+    for freed in (True, False):
+        monkeypatch.setattr(serving, "window_blocks_freed", freed)
+        for text in (QWEN2, QWEN2_MOE, None, GEMMA3, MISTRAL):
+            assert tail_blocks_enabled(_run("cuda", v2=True, text=text), PRESET)
         monkeypatch.setenv(TAIL_BLOCKS_ENV, "1")
-        with pytest.raises(ValueError, match="window manager frees"):
-            tail_blocks_enabled(_run("cuda", v2=True, text=text), PRESET)
+        assert tail_blocks_enabled(_run("cuda", v2=True, text=GEMMA3), PRESET)
+        assert window_problems(PRESET, _run("cuda", v2=True, text=GEMMA3)) == []
         monkeypatch.delenv(TAIL_BLOCKS_ENV)
-    monkeypatch.setattr(serving, "window_blocks_freed", False)
-    assert tail_blocks_enabled(_run("cuda", v2=True, text=GEMMA3), PRESET)
+    # a _ks format's tails-in-blocks planner reads the smoothing vector from the first tile, which a window frees
+    monkeypatch.setattr(serving, "window_blocks_freed", True)
+    assert not tail_blocks_enabled(_run("cuda", v2=True, text=GEMMA3), PRESET + "_ks")
+    assert tail_blocks_enabled(_run("cuda", v2=True, text=QWEN2), PRESET + "_ks")
+    monkeypatch.setenv(TAIL_BLOCKS_ENV, "1")
+    with pytest.raises(ValueError, match="smoothing vector from the first tile's record"):
+        tail_blocks_enabled(_run("cpu", text=GEMMA3), PRESET + "_ks")
+
+
+def _window_spec(window: int = 300, preset: str = PRESET, d: int = 64, heads: int = 2):
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    cfg = KVarNConfig.from_preset(preset, head_dim=d)
+    base = SlidingWindowSpec(
+        block_size=cfg.group_size, num_kv_heads=heads, head_size=d, dtype=torch.bfloat16, sliding_window=window
+    )
+    return cfg, BACKENDS[preset].customize_spec(base)
+
+
+def test_a_window_tail_spec_counts_its_tail_blocks_once_in_admission_and_memory():
+    """vLLM sizes a window layer's pool and caps a request's blocks by ``max_admission_blocks_per_request``: the
+    tail blocks come on top of it, once (the window spec's memory figure is that cap times the page)."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    cfg, spec = _window_spec()
+    n = tail_geometry(cfg)[1]
+    tail = tb.tail_spec(spec, n)
+    assert isinstance(tail, SlidingWindowSpec) and tail.sliding_window == 300 and tail.tail_blocks == n
+    cap = spec.max_admission_blocks_per_request(max_in_flight_tokens=256, max_model_len=4096)
+    assert tail.max_admission_blocks_per_request(max_in_flight_tokens=256, max_model_len=4096) == cap + n
+    vc = SimpleNamespace(
+        model_config=SimpleNamespace(max_model_len=4096),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+        max_in_flight_tokens=256,
+    )
+    assert tail.max_memory_usage_bytes(vc) == spec.max_memory_usage_bytes(vc) + n * spec.page_size_bytes
+    assert type(tail).merge([tail, tail]) == tail
+    code = "import pickle, sys; s = pickle.loads(sys.stdin.buffer.read()); print(type(s).__name__, s.tail_blocks)"
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(tail), capture_output=True, check=True)
+    assert out.stdout.decode().split() == ["KVarNTailSlidingWindowSpec", str(n)]
+
+
+def test_vllm_026s_window_page_holds_a_record_and_gets_the_window_manager(registered):
+    """vLLM 0.26 has no page field on its window spec: ``KVarNWindowPageSpec`` is one with a record's bytes per
+    token slot, which vLLM's registry hands the window manager (its tail subclass the window tail manager), and
+    which an engine core that never built it unpickles."""
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    from kvarn.integration.vllm.backend import page_slot_bytes
+    from kvarn.integration.vllm.window_spec import window_page_spec_class
+
+    cfg = KVarNConfig.from_preset(PRESET, head_dim=128)
+    cls = window_page_spec_class()
+    page = cls(
+        block_size=G, num_kv_heads=8, head_size=128, dtype=torch.uint8, sliding_window=1024,
+        record_slot_bytes=page_slot_bytes(cfg),
+    )  # fmt: skip
+    assert page.real_page_size_bytes == 8 * cfg.record_bytes  # what vLLM 0.26 sizes a page by
+    plain = SlidingWindowSpec(block_size=G, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, sliding_window=1024)
+    assert plain.real_page_size_bytes / page.real_page_size_bytes > 4.7
+    assert KVCacheSpecRegistry.get_manager_class(page) is SlidingWindowManager
+    n = tail_geometry(cfg)[1]
+    tail = tb.tail_spec(page, n)
+    assert KVCacheSpecRegistry.get_manager_class(tail) is tb.manager_class(window=True)
+    assert KVCacheSpecRegistry.get_uniform_type_base_spec(tail) is SlidingWindowSpec
+    assert tail.real_page_size_bytes == page.real_page_size_bytes
+    code = (
+        "import pickle, sys; s = pickle.loads(sys.stdin.buffer.read()); "
+        "print(type(s).__name__, s.tail_blocks, s.real_page_size_bytes)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(tail), capture_output=True, check=True)
+    assert out.stdout.decode().split() == ["KVarNTailKVarNWindowPageSpec", str(n), str(page.real_page_size_bytes)]
+
+
+def test_a_window_request_holds_its_window_plus_the_tail_blocks_and_frees_the_rest(registered):
+    """vLLM's window manager with the tail blocks: as a request decodes past its window, the blocks before the
+    window go back to the pool while the current tile's block and the ``N`` tail blocks after it stay held;
+    freeing returns every block."""
+    cfg, spec = _window_spec(window=300)
+    n = tail_geometry(cfg)[1]
+    m = _manager(tb.tail_spec(spec, n), num_blocks=64)
+    assert type(m.coordinator.single_type_managers[0]) is tb.manager_class(window=True)
+    null = m.block_pool.null_block.block_id
+    free0 = m.block_pool.get_num_free_blocks()
+    req = _request("a", list(range(200)))
+    assert m.allocate_slots(req, 200) is not None
+    req.num_computed_tokens = 200
+    for step in range(200, 1100):  # past the window by several tiles
+        req.append_output_token_ids(7)
+        assert m.allocate_slots(req, 1) is not None
+        req.num_computed_tokens = step + 1
+        held = _held(m, "a")
+        assert len(held) == math.ceil((step + 1) / G) + n, step
+        first_live = max(0, step + 1 - 300) // G  # the block of the oldest token a query may still see
+        assert all(b != null for b in held[first_live:]), step  # the window, the current tile, the tail blocks
+    assert held[: (1100 - 300) // G - 1] == [null] * ((1100 - 300) // G - 1), "blocks before the window freed"
+    m.free(req)
+    assert m.block_pool.get_num_free_blocks() == free0
 
 
 def test_tails_in_blocks_are_opt_in_and_refused_where_not_built(monkeypatch):

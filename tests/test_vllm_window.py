@@ -39,6 +39,8 @@ SHORT = (40, 90)
 """Prompt lengths whose sequences (with ``MAX_TOKENS``) stay inside the first 128-token tile."""
 LONG = (260, 400, 520, 600, 650, 700)
 """Prompt lengths whose window leaves tiles 0 to 3 behind."""
+TAIL_BLOCK_KINDS = ("gemma3", "granite_swa")
+"""Models also served with tails in vLLM's blocks (``KVARN_TAIL_BLOCKS=1``; GPT-OSS's ``_ks`` form keeps the pool)."""
 
 
 def _prompts() -> list[list[int]]:
@@ -82,15 +84,16 @@ class _BlockWatch:
 
 
 def _facts(llm) -> dict:
-    """The worker's attention groups: backend, spec class, planner window and counts."""
+    """The worker's attention groups: backend, spec class, freed window and the planner's counts."""
 
     def groups(worker):
         out = []
         for per_kv in worker.model_runner.attn_groups:
             for g in per_kv:
-                planner = getattr(g.metadata_builders[0], "planner", None)
+                builder = g.metadata_builders[0]
+                planner = getattr(builder, "planner", None)
                 stats = dict(planner.stats) if planner is not None else None
-                window = getattr(planner, "window", None)
+                window = getattr(builder, "window", None)  # where vLLM frees the group's blocks before its window
                 out.append([g.backend.__name__, type(g.kv_cache_spec).__name__, window, stats])
         return out
 
@@ -149,6 +152,17 @@ def run_scenarios(out_path: str, models_dir: str) -> None:
         row.update(kvarn_rows(llm, ids, watch, row["base"]))
         row["seconds"] = time.time() - t0
         _shutdown(llm)
+        if kind in TAIL_BLOCK_KINDS:  # tails in vLLM's blocks, which follow a request's last tile past its window
+            os.environ["KVARN_TAIL_BLOCKS"] = "1"
+            try:
+                llm = LLM(model=model, kv_cache_dtype=PRESET, kv_cache_memory_bytes=int(1.6 * 2**20), **args)
+                before = dict(watch.stats)
+                row["tail_blocks_tokens"] = _generate(llm, prompts, MAX_TOKENS)[0]
+                row["tail_blocks_watch"] = {k: v - before[k] for k, v in watch.stats.items()}
+                row["tail_blocks_facts"] = _facts(llm)
+                _shutdown(llm)
+            finally:
+                del os.environ["KVARN_TAIL_BLOCKS"]
         results[kind] = row
     results["seconds"] = time.time() - t_start
     pathlib.Path(out_path).write_text(json.dumps(results, indent=1))
@@ -191,6 +205,17 @@ def test_window_layers_are_quantized_and_follow_the_unquantized_engine(results, 
     assert "2 of the 4 layers have a sliding window" in results["log"]
     watch = row["blocks_watch"]
     assert watch["window_freed"] >= 6 and watch["reused_while_running"] >= 4, watch
+
+
+@pytest.mark.parametrize("kind", TAIL_BLOCK_KINDS)
+def test_window_layers_keep_their_tails_in_vllms_blocks_with_the_pools_tokens(results, kind):
+    """``KVARN_TAIL_BLOCKS=1``: the window groups get vLLM's window manager with the tail blocks, which frees the
+    blocks before each window while the tail blocks after the last tile stay; the same tokens as the pool run."""
+    row = results[kind]
+    assert row["tail_blocks_tokens"] == row["tokens"]
+    specs = [g[1] for g in row["tail_blocks_facts"]["groups"]]
+    assert "KVarNTailSlidingWindowSpec" in specs and "KVarNTailFullAttentionSpec" in specs, specs
+    assert row["tail_blocks_watch"]["window_freed"] >= 6, row["tail_blocks_watch"]
 
 
 if __name__ == "__main__":

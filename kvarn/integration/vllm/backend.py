@@ -57,6 +57,7 @@ from kvarn.integration.vllm.checks import (
 from kvarn.integration.vllm.hooks import install_block_pool_hook, install_release_hook
 from kvarn.integration.vllm.state import serving
 from kvarn.integration.vllm.tail_blocks import tail_spec
+from kvarn.integration.vllm.window_spec import window_page_spec_class
 from kvarn.paged import tail_geometry
 
 BACKEND_NAME = "KVARN"
@@ -124,9 +125,9 @@ def tail_blocks_enabled(vllm_config, preset: str) -> bool:
     tiles into one step pool that all layers share and scatter them back
     (:meth:`kvarn.paged.PagedKV.gather_tails`). Built for vLLM's CPU engine and for the GPU engine's V2
     model runner (block tables widened by :func:`kvarn.integration.vllm.hooks.install_block_table_hook`),
-    without the sink, with cache blocks of one tile, without ``--kv-cache-dtype-skip-layers``, without
-    speculative decoding, and on models without sliding-window layers where vLLM frees their blocks (0.32 and
-    later).
+    without the sink, with cache blocks of one tile, without ``--kv-cache-dtype-skip-layers`` and without
+    speculative decoding. Sliding-window layers whose blocks vLLM frees take them too: a request's tail blocks
+    follow its last tile (:mod:`kvarn.integration.vllm.tail_blocks`).
 
     ``$KVARN_TAIL_BLOCKS``: unset, the default, takes them on the GPU engine wherever they are built
     (else the pool); ``1`` asks for them anywhere and refuses, saying why, a run they are not built for;
@@ -162,10 +163,10 @@ def tail_blocks_enabled(vllm_config, preset: str) -> bool:
             "with speculative decoding a tile filled with an unverified draft keeps its tail while the next tile "
             "starts, and a request's tail blocks hold one tile"
         )
-    if serving.window_blocks_freed and has_window_layers(vllm_config):
+    if cache_dtype_config(preset).seq_smooth and serving.window_blocks_freed and has_window_layers(vllm_config):
         problems.append(
-            "vLLM's window manager frees a sliding-window layer's blocks as the window moves and allocates no tail "
-            "blocks there"
+            "its planner reads a sequence's key smoothing vector from the first tile's record, which a "
+            "sliding-window layer frees"
         )
     skipped = getattr(cache_config, "kv_cache_dtype_skip_layers", None)
     if skipped:
@@ -274,14 +275,18 @@ class KVarNBackend(AttentionBackend):
         return True
 
     @classmethod
-    def customize_spec(cls, spec):
-        """One record per (block, KV head): ``record_bytes / G`` bytes per head and token slot."""
+    def customize_spec(cls, spec, full_pages: bool = False):
+        """One record per (block, KV head): ``record_bytes / G`` bytes per head and token slot.
+
+        ``full_pages``: a sliding-window layer gets a full-attention spec, blocks for every token (vLLM 0.26's
+        spec hook asks for it where the run cannot have window blocks freed:
+        :func:`~kvarn.integration.vllm.checks.freed_window_problems`)."""
         if spec.head_size_v != spec.head_size:
             raise ValueError(
                 f"{cls.preset} needs equal K and V head sizes, got {spec.head_size} and {spec.head_size_v}; "
                 "serve this model with --kv-cache-dtype auto"
             )
-        page = cls._record_page_spec(spec)
+        page = cls._record_page_spec(spec, full_pages)
         from vllm.config import get_current_vllm_config_or_none
 
         # vLLM 0.32 asks for the spec outside its config context: the config the layers were built under
@@ -291,7 +296,7 @@ class KVarNBackend(AttentionBackend):
         return tail_spec(page, tail_geometry(cls.config(spec.head_size), pool_itemsize(config))[1])
 
     @classmethod
-    def _record_page_spec(cls, spec):
+    def _record_page_spec(cls, spec, full_pages: bool = False):
         """``spec`` with pages of one record per (block, KV head).
 
         A window layer of a per-sequence smoothed format (``_ks``) keeps one tile more than its window: each
@@ -299,6 +304,13 @@ class KVarNBackend(AttentionBackend):
         must not have freed (the layer's own window still masks attention)."""
         cfg = cls.config(spec.head_size)
         per_slot = page_slot_bytes(cfg)
+        if full_pages and freed_window(spec) is not None:
+            from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+            shape = dict(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size)
+            spec = FullAttentionSpec(
+                **shape, head_size_v=spec.head_size_v, dtype=spec.dtype, sliding_window=spec.sliding_window
+            )
         if "state_content_bytes" in {f.name for f in dataclasses.fields(spec)}:
             done = spec.dtype == torch.uint8 and spec.state_content_bytes == per_slot  # asked twice: widened once
             window = getattr(spec, "sliding_window", None)
@@ -307,11 +319,8 @@ class KVarNBackend(AttentionBackend):
             return dataclasses.replace(spec, dtype=torch.uint8, state_content_bytes=per_slot, tokens_per_state=1)
         from vllm.v1.kv_cache_interface import TQFullAttentionSpec
 
-        return TQFullAttentionSpec(
-            block_size=spec.block_size,
-            num_kv_heads=spec.num_kv_heads,
-            head_size=spec.head_size,
-            head_size_v=spec.head_size_v,
-            dtype=torch.uint8,
-            tq_slot_size=per_slot,
-        )
+        shape = dict(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size)
+        shape.update(head_size_v=spec.head_size_v, dtype=torch.uint8)
+        if freed_window(spec) is not None and not full_pages:
+            return window_page_spec_class()(**shape, sliding_window=spec.sliding_window, record_slot_bytes=per_slot)
+        return TQFullAttentionSpec(**shape, tq_slot_size=per_slot)

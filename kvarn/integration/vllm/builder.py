@@ -230,10 +230,10 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         self._first_cache = None  # (book version, request ids, their first blocks) of the last step
         self.layer_name = layer_names[0] if layer_names else ""
         self.window = freed_window(kv_cache_spec)
-        if self.window is not None and (self.num_sink_slots or self.tail_rows or (self.cfg.seq_smooth and cuda)):
+        if self.window is not None and (self.num_sink_slots or (self.cfg.seq_smooth and cuda)):
             raise ValueError(  # refused at start-up (checks.window_problems); a builder never plans stale blocks
-                f"--kv-cache-dtype {preset}: sliding-window layers whose blocks vLLM frees keep no sink, no tails in "
-                "blocks, and on a GPU no per-sequence smoothing vector; add --kv-cache-dtype-skip-layers sliding_window"
+                f"--kv-cache-dtype {preset}: sliding-window layers whose blocks vLLM frees keep no sink, and on a GPU "
+                "no per-sequence smoothing vector; add --kv-cache-dtype-skip-layers sliding_window"
             )
         self.planner = None
         if not self.per_request and not self.tail_rows:

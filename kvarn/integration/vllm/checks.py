@@ -154,22 +154,26 @@ WINDOW_FIX = "add --kv-cache-dtype-skip-layers sliding_window to keep the window
 
 
 def window_problems(preset: str, vllm_config=None) -> list[str]:
-    """What KVarN cannot serve on a sliding-window layer of this run (nothing where vLLM keeps its blocks).
+    """What KVarN cannot serve on a sliding-window layer of this run where vLLM itself gives window layers a
+    spec whose blocks it frees (:attr:`~kvarn.integration.vllm.state.ServingState.window_blocks_freed`: vLLM
+    0.32 and later): :func:`freed_window_problems`. vLLM 0.26 asks no backend for its page; the plugin's spec
+    hook gives a window layer KVarN's window pages where :func:`freed_window_problems` finds nothing, and
+    full-attention pages otherwise (blocks for every token, the window applied by attention alone), so nothing
+    is refused there.
+    """
+    return freed_window_problems(preset, vllm_config) if serving.window_blocks_freed else []
 
-    Where vLLM gives a window layer a sliding-window spec (:attr:`~kvarn.integration.vllm.state.ServingState.
-    window_blocks_freed`: vLLM 0.32 and later), its manager frees the blocks a request's window has left, so
-    nothing may live by a block before the window: not the ``_sink`` dtypes' first tile (kept by its block), not
+
+def freed_window_problems(preset: str, vllm_config=None) -> list[str]:
+    """What KVarN cannot serve on a sliding-window layer whose blocks vLLM frees as the window moves.
+
+    Nothing may live by a block before the window: not the ``_sink`` dtypes' first tile (kept by its block), not
     on a GPU the ``_ks`` formats' per-sequence smoothing vector (its request-index planner reads it from the first
     tile's record; the CPU engine's planner reads the tile before the step's, which a spec window one tile wider
-    than the layer's keeps), not tails in blocks (vLLM's window manager allocates no tail blocks: refused where
-    ``KVARN_TAIL_BLOCKS=1`` asks for them; unset, :func:`~kvarn.integration.vllm.backend.tail_blocks_enabled`
-    keeps such a model's tails in the pool), and not a tile filled with a speculative draft (kept
-    by its block until a later step starts past it, which the window may pass first). vLLM 0.26 asks no backend
-    for its page: the plugin's spec hook gives window layers full-attention pages, blocks for every token, and
-    attention applies the window alone.
+    than the layer's keeps), and not a tile filled with a speculative draft (kept by its block until a later step
+    starts past it, which the window may pass first). Tails in blocks are fine: a request's tail blocks follow
+    its last tile, which no window has left.
     """
-    if not serving.window_blocks_freed:
-        return []
     where = "on a sliding-window layer, whose blocks vLLM frees as the window moves,"
     problems = []
     cfg = cache_dtype_config(preset)
@@ -183,11 +187,6 @@ def window_problems(preset: str, vllm_config=None) -> list[str]:
         problems.append(
             f"{where} the per-sequence key smoothing vector (read from the first tile's record on a GPU) would be "
             f"lost; set {KEY_SMOOTHING_ENV}=off or use a dtype without the _ks suffix, or {WINDOW_FIX}"
-        )
-    if os.environ.get(TAIL_BLOCKS_ENV, "") == "1":  # unset, such a model keeps its tails in the pool
-        problems.append(
-            f"{where} tails in blocks are not allocated by vLLM's window manager; unset {TAIL_BLOCKS_ENV} or set it "
-            "to 0 (a tail pool)"
         )
     if vllm_config is not None and getattr(vllm_config, "speculative_config", None) is not None:
         problems.append(

@@ -15,9 +15,11 @@ What this module gives vLLM:
   N`` more blocks per request: its ``max_num_blocks_per_req`` (the worker's block-table width) and
   ``max_memory_usage_bytes`` (vLLM's check that a ``max_model_len`` request fits, and its
   concurrency line) count them, and ``merge`` keeps them.
-- :func:`manager_class` (``TailBlockManager``): vLLM's ``FullAttentionManager`` asking for ``N``
-  blocks beyond those a request's tokens need (``num_tokens + N * block_size`` to vLLM's own
-  arithmetic, the way vLLM's Mamba manager reserves its speculative blocks), so they are allocated
+- :func:`manager_class` (``TailBlockManager``; ``TailBlockWindowManager`` for a sliding-window layer's spec, whose
+  blocks before the window vLLM frees while the tail blocks, after the last tile, stay): vLLM's
+  ``FullAttentionManager`` (``SlidingWindowManager``) asking for ``N`` blocks beyond those a request's tokens
+  need (``num_tokens + N * block_size`` to vLLM's own arithmetic, the way vLLM's Mamba manager reserves its
+  speculative blocks), so they are allocated
   with the request's other blocks, counted by the scheduler's admission and preemption, and freed
   with them. They are never hashed for the prefix cache: vLLM hashes only blocks its tokens fill.
 - :func:`register_specs`: the spec's manager in vLLM's spec registry (through the platform's
@@ -49,6 +51,8 @@ def tail_spec_class(base: type) -> type:
     the engine core (which imports this module by that name: see ``__getattr__`` below).
     """
 
+    capped = hasattr(base, "max_admission_blocks_per_request")
+
     @dataclasses.dataclass(frozen=True, kw_only=True)
     class Spec(base):
         tail_blocks: int = 0
@@ -57,7 +61,14 @@ def tail_spec_class(base: type) -> type:
             return super().max_num_blocks_per_req(vllm_config, max_len) + self.tail_blocks
 
         def max_memory_usage_bytes(self, vllm_config) -> int:
+            if capped:  # the base sizes a request by its admission cap, which counts the tail blocks already
+                return super().max_memory_usage_bytes(vllm_config)
             return super().max_memory_usage_bytes(vllm_config) + self.tail_blocks * self.page_size_bytes
+
+        if capped:  # a window spec: vLLM's admission gate caps a request's blocks at this, tail blocks included
+
+            def max_admission_blocks_per_request(self, *args, **kwargs) -> int:
+                return super().max_admission_blocks_per_request(*args, **kwargs) + self.tail_blocks
 
         @classmethod
         def merge(cls, specs):
@@ -78,7 +89,10 @@ def __getattr__(name: str):
     if name.startswith(_PREFIX):
         from vllm.v1 import kv_cache_interface
 
-        base = getattr(kv_cache_interface, name.removeprefix(_PREFIX), None)
+        from kvarn.integration.vllm import window_spec
+
+        base_name = name.removeprefix(_PREFIX)
+        base = getattr(kv_cache_interface, base_name, None) or getattr(window_spec, base_name, None)
         if isinstance(base, type):
             return tail_spec_class(base)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -95,13 +109,21 @@ def tail_spec(spec, tail_blocks: int):
     return tail_spec_class(base)(**values, tail_blocks=tail_blocks)
 
 
-@functools.cache
-def manager_class() -> type:
-    """:class:`TailBlockManager` (defined on first use: vLLM is imported only when it is served)."""
-    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+def manager_class(window: bool = False) -> type:
+    """``TailBlockManager`` (``window``: ``TailBlockWindowManager``), defined on first use: vLLM is imported only
+    when it is served."""
+    return _manager_class(bool(window))
 
-    class TailBlockManager(FullAttentionManager):
-        """``FullAttentionManager`` with ``spec.tail_blocks`` more blocks per request (see the module docstring)."""
+
+@functools.cache
+def _manager_class(window: bool) -> type:
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, SlidingWindowManager
+
+    class TailBlocks:
+        """Asks vLLM's manager for ``spec.tail_blocks`` more blocks per request (see the module docstring).
+
+        A window manager frees the blocks before a request's window from its front; the tail blocks follow its
+        last tile, which no window has left."""
 
         def _with_tail(self, num_tokens: int) -> int:
             return num_tokens + self.kv_cache_spec.tail_blocks * self.block_size
@@ -112,20 +134,28 @@ def manager_class() -> type:
         def allocate_new_blocks(self, request_id, num_tokens, *args, **kwargs):
             return super().allocate_new_blocks(request_id, self._with_tail(num_tokens), *args, **kwargs)
 
-    TailBlockManager.__module__ = __name__
-    return TailBlockManager
+    base = SlidingWindowManager if window else FullAttentionManager
+    name = "TailBlockWindowManager" if window else "TailBlockManager"
+    manager = type(name, (TailBlocks, base), {"__module__": __name__, "__qualname__": name})
+    return manager
 
 
 def register_specs() -> None:
-    """Register the tail subclasses of the specs kvarn's pages use with the manager, grouped as full attention:
-    ``FullAttentionSpec`` (vLLM 0.32) and ``TQFullAttentionSpec`` where it exists (vLLM 0.26)."""
+    """Register the tail subclasses of the specs kvarn's pages use with their managers: ``FullAttentionSpec`` and
+    ``TQFullAttentionSpec`` (vLLM 0.26, where it exists) grouped as full attention, ``SlidingWindowSpec`` and
+    :class:`~kvarn.integration.vllm.window_spec.KVarNWindowPageSpec` (vLLM 0.26's window pages) as sliding window."""
     from vllm.v1 import kv_cache_interface
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    from kvarn.integration.vllm.window_spec import window_page_spec_class
 
     full = kv_cache_interface.FullAttentionSpec
     tq = getattr(kv_cache_interface, "TQFullAttentionSpec", None)
     for base in [full] if tq is None else [full, tq]:
         KVCacheSpecRegistry.register(tail_spec_class(base), manager_class(), uniform_type_base_spec=full)
+    window = kv_cache_interface.SlidingWindowSpec
+    for base in (window, window_page_spec_class()):
+        KVCacheSpecRegistry.register(tail_spec_class(base), manager_class(True), uniform_type_base_spec=window)
 
 
 def needed_widths(kv_cache_config, max_model_len: int) -> list[int | None]:

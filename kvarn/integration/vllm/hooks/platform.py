@@ -15,6 +15,7 @@ from kvarn.config import CACHE_DTYPES, is_cache_dtype
 from kvarn.integration.vllm import tail_blocks
 from kvarn.integration.vllm.checks import (
     check_layer,
+    freed_window_problems,
     serve_key_smoothing,
     serve_speculative,
     sink_process_problem,
@@ -107,9 +108,10 @@ def install_spec_hook(backend_cls: type) -> bool:
 
     Wraps ``Attention.get_kv_cache_spec`` so a layer served by a subclass of ``backend_cls`` (the KVarN
     backend) gets that backend's ``customize_spec``; returns whether a hook was installed. A sliding-window
-    layer then gets full-attention pages (``TQFullAttentionSpec``: 0.26's window spec has no page field to set):
-    blocks for every token, which vLLM never frees while the request runs, and attention applies the window.
-    Correct, with no memory saved on those layers (logged once).
+    layer keeps vLLM's window spec with KVarN's page (:mod:`kvarn.integration.vllm.window_spec`), so vLLM frees its
+    blocks as the window moves, unless the run keeps something by a block the window leaves
+    (:func:`~kvarn.integration.vllm.checks.freed_window_problems`): then it gets full-attention pages, blocks
+    for every token, and attention applies the window (logged once with the reason).
     """
     from vllm.v1.attention.backend import AttentionBackend
 
@@ -126,12 +128,15 @@ def install_spec_hook(backend_cls: type) -> bool:
         spec = original(self, vllm_config)
         backend = getattr(self, "attn_backend", None)
         if spec is not None and isinstance(backend, type) and issubclass(backend, backend_cls):
+            problems = []
             if getattr(spec, "sliding_window", None) is not None:
-                warn_once(
-                    "KVarN: sliding-window layers get full-attention pages on this vLLM (blocks for every token, the "
-                    "window applied in attention): no memory is saved on them"
-                )
-            spec = backend.customize_spec(spec)
+                problems = freed_window_problems(backend.preset, vllm_config)
+                if problems:
+                    warn_once(
+                        "KVarN: sliding-window layers get full-attention pages in this run (blocks for every token, "
+                        "the window applied in attention), because " + "; ".join(problems)
+                    )
+            spec = backend.customize_spec(spec, full_pages=bool(problems))
         return spec
 
     _mark(get_kv_cache_spec, original)
