@@ -8,6 +8,7 @@ the first sequence of every timed shape. A failed check stops the run.
 
     PYTHONPATH=. python benchmarks/bench_decode.py --out decode.json [--quick]
     PYTHONPATH=. python benchmarks/bench_decode.py --out intercept.json --intercept kvarn_k4v2_g128 16 8 1
+    PYTHONPATH=. python benchmarks/bench_decode.py --out variants.json --variants kvarn_k4v2_g128 16 32768
 """
 
 from __future__ import annotations
@@ -410,13 +411,23 @@ def main() -> None:
         metavar=("PRESET", "BATCH", "SPLITS", "WARPS"),
         help="fixed splits and warps, growing context: a call's intercept and the loop's cost a tile (D = 128)",
     )
+    ap.add_argument(
+        "--variants",
+        nargs=3,
+        metavar=("PRESET", "BATCH", "CONTEXT"),
+        help="one shape (D = 128, 32/8 heads): the default launch and each knob flipped, against the reference",
+    )
     args = ap.parse_args()
-    modes = [m for m in ("smooth", "eager", "rules", "grid", "intercept") if getattr(args, m)]
+    modes = [m for m in ("smooth", "eager", "rules", "grid", "intercept", "variants") if getattr(args, m)]
     if len(modes) > 1:
         ap.error(f"pick one of --{', --'.join(modes)}")
     if args.intercept and not all(c.isdigit() and int(c) > 0 for c in args.intercept[1:]):
         ap.error("--intercept takes PRESET BATCH SPLITS WARPS, the last three positive integers")
     env = environment()
+    if args.variants:
+        preset, batch, ctx = args.variants
+        variants_main(args.out, env, preset, int(batch), int(ctx))
+        return
     copy_bw = copy_bandwidth()
     print(f"{env} copy bandwidth {copy_bw:.0f} GB/s", flush=True)
     if args.smooth:
@@ -502,6 +513,49 @@ def main() -> None:
             indent=1,
         )
     assert all(math.isfinite(r["kvarn_us"]) for r in rows)
+
+
+KNOB_FLIPS = [
+    ("tokens_m", False),
+    ("tokens_m", True),
+    ("fuse_merge", False),
+    ("fuse_query", True),
+    ("fuse_query", False),
+    ("pair_tiles", False),
+    ("stack_tiles", False),
+    ("fold_offsets", False),
+    ("num_splits", 1),
+    ("min_split_tiles", 1),
+    ("num_warps", 4),
+]
+"""``--variants``: the launch knobs set one at a time against the default launch."""
+
+
+def variants_main(out: str, env: dict, preset: str, batch: int, ctx: int) -> None:
+    """``--variants``: one shape's default launch and each knob of :data:`KNOB_FLIPS` against the reference (every
+    row, three launches each, which must agree), to find which part of a launch a wrong result comes from. No
+    timing."""
+    cfg = KVarNConfig.from_preset(preset, head_dim=128)
+    st = synthetic_cache(cfg, batch, ctx, 8, torch.float16, seed=batch * 7 + ctx)
+    q = torch.randn(batch, 32, 128, device="cuda").to(torch.float16)
+    ref = R.paged_attention(*args_of(st, q.float(), cfg))
+    rows = []
+    for name, value in [("default", None), *KNOB_FLIPS]:
+        knobs = {} if value is None else {name: value}
+        try:
+            outs = [A.paged_attention(*args_of(st, q, cfg), **knobs).float() for _ in range(3)]
+        except Exception as e:  # a knob a launch does not take (e.g. stacking off the tokens_m path)
+            rows.append({"knobs": knobs, "error": f"{type(e).__name__}: {e}"})
+            print(f"{knobs}: {type(e).__name__}: {e}", flush=True)
+            continue
+        err = ((outs[0] - ref).abs().amax(dim=(1, 2)) / ref.abs().amax(dim=(1, 2))).tolist()
+        same = all(torch.equal(outs[0], o) for o in outs[1:])
+        rows.append({"knobs": knobs, "max_rel_err": max(err), "rows_over_tol": sum(e > REL_TOL[q.dtype] for e in err)})
+        rows[-1]["launches_agree"] = same
+        print(f"{knobs or 'default'}: max rel err {max(err):.2e}, rows over tol {rows[-1]['rows_over_tol']}, "
+              f"launches agree {same}", flush=True)  # fmt: skip
+    with open(out, "w") as f:
+        json.dump({"env": env, "preset": preset, "batch": batch, "ctx": ctx, "variants": rows}, f, indent=1)
 
 
 def smooth_main(out: str, env: dict, copy_bw: float) -> None:

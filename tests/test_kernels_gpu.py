@@ -285,6 +285,25 @@ def test_paged_attention_long_flat_context_gpu(preset, dtype):
     print(f"STATS long_flat_context {preset} {dtype} rel_err={err:.2e}")
 
 
+@pytest.mark.parametrize("batch,ctx", [(16, 32768), (16, 8192), (8, 16384), (4, 32768)])
+def test_paged_attention_default_launch_of_many_sequences_gpu(batch, ctx):
+    """The default decode launch where ``bench_decode`` times its headline (16 / 32K: one warp, 8 splits merged in
+    the kernel, queries rotated by the prologue) and its neighbours, on the bench's synthetic cache: every row
+    against the reference, three launches in a row giving the same output (a race in the split merge would move
+    it). An H100 run of ``bench_decode.py --smooth`` refused its 16 / 32K row with a 2.8e-1 error."""
+    from benchmarks.bench_decode import args_of, synthetic_cache
+
+    cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
+    state = synthetic_cache(cfg, batch, ctx, 8, torch.float16, seed=batch * 7 + ctx)
+    gen = torch.Generator(device=DEV).manual_seed(batch)
+    query = torch.randn(batch, 32, 128, device=DEV, generator=gen).half()
+    args = args_of(state, query, cfg)
+    outs = [attention.paged_attention(*args) for _ in range(3)]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), "launches of one input differ"
+    err = check_attention(outs[0], args)
+    print(f"STATS default_launch B={batch} ctx={ctx} rel_err={err:.2e}")
+
+
 @pytest.mark.parametrize("preset,splits", [("kvarn_k4v2_g128", None), ("kvarn_k4v2_g64", 64), ("kvarn_k2v2_g128", 37)])
 def test_paged_attention_merge_in_graph(preset, splits):
     """Batch 1, many splits, replayed from a CUDA graph: every replay merges right, counters end at zero."""
