@@ -70,9 +70,10 @@ class ServingState:
     """This vLLM sizes a hybrid model's attention pages as KVarN's (``customize_spec``, or the plugin's
     :func:`~kvarn.integration.vllm.hooks.install_hybrid_page_hook`); else hybrid models are refused."""
     window_blocks_freed: bool = True
-    """This vLLM gives sliding-window layers a sliding-window spec, whose blocks it frees as the window moves (it
-    asks the backend's ``customize_spec``); ``False`` where the plugin's spec hook gives them full-attention pages
-    (vLLM 0.26, :func:`~kvarn.integration.vllm.hooks.install_spec_hook`)."""
+    """This vLLM asks the backend's ``customize_spec`` for every layer's page, keeping a sliding-window layer's
+    window spec, whose blocks it frees as the window moves (vLLM 0.32 and later); ``False`` where the plugin's
+    spec hook sizes pages instead (vLLM 0.26, :func:`~kvarn.integration.vllm.hooks.install_spec_hook`): it keeps
+    the window spec where the run allows, and gives full-attention pages otherwise."""
     step_rows: np.ndarray | None = None
     """The stable request index of each row of the step being built (:meth:`set_step_rows`)."""
     step_qsl: np.ndarray | None = None
