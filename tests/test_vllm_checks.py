@@ -16,6 +16,7 @@ from vllm.v1.attention.selector import AttentionSelectorConfig
 
 import kvarn.integration.vllm as kv
 from kvarn.config import CACHE_DTYPES, cache_dtype_config, has_key_smoothing, has_sink, with_key_smoothing
+from kvarn.integration.vllm import backend as backend_mod
 from kvarn.integration.vllm import checks
 from kvarn.integration.vllm.state import serving
 
@@ -55,46 +56,44 @@ def test_window_layers_and_learned_sinks_are_served():
 
 
 @pytest.mark.parametrize(
-    ("preset", "env", "device", "spec", "advice"),
+    ("preset", "device", "spec", "reason"),
     [
-        ("kvarn_k4v2_g128_sink", None, "cpu", None, "use --kv-cache-dtype kvarn_k4v2_g128,"),
-        ("kvarn_k4v2_g128_ks", "0", "cuda", None, "KVARN_KEY_SMOOTHING=off"),  # served on the CPU engine
-        ("kvarn_k4v2_g128", None, "cpu", SimpleNamespace(method="ngram", num_speculative_tokens=3), "--speculative"),
+        ("kvarn_k4v2_g128_sink", "cpu", None, "kvarn_k4v2_g128 has none"),
+        ("kvarn_k4v2_g128_ks", "cuda", None, "KVARN_KEY_SMOOTHING=off"),  # the CPU engine's planner keeps the vector
+        ("kvarn_k4v2_g128", "cpu", SimpleNamespace(method="ngram", num_speculative_tokens=3), "speculative decoding"),
     ],
 )
-def test_window_layers_refuse_what_lives_by_a_block_the_window_frees(monkeypatch, preset, env, device, spec, advice):
-    """Where vLLM frees a window layer's blocks as the window moves (0.32), nothing may live by a block before the
-    window; where it keeps them (0.26: full-attention pages) all of it is served."""
-    if env is None:
-        monkeypatch.delenv("KVARN_TAIL_BLOCKS", raising=False)
-    else:
-        monkeypatch.setenv("KVARN_TAIL_BLOCKS", env)
-    run = SimpleNamespace(speculative_config=spec, device_config=SimpleNamespace(device_type=device))
-    monkeypatch.setattr(serving, "window_blocks_freed", True)
-    (problem,) = checks.window_problems(preset, run)
-    assert "sliding-window layer, whose blocks vLLM frees" in problem and advice in problem, problem
-    assert "--kv-cache-dtype-skip-layers sliding_window" in problem
-    monkeypatch.setattr(serving, "window_blocks_freed", False)
-    assert checks.window_problems(preset, run) == []
-    monkeypatch.setattr(serving, "window_blocks_freed", True)
-    plain = SimpleNamespace(speculative_config=None, device_config=SimpleNamespace(device_type="cpu"))
+def test_what_lives_by_a_block_the_window_leaves_gives_window_layers_full_pages(
+    monkeypatch, preset, device, spec, reason
+):
+    """Nothing that lives by a block before the window is refused: the run's window layers get full-attention pages
+    (every block kept, the window applied by attention), logged once with the reason; without such a reason they
+    keep vLLM's window spec, whose blocks vLLM frees."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from kvarn.integration.vllm.registry import BACKENDS
+
     monkeypatch.delenv("KVARN_TAIL_BLOCKS", raising=False)
-    assert checks.window_problems("kvarn_k4v2_g128", plain) == []
-    assert checks.window_problems("kvarn_k4v2_g128_ks", plain) == [], "the CPU engine's planner keeps the vector"
-    gpu = SimpleNamespace(speculative_config=None, device_config=SimpleNamespace(device_type="cuda"))
-    for env in (None, "0", "1"):  # tails in blocks follow a request's last tile, which no window has left
-        if env is None:
-            monkeypatch.delenv("KVARN_TAIL_BLOCKS", raising=False)
-        else:
-            monkeypatch.setenv("KVARN_TAIL_BLOCKS", env)
-        assert checks.window_problems("kvarn_k4v2_g128", gpu) == []
+    monkeypatch.setattr(serving, "warned", set())
+    run = SimpleNamespace(speculative_config=spec, device_config=SimpleNamespace(device_type=device))
+    (problem,) = checks.freed_window_problems(preset, run)
+    assert reason in problem, problem
+    window = SlidingWindowSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=200)
+    monkeypatch.setattr(serving, "config", run)
+    monkeypatch.setattr(backend_mod, "tail_blocks_enabled", lambda config, preset: False)
+    page = BACKENDS[preset].customize_spec(window)
+    assert type(page) is FullAttentionSpec and page.sliding_window == 200, page
+    assert any("full-attention pages" in w and reason in w for w in serving.warned), serving.warned
+    plain = SimpleNamespace(speculative_config=None, device_config=SimpleNamespace(device_type="cpu"))
+    monkeypatch.setattr(serving, "config", plain)
+    for served in ("kvarn_k4v2_g128", "kvarn_k4v2_g128_ks"):  # the CPU engine's _ks planner reads no first tile
+        assert checks.freed_window_problems(served, plain) == []
+        assert isinstance(BACKENDS[served].customize_spec(window), SlidingWindowSpec), served
 
 
-def test_the_selection_hook_refuses_a_window_layer_with_the_sink(monkeypatch):
-    monkeypatch.setattr(serving, "window_blocks_freed", True)
+def test_the_selection_hook_serves_a_window_layer_with_the_sink():
     selector = _selector(has_sliding_window=True, kv_cache_dtype="kvarn_k4v2_g128_sink")
-    with pytest.raises(ValueError, match=r"^--kv-cache-dtype kvarn_k4v2_g128_sink: on a sliding-window layer"):
-        current_platform.get_attn_backend_cls(None, selector)
+    assert current_platform.get_attn_backend_cls(None, selector).endswith("KVarNBackend_k4v2_g128_sink")
 
 
 def _run(block_size=128, user_block=False, unit=None, spec=None, dbo=False, dp=1):

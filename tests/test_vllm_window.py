@@ -152,6 +152,11 @@ def run_scenarios(out_path: str, models_dir: str) -> None:
         row.update(kvarn_rows(llm, ids, watch, row["base"]))
         row["seconds"] = time.time() - t0
         _shutdown(llm)
+        if kind == "gemma3":  # the sink lives by the first tile's block: window layers get full-attention pages
+            llm = LLM(model=model, kv_cache_dtype=PRESET + "_sink", kv_cache_memory_bytes=4 * 2**20, **args)
+            row["sink"] = {"tokens": _generate(llm, prompts, MAX_TOKENS)[0], "facts": _facts(llm)}
+            row["sink"]["teacher_forced_top1"] = _teacher_forced(llm, ids[len(SHORT) :], row["base"][len(SHORT) :])
+            _shutdown(llm)
         if kind in TAIL_BLOCK_KINDS:  # tails in vLLM's blocks, which follow a request's last tile past its window
             os.environ["KVARN_TAIL_BLOCKS"] = "1"
             try:
@@ -205,6 +210,18 @@ def test_window_layers_are_quantized_and_follow_the_unquantized_engine(results, 
     assert "2 of the 4 layers have a sliding window" in results["log"]
     watch = row["blocks_watch"]
     assert watch["window_freed"] >= 6 and watch["reused_while_running"] >= 4, watch
+
+
+def test_a_sink_dtype_serves_window_layers_in_full_attention_pages(results):
+    """``kvarn_..._sink`` keeps each first tile by its block, which vLLM would free under a window: the window layers
+    get full-attention pages instead of a refusal, the window applied in attention, the sink kept."""
+    row = results["gemma3"]["sink"]
+    short = len(SHORT)
+    assert row["tokens"][:short] == results["gemma3"]["base"][:short]
+    assert all(len(t) == MAX_TOKENS for t in row["tokens"])
+    assert all(g[1] == "FullAttentionSpec" and g[2] is None for g in row["facts"]["groups"]), row["facts"]
+    assert row["teacher_forced_top1"] >= FLOORS["gemma3"], row["teacher_forced_top1"]
+    assert "full-attention pages in this run" in results["log"]
 
 
 @pytest.mark.parametrize("kind", TAIL_BLOCK_KINDS)

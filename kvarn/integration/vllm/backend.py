@@ -50,6 +50,8 @@ from kvarn.config import CACHE_DTYPES, SUPPORTED_HEAD_DIMS, KVarNConfig, cache_d
 from kvarn.integration.vllm.checks import (
     SUPPORTED_MODEL_DTYPES,
     TAIL_BLOCKS_ENV,
+    freed_window_problems,
+    full_pages_reason,
     has_window_layers,
     sink_slot_count,
     tail_slot_count,
@@ -163,7 +165,8 @@ def tail_blocks_enabled(vllm_config, preset: str) -> bool:
             "with speculative decoding a tile filled with an unverified draft keeps its tail while the next tile "
             "starts, and a request's tail blocks hold one tile"
         )
-    if cache_dtype_config(preset).seq_smooth and serving.window_blocks_freed and has_window_layers(vllm_config):
+    smooth = cache_dtype_config(preset).seq_smooth
+    if smooth and has_window_layers(vllm_config) and not freed_window_problems(preset, vllm_config):
         problems.append(
             "its planner reads a sequence's key smoothing vector from the first tile's record, which a "
             "sliding-window layer frees"
@@ -275,22 +278,26 @@ class KVarNBackend(AttentionBackend):
         return True
 
     @classmethod
-    def customize_spec(cls, spec, full_pages: bool = False):
+    def customize_spec(cls, spec, full_pages: bool | None = None):
         """One record per (block, KV head): ``record_bytes / G`` bytes per head and token slot.
 
-        ``full_pages``: a sliding-window layer gets a full-attention spec, blocks for every token (vLLM 0.26's
-        spec hook asks for it where the run cannot have window blocks freed:
-        :func:`~kvarn.integration.vllm.checks.freed_window_problems`)."""
+        A sliding-window layer keeps its window spec, so vLLM frees its blocks as the window moves, unless the
+        run keeps something by a block the window leaves (:func:`~kvarn.integration.vllm.checks.
+        freed_window_problems`: the sink, ``_ks`` on a GPU, speculative drafts): then it gets full-attention pages,
+        blocks for every token, and attention applies the window alone (logged once with the reason).
+        ``full_pages`` decides that instead (vLLM 0.26's spec hook, which has the run's config at hand)."""
         if spec.head_size_v != spec.head_size:
             raise ValueError(
                 f"{cls.preset} needs equal K and V head sizes, got {spec.head_size} and {spec.head_size_v}; "
                 "serve this model with --kv-cache-dtype auto"
             )
-        page = cls._record_page_spec(spec, full_pages)
         from vllm.config import get_current_vllm_config_or_none
 
         # vLLM 0.32 asks for the spec outside its config context: the config the layers were built under
         config = get_current_vllm_config_or_none() or serving.config
+        if full_pages is None:
+            full_pages = freed_window(spec) is not None and full_pages_reason(cls.preset, config)
+        page = cls._record_page_spec(spec, full_pages)
         if config is None or not tail_blocks_enabled(config, cls.preset):
             return page
         return tail_spec(page, tail_geometry(cls.config(spec.head_size), pool_itemsize(config))[1])

@@ -231,7 +231,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         self.layer_name = layer_names[0] if layer_names else ""
         self.window = freed_window(kv_cache_spec)
         if self.window is not None and (self.num_sink_slots or (self.cfg.seq_smooth and cuda)):
-            raise ValueError(  # refused at start-up (checks.window_problems); a builder never plans stale blocks
+            raise ValueError(  # such runs get full-attention pages (checks.freed_window_problems): never planned
                 f"--kv-cache-dtype {preset}: sliding-window layers whose blocks vLLM frees keep no sink, and on a GPU "
                 "no per-sequence smoothing vector; add --kv-cache-dtype-skip-layers sliding_window"
             )

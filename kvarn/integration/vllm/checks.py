@@ -119,8 +119,6 @@ def check_layer(selector_config, vllm_config=None) -> None:
     problems = []
     if selector_config.use_mla:
         problems.append(f"this model uses MLA (a latent KV cache KVarN does not quantize); {fix}")
-    if selector_config.has_sliding_window:
-        problems.extend(window_problems(preset, vllm_config))
     if selector_config.attn_type != "decoder":
         problems.append(f"this is an {selector_config.attn_type} attention layer; KVarN serves decoder layers; {fix}")
     if selector_config.head_size not in SUPPORTED_HEAD_DIMS:
@@ -150,50 +148,44 @@ def check_layer(selector_config, vllm_config=None) -> None:
         raise ValueError(f"{flag}: " + "; ".join(dict.fromkeys(problems)))
 
 
-WINDOW_FIX = "add --kv-cache-dtype-skip-layers sliding_window to keep the window layers in the model dtype"
-
-
-def window_problems(preset: str, vllm_config=None) -> list[str]:
-    """What KVarN cannot serve on a sliding-window layer of this run where vLLM itself gives window layers a
-    spec whose blocks it frees (:attr:`~kvarn.integration.vllm.state.ServingState.window_blocks_freed`: vLLM
-    0.32 and later): :func:`freed_window_problems`. vLLM 0.26 asks no backend for its page; the plugin's spec
-    hook gives a window layer KVarN's window pages where :func:`freed_window_problems` finds nothing, and
-    full-attention pages otherwise (blocks for every token, the window applied by attention alone), so nothing
-    is refused there.
-    """
-    return freed_window_problems(preset, vllm_config) if serving.window_blocks_freed else []
-
-
 def freed_window_problems(preset: str, vllm_config=None) -> list[str]:
-    """What KVarN cannot serve on a sliding-window layer whose blocks vLLM frees as the window moves.
+    """What keeps this run's sliding-window layers from vLLM's window spec, whose blocks vLLM frees as the window
+    moves: they then get full-attention pages, blocks for every token, the window applied by attention alone
+    (:meth:`~kvarn.integration.vllm.backend.KVarNBackend.customize_spec`), and nothing is refused.
 
     Nothing may live by a block before the window: not the ``_sink`` dtypes' first tile (kept by its block), not
     on a GPU the ``_ks`` formats' per-sequence smoothing vector (its request-index planner reads it from the first
     tile's record; the CPU engine's planner reads the tile before the step's, which a spec window one tile wider
     than the layer's keeps), and not a tile filled with a speculative draft (kept by its block until a later step
     starts past it, which the window may pass first). Tails in blocks are fine: a request's tail blocks follow
-    its last tile, which no window has left.
+    its last tile, which no window has left. Each reason says what would let vLLM free the blocks.
     """
-    where = "on a sliding-window layer, whose blocks vLLM frees as the window moves,"
     problems = []
     cfg = cache_dtype_config(preset)
     device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
     if has_sink(preset):
-        problems.append(
-            f"{where} the full-precision sink would lose the first tile's block; use --kv-cache-dtype "
-            f"{without_sink(preset)}, or {WINDOW_FIX}"
-        )
+        problems.append(f"the full-precision sink is kept by the first tile's block ({without_sink(preset)} has none)")
     if cfg.seq_smooth and device in (None, "cuda"):
         problems.append(
-            f"{where} the per-sequence key smoothing vector (read from the first tile's record on a GPU) would be "
-            f"lost; set {KEY_SMOOTHING_ENV}=off or use a dtype without the _ks suffix, or {WINDOW_FIX}"
+            "the GPU planner reads the per-sequence key smoothing vector from the first tile's record "
+            f"({KEY_SMOOTHING_ENV}=off, or a dtype without _ks, has none)"
         )
     if vllm_config is not None and getattr(vllm_config, "speculative_config", None) is not None:
-        problems.append(
-            f"{where} a tile filled with an unverified draft keeps its tail by a block the window may leave; "
-            f"drop --speculative-config, or {WINDOW_FIX}"
-        )
+        problems.append("a tile filled with an unverified draft keeps its tail by its block (speculative decoding)")
     return problems
+
+
+def full_pages_reason(preset: str, vllm_config) -> bool:
+    """Whether this run's sliding-window layers take full-attention pages instead of vLLM's window spec (something
+    lives by a block the window leaves: :func:`~kvarn.integration.vllm.checks.freed_window_problems`), saying why
+    once."""
+    problems = freed_window_problems(preset, vllm_config)
+    if problems:
+        warn_once(
+            "KVarN: sliding-window layers get full-attention pages in this run (blocks for every token, the window "
+            "applied in attention), because " + "; ".join(problems)
+        )
+    return bool(problems)
 
 
 def has_window_layers(vllm_config) -> bool:

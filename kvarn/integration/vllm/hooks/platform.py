@@ -15,7 +15,7 @@ from kvarn.config import CACHE_DTYPES, is_cache_dtype
 from kvarn.integration.vllm import tail_blocks
 from kvarn.integration.vllm.checks import (
     check_layer,
-    freed_window_problems,
+    full_pages_reason,
     serve_key_smoothing,
     serve_speculative,
     sink_process_problem,
@@ -128,15 +128,10 @@ def install_spec_hook(backend_cls: type) -> bool:
         spec = original(self, vllm_config)
         backend = getattr(self, "attn_backend", None)
         if spec is not None and isinstance(backend, type) and issubclass(backend, backend_cls):
-            problems = []
+            full = False
             if getattr(spec, "sliding_window", None) is not None:
-                problems = freed_window_problems(backend.preset, vllm_config)
-                if problems:
-                    warn_once(
-                        "KVarN: sliding-window layers get full-attention pages in this run (blocks for every token, "
-                        "the window applied in attention), because " + "; ".join(problems)
-                    )
-            spec = backend.customize_spec(spec, full_pages=bool(problems))
+                full = full_pages_reason(backend.preset, vllm_config)
+            spec = backend.customize_spec(spec, full_pages=full)
         return spec
 
     _mark(get_kv_cache_spec, original)
