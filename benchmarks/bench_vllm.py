@@ -616,8 +616,7 @@ def capacity(shape: str, kv: str, out_path: str) -> int:
     res["start_s"] = round(time.time() - t0, 1)
     res["kv_tokens"] = cfg.cache_config.num_gpu_blocks * cfg.cache_config.block_size
     res["num_gpu_blocks"] = cfg.cache_config.num_gpu_blocks
-    core = llm.llm_engine.engine_core.engine_core  # in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)
-    kv_config = core.scheduler.kv_cache_manager.kv_cache_config
+    kv_config = _kv_cache_config(llm)
     res["groups"] = [
         [type(g.kv_cache_spec).__name__, len(g.layer_names), getattr(g.kv_cache_spec, "sliding_window", None)]
         for g in kv_config.kv_cache_groups
@@ -703,11 +702,15 @@ def _preemptions(llm) -> int:
     return sum(int(getattr(m, "value", 0)) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
 
 
+def _kv_cache_config(llm):
+    """The engine core's ``KVCacheConfig`` (the in-process engine: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.kv_cache_config
+
+
 def _tail_blocks(llm) -> int:
     """The blocks per request kvarn keeps tails in (0 for a pool or another cache), from the engine core's KV spec."""
     try:
-        core = llm.llm_engine.engine_core.engine_core  # in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)
-        groups = core.scheduler.kv_cache_manager.kv_cache_config.kv_cache_groups
+        groups = _kv_cache_config(llm).kv_cache_groups
     except AttributeError:
         return 0
     return max((int(getattr(g.kv_cache_spec, "tail_blocks", 0) or 0) for g in groups), default=0)

@@ -377,35 +377,37 @@ def _sources_footer(picked: dict[str, Found]) -> tuple[dict[str, int], list[str]
     return {d: index[id(f.obj)] for d, f in picked.items()}, lines
 
 
+def _picked(g: Serving, has) -> dict[str, Found]:
+    """Per cache dtype (bf16 first), the newest record of ``g`` for which ``has(record)`` holds."""
+    return {d: f for d, fs in sorted(g.records.items(), key=lambda kv: dtype_order(kv[0])) if (f := _latest(fs, has))}
+
+
+def _cell(picked: dict[str, Found], d: str, key: str, digits: int, with_ratio: bool = True) -> str:
+    """Dtype ``d``'s figure ``key``, with its ratio to bf16's (``picked["auto"]``) unless ``d`` is bf16."""
+    v = picked[d].obj.get(key)
+    if v is None:
+        return ""
+    r = ratio(v, picked["auto"].obj.get(key)) if with_ratio and d != "auto" else ""
+    return num(v, digits) + (f" ({r})" if r else "")
+
+
 def serving_speed(g: Serving) -> list[str] | None:
-    picked = {
-        d: f
-        for d, fs in sorted(g.records.items(), key=lambda kv: dtype_order(kv[0]))
-        if (f := _latest(fs, lambda o: any(TPOT.match(k) for k in o)))
-    }
+    picked = _picked(g, lambda o: any(TPOT.match(k) for k in o))
     if "auto" not in picked:
         return None
-    base = picked["auto"].obj
     tpot = sorted({(int(m[2]), int(m[1])) for f in picked.values() for k in f.obj if (m := TPOT.match(k))})
     prefill = sorted({int(m[1]) for f in picked.values() for k in f.obj if (m := PREFILL.match(k))})
     idx, footer = _sources_footer(picked)
 
-    def cell(d: str, key: str, digits: int) -> str:
-        v = picked[d].obj.get(key)
-        if v is None:
-            return ""
-        r = ratio(v, base.get(key)) if d != "auto" else ""
-        return num(v, digits) + (f" ({r})" if r else "")
-
-    body = [["KV cache capacity, tokens", *[cell(d, "kv_tokens", 0) for d in picked]]]
+    body = [["KV cache capacity, tokens", *[_cell(picked, d, "kv_tokens", 0) for d in picked]]]
     body += [
-        [f"prefill, one {k}K-token prompt, tokens/s", *[cell(d, f"prefill_{k}k_tok_s", 0) for d in picked]]
+        [f"prefill, one {k}K-token prompt, tokens/s", *[_cell(picked, d, f"prefill_{k}k_tok_s", 0) for d in picked]]
         for k in prefill
     ]
     body += [
         [
             f"time per output token, batch {b}, context {ctx_label(c)}, ms",
-            *[cell(d, f"tpot_ms_b{b}_ctx{c}", 2) for d in picked],
+            *[_cell(picked, d, f"tpot_ms_b{b}_ctx{c}", 2) for d in picked],
         ]
         for c, b in tpot
     ]
@@ -423,25 +425,13 @@ def serving_speed(g: Serving) -> list[str] | None:
 
 
 def serving_capacity_bound(g: Serving) -> list[str] | None:
-    picked = {
-        d: f
-        for d, fs in sorted(g.records.items(), key=lambda kv: dtype_order(kv[0]))
-        if (f := _latest(fs, lambda o: "cap_out_tok_s" in o or "cap_decode_tok_s" in o))
-    }
+    picked = _picked(g, lambda o: "cap_out_tok_s" in o or "cap_decode_tok_s" in o)
     if "auto" not in picked:
         return None
-    base = picked["auto"].obj
     idx, footer = _sources_footer(picked)
     decode = any("cap_decode_tok_s" in f.obj for f in picked.values())  # a run may skip the decode phase
     shapes = sorted({(f.obj.get("cap_prompt"), f.obj.get("cap_out")) for f in picked.values()}, key=str)
     shape = ", ".join(f"{num(p)} + {num(o)}" for p, o in shapes)
-
-    def cell(d: str, key: str, digits: int, with_ratio: bool = True) -> str:
-        v = picked[d].obj.get(key)
-        if v is None:
-            return ""
-        r = ratio(v, base.get(key)) if with_ratio and d != "auto" else ""
-        return num(v, digits) + (f" ({r})" if r else "")
 
     rows = [
         ("requests held at once", "cap_requests", 0, True),
@@ -457,7 +447,7 @@ def serving_capacity_bound(g: Serving) -> list[str] | None:
         ("end to end, seconds", "cap_s", 1, False),
         ("preemptions", "cap_preemptions", 0, False),
     ]
-    body = [[label, *[cell(d, k, dg, wr) for d in picked]] for label, k, dg, wr in rows]
+    body = [[label, *[_cell(picked, d, k, dg, wr) for d in picked]] for label, k, dg, wr in rows]
     body.append(["measured (sources below)", *[f"{picked[d].source.date} [{idx[d]}]" for d in picked]])
     return [
         f"### {g.model}: capacity-bound serving",
@@ -477,26 +467,17 @@ HELD = re.compile(r"max_requests_ctx(\d+)$")
 
 
 def serving_requests_held(g: Serving) -> list[str] | None:
-    picked = {
-        d: f
-        for d, fs in sorted(g.records.items(), key=lambda kv: dtype_order(kv[0]))
-        if (f := _latest(fs, lambda o: any(HELD.match(k) for k in o)))
-    }
+    picked = _picked(g, lambda o: any(HELD.match(k) for k in o))
     if "auto" not in picked:
         return None
-    base = picked["auto"].obj
     contexts = sorted({int(m[1]) for f in picked.values() for k in f.obj if (m := HELD.match(k))})
     idx, footer = _sources_footer(picked)
 
-    def cell(d: str, key: str) -> str:
-        v = picked[d].obj.get(key)
-        if v is None:
-            return ""
-        r = ratio(v, base.get(key)) if d != "auto" else ""
-        return num(v, 2) + (f" ({r})" if r else "")
-
     body = [
-        [f"requests of {ctx_label(c)} tokens held at once", *[cell(d, f"max_requests_ctx{c}") for d in picked]]
+        [
+            f"requests of {ctx_label(c)} tokens held at once",
+            *[_cell(picked, d, f"max_requests_ctx{c}", 2) for d in picked],
+        ]
         for c in contexts
     ]
     body.append(["measured (sources below)", *[f"{picked[d].source.date} [{idx[d]}]" for d in picked]])

@@ -311,13 +311,12 @@ class KVarNBackend(AttentionBackend):
         must not have freed (the layer's own window still masks attention)."""
         cfg = cls.config(spec.head_size)
         per_slot = page_slot_bytes(cfg)
+        shape = dict(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size)
+        shape.update(head_size_v=spec.head_size_v)
         if full_pages and freed_window(spec) is not None:
             from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-            shape = dict(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size)
-            spec = FullAttentionSpec(
-                **shape, head_size_v=spec.head_size_v, dtype=spec.dtype, sliding_window=spec.sliding_window
-            )
+            spec = FullAttentionSpec(**shape, dtype=spec.dtype, sliding_window=spec.sliding_window)
         if "state_content_bytes" in {f.name for f in dataclasses.fields(spec)}:
             done = spec.dtype == torch.uint8 and spec.state_content_bytes == per_slot  # asked twice: widened once
             window = getattr(spec, "sliding_window", None)
@@ -326,8 +325,7 @@ class KVarNBackend(AttentionBackend):
             return dataclasses.replace(spec, dtype=torch.uint8, state_content_bytes=per_slot, tokens_per_state=1)
         from vllm.v1.kv_cache_interface import TQFullAttentionSpec
 
-        shape = dict(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size)
-        shape.update(head_size_v=spec.head_size_v, dtype=torch.uint8)
-        if freed_window(spec) is not None and not full_pages:
-            return window_page_spec_class()(**shape, sliding_window=spec.sliding_window, record_slot_bytes=per_slot)
-        return TQFullAttentionSpec(**shape, tq_slot_size=per_slot)
+        if freed_window(spec) is not None:  # not with full_pages: the spec is a full-attention one by now
+            page = window_page_spec_class()
+            return page(**shape, dtype=torch.uint8, sliding_window=spec.sliding_window, record_slot_bytes=per_slot)
+        return TQFullAttentionSpec(**shape, dtype=torch.uint8, tq_slot_size=per_slot)
