@@ -11,6 +11,9 @@ where the backend's own tiles, plans and commits go through captured graphs:
   backend), in a KVarN engine with CUDA graphs and in one without (compiled alike).
 - ``spec``: ngram speculative decoding on the tiny Llama with ``kvarn_k4v2_g128`` in float32 (vLLM's V1 GPU runner,
   which serves drafts): the engine with drafts against the same engine without, and vLLM's own cache with drafts.
+- ``draft``: the same, drafted by a draft model with attention layers of its own (vLLM's ``draft_model``: the tiny
+  Llama drafting for itself, its layers in the KVarN cache), against the engine without drafts and vLLM's own cache
+  with the same draft model.
 - ``lfm2``: Lfm2 (short conv + attention), ``kvarn_k4v2_g128``, against the unquantized engine.
 - ``nemotron_h`` (not run by default): NemotronH (Mamba2 + attention, blocks of 640 tokens), KVarN's engine, then
   the unquantized one, which on vLLM 0.26 stops the process with an illegal memory access under CUDA graphs.
@@ -20,7 +23,7 @@ Each engine's tokens, teacher-forced agreement with the unquantized engine, atte
 records its error and the next runs. ``tests/test_vllm_gpu_shapes.py`` holds the results to their checks. Usage
 (on the GPU machine, vLLM on ``PYTHONPATH``)::
 
-    PYTHONPATH=. python scripts/vllm_gpu_shapes.py OUT.json [window,spec,lfm2,nemotron_h]
+    PYTHONPATH=. python scripts/vllm_gpu_shapes.py OUT.json [window,spec,draft,lfm2,nemotron_h]
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ import traceback
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 
-SCENARIOS = ("window", "spec", "lfm2", "nemotron_h")
-DEFAULT = ("window", "spec", "lfm2")
+SCENARIOS = ("window", "spec", "draft", "lfm2", "nemotron_h")
+DEFAULT = ("window", "spec", "draft", "lfm2")
 GRAPHS = {"compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}, "gpu_memory_utilization": 0.2}
 """vLLM's default compilation with fewer captured batch sizes (the engines here run at most 8 sequences), and a
 fifth of the GPU's memory, so that other engines can run beside these."""
@@ -146,15 +149,18 @@ def _spec_engine(model: str, dtype: str, spec: dict | None, common: dict, ids: l
     return llm, {**engine_rows(llm, ids, quantized=dtype != "auto"), "mode": _mode(llm)}
 
 
-def run_spec(rec: Recorder, models: pathlib.Path) -> None:
+def run_spec(rec: Recorder, models: pathlib.Path, draft_model: bool = False) -> None:
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # vLLM 0.26's V2 runner serves no drafts with KVarN
-    from test_vllm_spec_e2e import KVARN_BUDGET, PRESET, SPEC
+    from test_vllm_spec_e2e import DRAFT, KVARN_BUDGET, PRESET, SPEC
     from tiny_model import build_tiny_model
 
+    model = str(build_tiny_model(models / "tiny-llama"))
     spec_config = dict(SPEC)
     if importlib.util.find_spec("numba") is None:  # vLLM's CPU ngram drafter needs numba; its GPU one does not
         spec_config["method"] = "ngram_gpu"
-    model = str(build_tiny_model(models / "tiny-llama"))
+    if draft_model:
+        spec_config = {**DRAFT, "model": model}
+    scenario = "draft" if draft_model else "spec"
     # float32: in bfloat16 a verification step of several tokens rounds otherwise than single-token steps, so
     # greedy tokens with drafts differ from those without even on vLLM's own cache
     common = {"seed": 0, "dtype": "float32", "max_num_seqs": 8, "max_model_len": 1024, "disable_log_stats": False}
@@ -167,10 +173,13 @@ def run_spec(rec: Recorder, models: pathlib.Path) -> None:
         ("auto", "auto", None),
         ("auto_spec", "auto", spec_config),
     ):
-        # KVarN's budget preempts (as in the CPU test); vLLM's own cache holds every request
-        budget = {"kv_cache_memory_bytes": KVARN_BUDGET if dtype != "auto" else 64 * 2**20}
-        rec.engine(f"spec/{name}", functools.partial(_spec_engine, model, dtype, spec, {**common, **budget}, ids))
-    rec.data.setdefault("spec", {}).update(prompt_tokens=[len(p) for p in ids], method=spec_config["method"])
+        # KVarN's budget preempts (as in the CPU test; twice the bytes where the draft model's layers take records
+        # too); vLLM's own cache holds every request
+        kvarn_budget = KVARN_BUDGET * (2 if draft_model and spec is not None else 1)
+        budget = {"kv_cache_memory_bytes": kvarn_budget if dtype != "auto" else 64 * 2**20}
+        run = functools.partial(_spec_engine, model, dtype, spec, {**common, **budget}, ids)
+        rec.engine(f"{scenario}/{name}", run)
+    rec.data.setdefault(scenario, {}).update(prompt_tokens=[len(p) for p in ids], method=spec_config["method"])
 
 
 def _hybrid_engine(model: str, dtype: str, ids: list, common: dict, base: dict | None):
@@ -215,7 +224,9 @@ def main(out_path: str, scenarios: list[str]) -> int:
         if name in ("lfm2", "nemotron_h"):
             run_hybrid(rec, models, name)
         else:
-            {"window": run_window, "spec": run_spec}[name](rec, models)
+            {"window": run_window, "spec": run_spec, "draft": functools.partial(run_spec, draft_model=True)}[name](
+                rec, models
+            )
     rec.path.write_text(json.dumps(rec.data, indent=1))
     return 1 if rec.data["errors"] else 0
 

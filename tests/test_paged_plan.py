@@ -237,9 +237,27 @@ def test_drafts_that_fill_a_tile_after_a_verified_one_take_their_own_slot():
     assert out.commit_blocks.tolist() == [5, 6] and out.commit_slots.tolist() == [s5, s6]
     assert out.tail_slot_mapping.tolist() == [s5 * G + 7] + [s6 * G + i for i in range(G)] + [s7 * G]
     with pytest.raises(ValueError, match="said to be drafts"):
-        plan(p, [(2, 2 * G + 3)], [[5, 6, 7]], drafts=[2])
+        plan(p, [(2, 2 * G + 3)], [[5, 6, 7]], drafts=[3])
     with pytest.raises(ValueError, match="one count per request"):
         plan(p, [(1, 2 * G + 2)], [[5, 6, 7]], drafts=[0, 0])
+
+
+def test_a_step_of_drafts_only_keeps_the_tails_its_request_may_rewind_into():
+    """A draft model's steps write drafts only (every token of the step, the first included): a tile they fill is
+    kept, and a later step of drafts only that starts past it frees it neither as verified nor as a recycled block
+    of its own row. A step whose first token is verified does (the next engine step's first pass)."""
+    p = TilePlanner(4, G)
+    plan(p, [(G - 2, G - 2)], [[5, 6]])
+    plan(p, [(2, G)], [[5, 6]], drafts=[2])  # drafts fill tile 0: committed, its slot kept
+    assert p.live_slots.keys() == {5}
+    out = plan(p, [(1, G + 1)], [[5, 6]], drafts=[1])  # a draft past it, in tile 1
+    assert out.head_slots.tolist() == [p.live_slots[6]] and p.live_slots.keys() == {5, 6}, "tile 0 still kept"
+    plan(p, [(1, G + 2)], [[5, 6]], drafts=[1])
+    assert p.live_slots.keys() == {5, 6}
+    out = plan(p, [(3, G + 1)], [[5, 6]], drafts=[2])  # the next engine step rewinds into tile 0
+    assert p.stats["reopened_tails"] == 1 and out.commit_blocks.tolist() == [5] and p.live_slots.keys() == {5, 6}
+    plan(p, [(2, G + 2)], [[5, 6]], drafts=[1])  # starts past tile 0 with a verified token: it was verified
+    assert p.live_slots.keys() == {6} and p.stats["verified_tails"] == 1
 
 
 def test_a_window_planner_ignores_the_stale_and_null_ids_before_a_row_s_window():

@@ -541,6 +541,71 @@ def test_speculative_verification_steps_match_the_reference_for_the_accepted_tok
     assert stats.get("evicted_tails", 0) == 0, stats
 
 
+@pytest.mark.parametrize(
+    ("preset", "extra"),
+    [("kvarn_k4v2_g64", 0), ("kvarn_k2v2_g128_ks", 0), ("kvarn_k4v2_g64", 1)],
+    ids=["eagle", "eagle_ks", "draft_model"],
+)
+def test_a_draft_models_layers_match_the_reference_through_its_rewinding_steps(preset, extra, runner_hooked):
+    """The builder of a draft model's attention layer, through vLLM's drafter schedule: each engine step's first
+    pass over the target's rows (EAGLE: the target's positions; a draft model, ``extra = 1``: one more token a
+    row), a random number of the target's drafts rejected, then ``k - 1`` one-token steps past the accepted ones,
+    all rolled back before the next engine step, which starts at the target's new length. Prompt chunks, prefix
+    hits and preemption among them. Every build's attention equals the reference over the token history as it
+    stands, and after every rollback each record below the new length is the reference's of the tokens that
+    stand (:meth:`Sim.reject`). The host's length bound is too high in the draft steps, as vLLM's. Fails if the
+    builder plans a draft step's tokens as verified (a tile they fill gives up its slot; the rewind finds no tail)
+    or plans prompt tiles as drafts (their kept slots run the pool dry)."""
+    seed = sum(map(ord, preset)) + extra
+    sim = Sim(preset, torch.bfloat16, seed=seed, speculative=True)
+    g, rng = sim.g, sim.rng
+    prompt = {}
+    for _ in range(4):
+        rid = sim.add(rng.randrange(2 * g, 5 * g))
+        prompt[rid] = rng.randrange(g // 2, 3 * g)
+    steps = rewinds = 0
+    while steps < 60:
+        for rid in [r for r, q in sim.reqs.items() if q["len"] + 8 >= q["target"]]:
+            sim.free_req(rid, keep_prefix=rng.random() < 0.5)
+            prompt.pop(rid, None)
+        if len(sim.reqs) < 5 and rng.random() < 0.5:
+            sources = list(sim.reqs) + list(sim.prefix)
+            share = rng.choice(sources) if sources and rng.random() < 0.5 else None
+            rid = sim.add(rng.randrange(2 * g, 5 * g), share_from=share)
+            prompt[rid] = max(sim.reqs[rid]["len"] + 1, rng.randrange(g // 2, 3 * g))
+        live = list(sim.reqs)
+        if not live:
+            continue
+        scheduled = [r for r in live if rng.random() < 0.8] or live[:1]
+        rng.shuffle(scheduled)
+        k = 3
+        chunks, drafts = {}, {}
+        for rid in scheduled:
+            req = sim.reqs[rid]
+            if req["len"] < prompt[rid]:
+                chunks[rid], drafts[rid] = min(prompt[rid] - req["len"], rng.randrange(1, 2 * g + 7)), 0
+            else:
+                chunks[rid], drafts[rid] = 1 + k, k
+        steps += 1
+        sim.note_target(chunks, drafts)
+        sim.step({r: n + extra for r, n in chunks.items()}, draft_index=0)
+        verified = {}
+        for rid in scheduled:  # the target's new length: its accepted drafts and the token it sampled
+            accepted = rng.randrange(drafts[rid] + 1)
+            verified[rid] = sim.reqs[rid]["len"] - extra - (drafts[rid] - accepted)
+            sim.reject(rid, drafts[rid] - accepted)
+        for j in range(1, k):
+            sim.step(dict.fromkeys(scheduled, 1), draft_index=j)
+        for rid in scheduled:  # the next engine step rewinds the draft layer to the target's length
+            rewinds += sim.reqs[rid]["len"] > verified[rid]
+            sim.reject(rid, sim.reqs[rid]["len"] - verified[rid])
+        assert len(sim.builder.planner.live_slots) <= 2 * len(sim.reqs), "at most two tails a request"
+    stats = sim.builder.planner.stats
+    assert rewinds > 20 and stats["verified_tails"] > 0 and stats["reopened_tails"] > 0, (rewinds, stats)
+    assert stats["stored_tiles"] > 0, "prompt tiles of the first pass go straight to their records"
+    assert stats.get("evicted_tails", 0) == 0, stats
+
+
 def test_a_tile_filled_with_a_draft_keeps_its_tail_until_verified(runner_hooked):
     """The cases one by one (G = 64): drafts that cross into the next tile (both tiles through their own slots,
     the filled one quantized for the step's draft queries), a rejection that rewinds into that tile (its rows

@@ -107,7 +107,7 @@ def _run(block_size=128, user_block=False, unit=None, spec=None, dbo=False, dp=1
     [
         (_run(block_size=192, user_block=True), "set it to 128"),
         (_run(unit=64), "multiple of 128"),
-        (_run(spec=SimpleNamespace(method="eagle", num_speculative_tokens=3)), "use a method without draft layers"),
+        (_run(spec=SimpleNamespace(method="dflash", num_speculative_tokens=3)), "use one of ngram"),
         (_run(dbo=True), "drop --enable-dbo"),
         (_run(dp=2), "drop --data-parallel-size"),  # idle ranks' dummy batches would write into cached blocks
     ],
@@ -289,10 +289,12 @@ def _spec_run(method="ngram", k=3, **spec):
 @pytest.mark.parametrize(
     ("run", "advice"),
     [
-        (_spec_run("eagle3"), "use a method without draft layers (ngram"),
-        (_spec_run("mtp"), "or --kv-cache-dtype auto"),
-        (_spec_run("draft_model"), "use a method without draft layers"),
+        (_spec_run("dflash"), "use one of ngram, ngram_gpu, suffix, medusa, mlp_speculator, eagle, eagle3, mtp"),
+        (_spec_run("extract_hidden_states"), "or --kv-cache-dtype auto"),
         (_spec_run(k=128), "use fewer than 128"),
+        (_spec_run("eagle", k=64), "is not below half the tile length 128 (a draft layer's steps"),
+        (_spec_run("mtp", kv_cache_dtype="auto"), "leave it unset: the draft layers then use the KVarN cache too"),
+        (_spec_run("draft_model", parallel_drafting=True), "drop parallel_drafting"),
         (_spec_run(enable_adaptive_verification=True), "drop enable_adaptive_verification"),
     ],
 )
@@ -300,6 +302,17 @@ def test_speculative_decoding_it_cannot_serve_is_refused_with_what_to_change(run
     with pytest.raises(ValueError, match=r"^--kv-cache-dtype kvarn_k4v2_g128: ") as err:
         checks.check_run(run, "kvarn_k4v2_g128")
     assert advice in str(err.value)
+
+
+def test_draft_layer_methods_are_served_in_the_kvarn_cache_without_the_sink():
+    """EAGLE, MTP and draft models: their layers get the run's KVarN dtype (named or unset) with fewer than half a
+    tile of drafts; the sink dtypes say which preset to use instead."""
+    for method in checks.DRAFT_LAYER_METHODS:
+        checks.check_run(_spec_run(method, k=63), "kvarn_k4v2_g128")
+        checks.check_run(_spec_run(method, k=5, kv_cache_dtype="kvarn_k4v2_g128"), "kvarn_k4v2_g128")
+        with pytest.raises(ValueError, match=r"sink of .* draft layers is not built .*use kvarn_k4v2_g128$"):
+            checks.check_run(_spec_run(method), "kvarn_k4v2_g128_sink")
+    checks.check_run(_spec_run("ngram"), "kvarn_k4v2_g128_sink")  # no draft layers: the sink is served
 
 
 def test_ngram_speculative_decoding_is_served_with_two_tail_slots_per_request(monkeypatch):

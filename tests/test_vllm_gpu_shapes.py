@@ -97,6 +97,25 @@ def test_speculative_decoding_under_cuda_graphs(results):
     assert rate >= base_rate - 0.1, (rate, base_rate)
 
 
+def test_a_draft_models_layers_in_the_kvarn_cache_under_cuda_graphs(results):
+    """vLLM's ``draft_model`` (the tiny Llama drafting for itself) with its layers in the KVarN cache, on the V1 GPU
+    runner: the tokens without drafts, and its drafts (the target's own greedy tokens where the draft layers' cache
+    holds what the target's does) accepted as often as with vLLM's own cache."""
+    from test_vllm_spec_e2e import MAX_TOKENS, PRESET
+
+    spec = results["draft"]
+    plain, drafted, base_drafted = (spec[n] for n in ("kvarn", "kvarn_spec", "auto_spec"))
+    assert _graphs(plain) and _graphs(drafted), (plain["mode"], drafted["mode"])
+    assert all(len(t) == MAX_TOKENS for t in drafted["tokens"])
+    assert drafted["tokens"] == plain["tokens"], "a draft model's drafts verified give the tokens without drafts"
+    assert drafted["again"] == drafted["tokens"] and max(drafted["num_cached_tokens"]) >= 128, "prefix hits"
+    assert drafted["draft_facts"]["backends"] == [_kvarn_backend(PRESET)], "the draft layers are KVarN's"
+    stats = drafted["draft_facts"]["stats"]
+    assert stats.get("reopened_tails", 0) > 0 and stats.get("evicted_tails", 0) == 0, stats
+    rate, base_rate = (c["spec"]["accepted_tokens"] / c["spec"]["draft_tokens"] for c in (drafted, base_drafted))
+    assert base_rate > 0.95 and rate >= base_rate - 0.03, (rate, base_rate)
+
+
 def test_a_conv_hybrid_under_cuda_graphs(results):
     from test_vllm_hybrid import MAX_TOKENS, PRESET, SHORT
 

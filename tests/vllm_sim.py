@@ -208,11 +208,16 @@ class Sim:
             blocks = torch.tensor(req["blocks"][:full])
             assert torch.equal(cache[blocks], torch.stack(req["rec"][:full])), f"records of request {rid} differ"
 
-    def step(self, chunks, drafts=None):
+    def step(self, chunks, drafts=None, draft_index=None):
         """Run one step; ``chunks`` maps request id -> number of new tokens, ``drafts`` request id -> how many
-        of them (the last ones) are speculative drafts (what the runner hook notes from the scheduler output)."""
+        of them (the last ones) are speculative drafts (what the runner hook notes from the scheduler output).
+
+        ``draft_index``: the step is a draft model's (the builder is a draft layer's, built through
+        ``build_for_drafting``): nothing is noted (the target's step was, by :meth:`note_target`), and the host's
+        upper bound of the lengths is too high, as vLLM's drafter leaves it after a rejection."""
         order = list(chunks)
-        self.rng.shuffle(order)
+        if draft_index is None:  # a draft model's steps keep the target step's rows, in their order
+            self.rng.shuffle(order)
         qsl, lens, ks, vs = [0], [], [], []
         had = {rid: len(self.reqs[rid]["blocks"]) for rid in order}
         computed = {rid: self.reqs[rid]["len"] for rid in order}
@@ -250,7 +255,7 @@ class Sim:
             max_seq_len=max(lens),
             block_table_tensor=table,
             slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),
-            seq_lens_cpu_upper_bound=lens_t,
+            seq_lens_cpu_upper_bound=lens_t if draft_index is None else lens_t + 3,
         )
         if self.request_slots:
             # what vLLM's GPU runner says in its scheduler output: admitted requests with all their
@@ -278,8 +283,11 @@ class Sim:
         scheduled = SimpleNamespace(
             scheduled_spec_decode_tokens=spec, num_scheduled_tokens={str(r): chunks[r] for r in order}
         )
-        note_drafts(scheduled, [str(r) for r in order])
-        meta = self.builder.build(0, cam)
+        if draft_index is None:
+            note_drafts(scheduled, [str(r) for r in order])
+            meta = self.builder.build(0, cam)
+        else:
+            meta = self.builder.build_for_drafting(cam, draft_index)
         self.last_meta = meta
         output = torch.full((num_tokens, HQ, D), float("nan"), dtype=self.dtype)
         replayed = self.replay and meta.decode
@@ -289,6 +297,13 @@ class Sim:
             meta.forward_ran = False
         self.step_kv = (key[: qsl[-1]], value[: qsl[-1]])
         self.check(order, query[: qsl[-1]], qsl_t, lens_t, table, output[: qsl[-1]], replayed)
+
+    def note_target(self, chunks, drafts):
+        """What the runner hook notes of a target step (its rows in ``chunks``' order, ``drafts`` as in :meth:`step`),
+        for the draft model's steps that follow it."""
+        spec = {str(r): [0] * k for r, k in drafts.items() if k}
+        counts = {str(r): n for r, n in chunks.items()}
+        note_drafts(SimpleNamespace(scheduled_spec_decode_tokens=spec, num_scheduled_tokens=counts), list(counts))
 
     def _slide(self, order, computed):
         """vLLM's window manager as it schedules a step: the blocks wholly before each scheduled request's window

@@ -65,6 +65,14 @@ a block to the prefix cache only once every token in it is verified, by which ti
 made from those tokens. A whole tile with a draft in it goes through the tail, never straight to
 its record. The kept slot is released once the request's next step starts past the tile (or with
 the request's blocks), so a request holds at most two slots when ``k < G``.
+
+A draft model's own attention layers (EAGLE, MTP, a draft model) write more unverified tokens than that:
+each engine step first runs the draft over the verified tokens again and then one draft token at a time
+past them, and the next step rewinds to the first token the target did not accept. Their planner is
+told that every token of such a step is a draft (``num_drafts`` equal to the step's tokens): tiles
+filled in those steps keep their slots until a step starts past them, by which time every token in
+them was last written from verified inputs. A request then holds at most two slots while its draft
+steps span at most two tiles.
 """
 
 from __future__ import annotations
@@ -389,10 +397,11 @@ class TilePlanner:
         self._block_of[slot] = block
         return slot
 
-    def _release_verified(self, qsl: list[int], lens: list[int], block_table: torch.Tensor) -> None:
-        """Free the kept slot of a tile that a scheduled request's step now starts past (every token in it
-        was verified, and its record was made from them), before this step claims slots. Not where a row
-        of this step writes that block (a tile of another request filled in this step)."""
+    def _release_verified(self, qsl: list[int], lens: list[int], block_table: torch.Tensor, drafts: list[int]) -> None:
+        """Free the kept slot of a tile that a scheduled request's step now starts past with a verified token
+        (every token in the tile was verified, and its record was made from them), before this step claims
+        slots. Not where a row of this step writes that block (a tile of another request filled in this
+        step), and not for a row whose every token is a draft (a draft model's step: the next step may rewind)."""
         g = self.group_size
         below, written = [], set()
         for r, length in enumerate(lens):
@@ -401,8 +410,9 @@ class TilePlanner:
                 continue
             row = block_table[r]
             written.update(int(b) for b in row[start // g : (length - 1) // g + 1].tolist())
-            if start // g - 1 >= self.first_live(start):  # a stale id before the window is no block of this row
-                below.append(int(row[start // g - 1]))
+            verified_start = drafts[r] < length - start
+            if verified_start and start // g - 1 >= self.first_live(start):  # a stale id before the window is no
+                below.append(int(row[start // g - 1]))  # block of this row
         for block in below:
             slot = self._slot_of.get(block)
             if slot in self._kept and block not in written:
@@ -427,7 +437,8 @@ class TilePlanner:
             num_tokens: rows of the step's key/value tensors (``>= query_start_loc[-1]``).
             device: where the plan's tensors go.
             num_drafts: ``[B]`` ints or ``None`` (none): how many of each request's new tokens, its
-                last ones, are unverified speculative drafts (see the module docstring).
+                last ones, are unverified speculative drafts (see the module docstring); all of them in
+                a draft model's steps.
         """
         g = self.group_size
         self._step += 1
@@ -453,7 +464,7 @@ class TilePlanner:
             raise ValueError(f"num_drafts must have one count per request ({batch}), got {len(drafts)}")
         kept: set[int] = set()  # slots of tiles filled in this step with a draft in them
         if self._kept:
-            self._release_verified(qsl, lens, block_table)
+            self._release_verified(qsl, lens, block_table, drafts)
         if sink:
             sink_slots = self._plan_sinks(qsl, lens, block_table)
         for r in range(batch):
@@ -464,13 +475,14 @@ class TilePlanner:
             start = length - n
             if start < 0:
                 raise ValueError(f"request {r} has {n} new tokens but a length of {length}")
-            if not 0 <= drafts[r] < n:
+            if not 0 <= drafts[r] <= n:
                 raise ValueError(f"request {r} has {n} new tokens of which {drafts[r]} are said to be drafts")
             verified = length - drafts[r]  # tokens below it are verified
             if n > 1 and start % g:
                 self.stats["chunks_starting_inside_a_tile"] += 1
             row = block_table[r]
-            full_rows.append(row[self.first_live(start) : length // g])
+            if drafts[r] < n:  # an all-draft row's full tiles may be its own, kept for a rewind
+                full_rows.append(row[self.first_live(start) : length // g])
             # per-sequence smoothing reads the vector every record carries: from the first tile, or with a window
             # (whose first block vLLM frees) from the tile before the step's, which the caller's window keeps
             src = int(row[0]) if self.window is None or start < g else int(row[start // g - 1])

@@ -36,8 +36,14 @@ scheduled ``1 + k`` tokens, its last ``k`` unverified; the plugin's hook of the 
 ``_update_states`` notes each row's count from the scheduler output
 (:func:`~kvarn.integration.vllm.scheduler.note_drafts`) and the planner keeps the slot of a tile filled
 with a draft until a later step starts past it, so a step that rewinds into it (a rejected draft)
-overwrites its rows and quantizes it again (:mod:`kvarn.paged.plan`). Other tail modes are refused with
-speculative decoding at start-up (:func:`~kvarn.integration.vllm.checks.speculative_problems`).
+overwrites its rows and quantizes it again (:mod:`kvarn.paged.plan`). A draft model's attention layers
+(EAGLE, MTP, a draft model) have builders of their own, which vLLM's drafter calls through
+:meth:`KVarNMetadataBuilder.build_for_drafting` several times an engine step: a first pass over the
+step's rows, whose tokens past the target's verified ones are drafts
+(:func:`~kvarn.integration.vllm.scheduler.draft_pass_drafts`), then one token a row at a time, all drafts,
+each planned from the device's lengths (the drafter lowers them by the rejected tokens there). Other tail
+modes are refused with speculative decoding at start-up
+(:func:`~kvarn.integration.vllm.checks.speculative_problems`).
 
 Sink (``--kv-cache-dtype kvarn_..._sink``). The first tile of every sequence is also kept in full
 precision in a sink slot keyed by the block id of that first tile (:class:`kvarn.paged.SinkSlots`),
@@ -82,7 +88,7 @@ from kvarn.integration.vllm.backend import (
 )
 from kvarn.integration.vllm.checks import TAIL_BLOCKS_ENV, sink_slot_count, tail_slot_count, warn_once
 from kvarn.integration.vllm.hooks import install_zeroing_hook
-from kvarn.integration.vllm.scheduler import block_held, forget_cached_block, step_drafts
+from kvarn.integration.vllm.scheduler import block_held, draft_pass_drafts, forget_cached_block, step_drafts
 from kvarn.integration.vllm.state import serving
 from kvarn.integration.vllm.warmup import rehearse, warmup_wanted
 from kvarn.paged import (
@@ -401,7 +407,17 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
     ) -> KVarNMetadata:
-        cam = common_attn_metadata
+        return self._build(common_attn_metadata)
+
+    def build_for_drafting(self, common_attn_metadata: CommonAttentionMetadata, draft_index: int) -> KVarNMetadata:
+        """A draft model's step (``draft_index`` 0: its pass over the engine step's rows; then one token a row).
+
+        Planned from the device's lengths, which the drafter lowers by each row's rejected tokens after its first
+        pass (the host's upper bound assumes every draft accepted), with every token past the verified ones a
+        draft, so the next engine step can rewind into the tiles they fill."""
+        return self._build(common_attn_metadata, drafting=draft_index)
+
+    def _build(self, cam: CommonAttentionMetadata, drafting: int | None = None) -> KVarNMetadata:
         self.commit_replayed()
         if self._warm_pending:  # the serving kernels compiled before the first step over the bound cache
             self._warm_pending = False  # first: the rehearsal's own steps come back through this build
@@ -409,7 +425,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             self.replay_commits.clear()  # the rehearsal's (its forwards ran; a failed one's are of its scratch cache)
         batch = cam.num_reqs
         serving.probe.note_build(self.layer_names)
-        lens_cpu = cam.seq_lens_cpu_upper_bound
+        lens_cpu = None if drafting is not None else cam.seq_lens_cpu_upper_bound
         lens_cpu = cam.seq_lens[:batch].cpu() if lens_cpu is None else lens_cpu[:batch]
         qsl_cpu = cam.query_start_loc_cpu[: batch + 1]
         block_table = cam.block_table_tensor[:batch]
@@ -422,7 +438,12 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             num_slots=self.num_sink_slots + self.num_slots + int(self.per_request),
             decode_layers=self.decode_layers,
         )
-        drafts = step_drafts(qsl_cpu.numpy(), batch)
+        if drafting is None:
+            drafts = step_drafts(qsl_cpu.numpy(), batch)
+        elif drafting == 0:
+            drafts = draft_pass_drafts(qsl_cpu.numpy(), batch)
+        else:
+            drafts = np.diff(qsl_cpu.numpy().astype(np.int64))
         if drafts is not None and drafts.any() and self.planner is None:
             raise RuntimeError(
                 "the KVarN backend plans speculative drafts with tail slots keyed by block id only; this run keeps "

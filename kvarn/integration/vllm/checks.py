@@ -200,8 +200,12 @@ def has_window_layers(vllm_config) -> bool:
 
 
 SPECULATIVE_METHODS = ("ngram", "ngram_gpu", "suffix", "medusa", "mlp_speculator")
-"""Speculative methods KVarN serves: their drafts come without attention layers of their own, so only the
-target's verification steps reach the KVarN cache (:class:`kvarn.paged.TilePlanner`, ``num_drafts``)."""
+"""Speculative methods whose drafts come without attention layers of their own: only the target's
+verification steps reach the KVarN cache (:class:`kvarn.paged.TilePlanner`, ``num_drafts``)."""
+DRAFT_LAYER_METHODS = ("eagle", "eagle3", "mtp", "draft_model")
+"""Speculative methods with draft attention layers, served in the same KVarN cache: vLLM builds those
+layers with the target's cache dtype, and their builder plans every token a draft step writes as an
+unverified draft (:meth:`~kvarn.integration.vllm.builder.KVarNMetadataBuilder.build_for_drafting`)."""
 ADAPTIVE_VERIFICATION = (
     "adaptive verification of speculative drafts lets the device shorten a step's query lengths after KVarN "
     "planned the step on the host; drop enable_adaptive_verification from --speculative-config"
@@ -211,27 +215,50 @@ ADAPTIVE_VERIFICATION = (
 def speculative_problems(vllm_config, preset: str) -> list[str]:
     """What in a run's ``--speculative-config`` KVarN cannot serve (nothing without one).
 
-    Served: the methods of :data:`SPECULATIVE_METHODS`, fewer draft tokens than the tile length (a
+    Served: the methods of :data:`SPECULATIVE_METHODS` with fewer draft tokens than the tile length (a
     request then keeps at most two full-precision tiles: one filled with a draft, kept until the
-    draft is verified, and the next), on a runner that plans from block ids (vLLM's V1 runner, the CPU
-    engine's) with synchronous scheduling (:func:`serve_speculative` turns asynchronous scheduling off).
+    draft is verified, and the next), and those of :data:`DRAFT_LAYER_METHODS` with fewer than half
+    of it (a draft layer's steps of one engine step write up to ``2k + 1`` positions), on a runner that
+    plans from block ids (vLLM's V1 runner, the CPU engine's) with synchronous scheduling
+    (:func:`serve_speculative` turns asynchronous scheduling off).
     """
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is None:
         return []
     problems = []
     method = getattr(spec, "method", None)
-    if method not in SPECULATIVE_METHODS:
+    served = ", ".join(SPECULATIVE_METHODS + DRAFT_LAYER_METHODS)
+    if method not in SPECULATIVE_METHODS + DRAFT_LAYER_METHODS:
         problems.append(
-            f"speculative method {method!r} runs draft attention layers, which vLLM builds with the same KVarN "
-            "cache (their draft steps rewind every step, which KVarN does not follow for draft layers) or, with "
-            "a draft kv_cache_dtype of 'auto', in full-precision pages that every KVarN page is then padded to "
-            "(vLLM keeps one page size for all layers); use a method without draft layers "
-            f"({', '.join(SPECULATIVE_METHODS)}) or --kv-cache-dtype auto"
+            f"speculative method {method!r} is not one KVarN serves (its draft layers attend outside the "
+            f"causal, one-token-a-position order KVarN plans tiles in); use one of {served}, or "
+            "--kv-cache-dtype auto"
         )
     group = group_size(preset)
     drafts = getattr(spec, "num_speculative_tokens", None) or 0
-    if drafts >= group:
+    if method in DRAFT_LAYER_METHODS:
+        draft_dtype = getattr(spec, "kv_cache_dtype", None)
+        if draft_dtype not in (None, preset):
+            problems.append(
+                f"a draft kv_cache_dtype of {draft_dtype!r} in --speculative-config gives the draft layers pages "
+                "of another size, which vLLM pads every KVarN page to (one page size for all layers); leave it "
+                "unset: the draft layers then use the KVarN cache too"
+            )
+        if has_sink(preset):
+            problems.append(
+                f"the full-precision sink of {method!r} draft layers is not built (a draft step clamped at "
+                f"--max-model-len writes position 0, which would overwrite a shared first tile's sink); use "
+                f"{without_sink(preset)}"
+            )
+        if getattr(spec, "parallel_drafting", False):
+            problems.append("parallel drafting is not served; drop parallel_drafting from --speculative-config")
+        if 2 * drafts >= group:
+            problems.append(
+                f"num_speculative_tokens {drafts} with {method!r} drafts is not below half the tile length "
+                f"{group} (a draft layer's steps of one engine step write up to 2k + 1 positions, which must span at "
+                f"most two tiles); use fewer than {(group + 1) // 2}"
+            )
+    elif drafts >= group:
         problems.append(
             f"num_speculative_tokens {drafts} in --speculative-config is not below the tile length {group} (a "
             f"request may then hold more than two full-precision tiles); use fewer than {group}"

@@ -6,8 +6,8 @@
   decode, committed after its replay and kept out of the full graph where a prefix hit could read a tile
   the step fills.
 - :func:`release_request_tails`: finished and preempted requests of the CPU runner free their tail slots.
-- :func:`note_drafts` and :func:`step_drafts`: each row's speculative draft count, from the scheduler output
-  to the step's planner (V1 runner).
+- :func:`note_drafts`, :func:`step_drafts` and :func:`draft_pass_drafts`: each row's speculative draft count,
+  from the scheduler output to the step's planner and a draft model's (V1 runner).
 - :func:`block_held` and :func:`forget_cached_block`: the sink's questions to vLLM's ``BlockPool``.
 
 The hooks that call these are :mod:`kvarn.integration.vllm.hooks`'; the state they update is
@@ -78,13 +78,13 @@ def note_drafts(scheduler_output, req_ids) -> None:
     ``req_ids``: the request id of each batch row, in the order the step's metadata lists them. A
     request with ``k`` drafts is scheduled ``1 + k`` tokens, its last ``k`` unverified
     (``scheduler_output.scheduled_spec_decode_tokens``). Kept with each row's scheduled token count,
-    so a build can tell whether its rows are this step's (:func:`step_drafts`). A step without drafts
-    clears it.
+    so a build can tell whether its rows are this step's (:func:`step_drafts`); a step without drafts
+    keeps zeros, which a draft model's first pass over the step reads (:func:`draft_pass_drafts`).
     """
-    spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
-    if not spec or req_ids is None:
+    if req_ids is None:
         serving.step_drafts = None
         return
+    spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
     counts = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
     ids = list(req_ids)
     serving.step_drafts = (
@@ -108,6 +108,23 @@ def step_drafts(query_start_loc: np.ndarray, batch: int) -> np.ndarray | None:
     if counts.shape[0] < batch or not np.array_equal(counts[:batch], query_lens):
         return None
     return drafts[:batch]
+
+
+def draft_pass_drafts(query_start_loc: np.ndarray, batch: int) -> np.ndarray:
+    """Each row's unverified tokens in a draft model's first pass over the step (EAGLE, MTP, a draft model).
+
+    That pass runs over the rows of the noted step, in its order, with as many tokens as the target
+    (EAGLE: the same positions), or more (a draft model adds its next token, and pads rejected rows at
+    the end), or fewer (vLLM's unpadded drafter batch: the accepted ones). A row's first ``counts -
+    drafts`` tokens are the target's verified ones; the rest are planned as drafts. Rows that are not
+    the noted step's (a dummy run) are drafts whole.
+    """
+    query_lens = np.diff(np.asarray(query_start_loc[: batch + 1], dtype=np.int64))
+    noted = serving.step_drafts
+    if noted is None or noted[1].shape[0] < batch:
+        return query_lens
+    drafts, counts = noted
+    return np.clip(query_lens - (counts[:batch] - drafts[:batch]), 0, query_lens)
 
 
 def commit_replayed_steps() -> int:

@@ -151,6 +151,16 @@ def _mixed_dispatch(runner):
             manager.dispatch = before
 
 
+def _attention_groups(runner) -> list | None:
+    """The runner's attention groups per KV-cache group, and its drafter's (EAGLE, MTP, a draft model: layers of
+    their own, with builders of their own) as one more list; ``None`` where the runner has none."""
+    groups = getattr(runner, "attn_groups", None)
+    drafts = getattr(getattr(runner, "drafter", None), "draft_attn_groups", None)
+    if groups is None or not drafts:
+        return groups
+    return [*groups, list(drafts)]
+
+
 def install_release_hook(runner_cls=None) -> bool:
     """Report finished and preempted requests to the planners, and each step's drafts; returns whether a hook
     is in place.
@@ -181,7 +191,7 @@ def install_release_hook(runner_cls=None) -> bool:
             state = requests.get(req_id)
             if state is not None and serving.planners:
                 computed = getattr(state, "num_computed_tokens", None)
-                release_request_tails(state.block_ids, getattr(self, "attn_groups", None), computed)
+                release_request_tails(state.block_ids, _attention_groups(self), computed)
         result = original(self, scheduler_output, *args, **kwargs)
         note_drafts(scheduler_output, getattr(getattr(self, "input_batch", None), "req_ids", None))
         return result
