@@ -6,6 +6,7 @@ usage: python benchmarks/bench_vllm.py check OUT.json
        python benchmarks/bench_vllm.py bench MODEL CACHE_DTYPE OUT.json     (MODEL: llama3-8b | qwen3-8b)
        python benchmarks/bench_vllm.py steps MODEL CACHE_DTYPE OUT.json     (one decode step's kernels, profiled)
        python benchmarks/bench_vllm.py capacity MODEL CACHE_DTYPE OUT.json  (CAP_CTX-token requests held)
+       python benchmarks/bench_vllm.py spec MODEL CACHE_DTYPE OUT.json      (TPOT with and without drafts)
 
 ``check``: a tiny Llama (2 layers, head_dim 128, GQA 8/2) with ``kvarn_k4v2_g128`` (or the cache dtype
 in ``CHECK_DTYPE``, e.g. ``kvarn_k4v2_g128_ks``; ``CHECK_MODEL=tiny-biased``: the same Llama with
@@ -48,6 +49,12 @@ prompt's last block is recomputed; vLLM 0.26's counter reads 0 for its own backe
 hits, as its stats lines' prompt throughput shows). ``start_jit`` and ``cap_jit``: Triton's compiles
 (count, seconds, kernels; :class:`JitLog`) during engine start and during the end-to-end capacity run,
 where a machine whose Triton cache lacks kvarn's kernels pays them.
+
+``spec``: time per output token at ``SPEC_BATCH`` (default 1) prompts of ``SPEC_CTX`` tokens (default 4096), as
+in ``bench`` (5 pairs), for three engines in turn: the cache dtype's default engine, the engine speculative decoding
+runs on (vLLM's V1 runner: ``VLLM_USE_V2_MODEL_RUNNER=0``) without drafts, and that engine with ``SPEC_JSON``'s
+drafts (default ngram, 3 tokens); each with vLLM's draft and acceptance counts. The prompts repeat a random
+256-token passage, so ngram drafts find matches in them as they would in a document-grounded answer.
 
 ``steps``: one engine (``max_num_seqs`` 8 or the batch, ``max_model_len`` the prompt + 512; ``STEPS_MAX_SEQS`` and
 ``STEPS_MAX_LEN`` set them), ``STEPS_BATCH`` prompts of ``STEPS_CTX`` tokens
@@ -599,6 +606,49 @@ def steps(shape: str, kv: str, out_path: str) -> int:
     return 0
 
 
+def spec(shape: str, kv: str, out_path: str) -> int:
+    """``spec`` (module doc): TPOT of the default engine, of the V1 runner without drafts and with them."""
+    from vllm import SamplingParams
+
+    batch, ctx = int(os.environ.get("SPEC_BATCH", "1")), int(os.environ.get("SPEC_CTX", "4096"))
+    drafts = json.loads(os.environ.get("SPEC_JSON", '{"method": "ngram", "num_speculative_tokens": 3}'))
+    rng = random.Random(0)
+    vocab = min(100000, SHAPES[shape]["vocab_size"])
+    prompts = []
+    for _ in range(batch):
+        passage = [rng.randrange(100, vocab) for _ in range(256)]
+        prompts.append({"prompt_token_ids": (passage * (ctx // 256 + 1))[:ctx]})
+    res = {"model": shape, "kv_cache_dtype": kv, "batch": batch, "ctx": ctx, "drafts": drafts, "engines": {}}
+    runs = (("default", None, None), ("v1", "0", None), ("v1_drafts", "0", drafts))
+    for name, v2, spec_config in runs:
+        if v2 is None:
+            os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+        else:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = v2
+        t0 = time.time()
+        llm = _llm(
+            shape,
+            kv,
+            max_model_len=ctx + 512,
+            max_num_seqs=max(8, batch),
+            gpu_memory_utilization=0.85,
+            speculative_config=spec_config,
+            disable_log_stats=False,
+        )
+        row = {"start_s": round(time.time() - t0, 1)}
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True), use_tqdm=False)
+        row["tpot_ms"], row["tpot_range"] = _tpot(llm, prompts, 5)
+        counts = {m.name: int(getattr(m, "value", 0) or 0) for m in llm.get_metrics() if "spec_decode_num" in m.name}
+        row["spec_counts"] = counts
+        res["engines"][name] = row
+        print(json.dumps({name: row}), flush=True)
+        with open(out_path, "w") as f:
+            json.dump(res, f)
+        del llm
+        _free_gpu()
+    return 0
+
+
 def capacity(shape: str, kv: str, out_path: str) -> int:
     """What one engine's cache holds at vLLM's defaults and ``CAP_CTX`` tokens a request (default 32,768): KV
     tokens, blocks, each group's spec and vLLM's own count of such requests held at once (its "maximum
@@ -727,6 +777,8 @@ if __name__ == "__main__":
         sys.exit(0 if skip_only(sys.argv[2]) else 1)
     if sys.argv[1] == "steps":
         sys.exit(steps(sys.argv[2], sys.argv[3], sys.argv[4]))
+    if sys.argv[1] == "spec":
+        sys.exit(spec(sys.argv[2], sys.argv[3], sys.argv[4]))
     if sys.argv[1] == "capacity":
         sys.exit(capacity(sys.argv[2], sys.argv[3], sys.argv[4]))
     sys.exit(bench(sys.argv[2], sys.argv[3], sys.argv[4]))

@@ -8,7 +8,8 @@ scheduler output with its local KV heads. Then a ``_sink`` dtype with TP=2, whic
 reason. Results go to ``OUT.json``; the exit status is non-zero if a TP=2 run's tokens differ from TP=1's.
 
 Each TP=2 engine starts two worker processes (the whole check: about 2 minutes on two cores);
-``tests/test_vllm_tp.py`` runs it in the CPU suite. Usage::
+``tests/test_vllm_tp.py`` runs it in the CPU suite. On a machine with two GPUs the same command runs vLLM's GPU
+engine, with its decode CUDA graphs (eager on the CPU). Usage::
 
     PYTHONPATH=. python scripts/vllm_tp_check.py OUT.json
 
@@ -56,6 +57,7 @@ def run(out_path: str) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
     from tiny_model import build_tiny_model
     from vllm import LLM, SamplingParams, TokensPrompt
 
@@ -63,7 +65,7 @@ def run(out_path: str) -> dict:
     prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(256) for _ in range(n)]) for n in PROMPT_TOKENS]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     args = {
-        "enforce_eager": True,
+        "enforce_eager": not torch.cuda.is_available(),  # a GPU engine runs its decode graphs
         "seed": 0,
         "dtype": "float32",
         "max_num_seqs": 8,
@@ -71,7 +73,7 @@ def run(out_path: str) -> dict:
         "kv_cache_memory_bytes": 8 * 2**20,
         "max_num_batched_tokens": 96,
     }
-    results: dict = {"runs": {}}
+    results: dict = {"runs": {}, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     t_start = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         for heads in KV_HEADS:

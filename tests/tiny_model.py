@@ -56,6 +56,38 @@ def build_tiny_model(path: pathlib.Path, attention_bias: bool = False, num_kv_he
     return _save(path, LlamaForCausalLM(config).to(torch.bfloat16), tok)
 
 
+def build_tiny_eagle(path: pathlib.Path, target: pathlib.Path) -> pathlib.Path:
+    """A random EAGLE draft head for the tiny Llama at ``target``, saved at ``path``: one Llama decoder layer (without
+    its input norm, as EAGLE's first layer) behind ``fc``, which maps a token's embedding and the target's hidden
+    state to the layer's input; embeddings and output head come from the target. Its drafts are random (the target
+    rejects nearly all of them); what it exercises is EAGLE's drafting schedule through the draft layer's cache."""
+    if (path / "config.json").exists():
+        return path
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = json.loads((target / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    torch.manual_seed(1)
+    layer = LlamaForCausalLM(LlamaConfig(**config)).model.layers[0]
+    weights = {f"layers.0.{k}": v for k, v in layer.state_dict().items() if not k.startswith("input_layernorm")}
+    hidden = config["hidden_size"]
+    weights["fc.weight"] = torch.randn(hidden, 2 * hidden) * (2 * hidden) ** -0.5
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(config))
+    for name in target.iterdir():
+        if "token" in name.name:
+            shutil.copy(name, tmp / name.name)
+    tmp.rename(path)
+    return path
+
+
 HYBRIDS = ("lfm2", "nemotron_h")
 
 
