@@ -65,6 +65,9 @@ def synthetic_cache(cfg: KVarNConfig, batch: int, ctx: int, hkv: int, dtype: tor
         smooth.copy_(vals.to(torch.float8_e4m3fn).view(torch.uint8))
     perm = torch.randperm(num_blocks - 1, device="cuda", generator=gen) + 1
     block_table = perm.reshape(batch, n_full).to(torch.int32)
+    if cfg.seq_smooth:  # every record of a sequence carries its one vector, as the store writes them
+        rows = block_table.long()
+        smooth[rows] = smooth[rows[:, :1]].expand(-1, n_full, -1, -1).clone()
     pool_scale = 2.0 ** -pool_exponent(dtype, d)
     tail_k = (torch.randn(batch, g, hkv, d, device="cuda", generator=gen) * pool_scale).to(dtype)
     tail_v = (torch.randn(batch, g, hkv, d, device="cuda", generator=gen) * pool_scale).to(dtype)
@@ -167,7 +170,8 @@ def bench_shape(
     st = synthetic_cache(cfg, batch, ctx, hkv, dtype, seed=batch * 7 + ctx)
     q = torch.randn(batch, hq, d, device="cuda").to(dtype)
     out = A.paged_attention(*args_of(st, q, cfg), **launch)
-    err = check(out, st, q, cfg, 1, f"{preset} d={d} B={batch} ctx={ctx}")
+    keys = "" if smooth is None else f" keys smoothed per {smooth}"
+    err = check(out, st, q, cfg, 1, f"{preset}{keys} d={d} B={batch} ctx={ctx}")
     t_kv = time_graph(lambda: A.paged_attention(*args_of(st, q, cfg), **launch))
     n_full = ctx // cfg.group_size
     kv_bytes = batch * hkv * (n_full * cfg.record_bytes + TAIL * d * 2 * 2)

@@ -53,7 +53,9 @@ where a machine whose Triton cache lacks kvarn's kernels pays them.
 ``spec``: time per output token at ``SPEC_BATCH`` (default 1) prompts of ``SPEC_CTX`` tokens (default 4096), as
 in ``bench`` (5 pairs), for three engines in turn: the cache dtype's default engine, the engine speculative decoding
 runs on (vLLM's V1 runner: ``VLLM_USE_V2_MODEL_RUNNER=0``) without drafts, and that engine with ``SPEC_JSON``'s
-drafts (default ngram, 3 tokens); each with vLLM's draft and acceptance counts. The prompts repeat a random
+drafts (default ngram, 3 tokens); each with vLLM's draft and acceptance counts. ``SPEC_ONLY`` names one of them
+(``default``, ``v1``, ``v1_drafts``) and adds its row to ``OUT.json``: vLLM 0.26 captures no CUDA graphs for a
+second engine in a process, so a GPU run gives each engine a process of its own. The prompts repeat a random
 256-token passage, so ngram drafts find matches in them as they would in a document-grounded answer.
 
 ``steps``: one engine (``max_num_seqs`` 8 or the batch, ``max_model_len`` the prompt + 512; ``STEPS_MAX_SEQS`` and
@@ -619,8 +621,14 @@ def spec(shape: str, kv: str, out_path: str) -> int:
         passage = [rng.randrange(100, vocab) for _ in range(256)]
         prompts.append({"prompt_token_ids": (passage * (ctx // 256 + 1))[:ctx]})
     res = {"model": shape, "kv_cache_dtype": kv, "batch": batch, "ctx": ctx, "drafts": drafts, "engines": {}}
+    if os.path.exists(out_path):
+        with open(out_path) as f:
+            res["engines"] = json.load(f).get("engines", {})
     runs = (("default", None, None), ("v1", "0", None), ("v1_drafts", "0", drafts))
+    only = os.environ.get("SPEC_ONLY")
     for name, v2, spec_config in runs:
+        if only and name != only:
+            continue
         if v2 is None:
             os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
         else:
@@ -631,7 +639,7 @@ def spec(shape: str, kv: str, out_path: str) -> int:
             kv,
             max_model_len=ctx + 512,
             max_num_seqs=max(8, batch),
-            gpu_memory_utilization=0.85,
+            gpu_memory_utilization=0.28,  # engines in one process: each leaves its memory behind
             speculative_config=spec_config,
             disable_log_stats=False,
         )
@@ -644,6 +652,7 @@ def spec(shape: str, kv: str, out_path: str) -> int:
         print(json.dumps({name: row}), flush=True)
         with open(out_path, "w") as f:
             json.dump(res, f)
+        llm.llm_engine.engine_core.shutdown()
         del llm
         _free_gpu()
     return 0

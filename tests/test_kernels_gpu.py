@@ -290,7 +290,7 @@ def test_paged_attention_default_launch_of_many_sequences_gpu(batch, ctx):
     """The default decode launch where ``bench_decode`` times its headline (16 / 32K: one warp, 8 splits merged in
     the kernel, queries rotated by the prologue) and its neighbours, on the bench's synthetic cache: every row
     against the reference, three launches in a row giving the same output (a race in the split merge would move
-    it). An H100 run of ``bench_decode.py --smooth`` refused its 16 / 32K row with a 2.8e-1 error."""
+    it)."""
     from benchmarks.bench_decode import args_of, synthetic_cache
 
     cfg = KVarNConfig.from_preset("kvarn_k4v2_g128", head_dim=128)
