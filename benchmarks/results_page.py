@@ -246,6 +246,93 @@ def _decode(f: Found, key: str) -> list[str]:
     ]
 
 
+SMOOTH_KEYS = DECODE_KEYS | {"smoothed_us", "seq_smoothed_us"}
+
+
+def smooth_section(found: list[Found], notes: list[str]) -> list[str] | None:
+    runs = [f for f in found if "env" in f.obj and rows_of(f.obj, "rows", SMOOTH_KEYS, FORCED_KEYS)]
+    return newest_that_renders(runs, _smooth, "a key-smoothing decode run", notes)
+
+
+def _smooth(f: Found) -> list[str]:
+    body = [
+        [
+            short(r["preset"]),
+            str(r["d"]),
+            str(r["batch"]),
+            ctx_label(r["ctx"]),
+            num(r["kvarn_us"]),
+            f"{num(r['seq_smoothed_us'])} ({r['seq_smoothed_us'] / r['kvarn_us']:.2f}x)",
+            f"{num(r['smoothed_us'])} ({r['smoothed_us'] / r['kvarn_us']:.2f}x)",
+            f"{r['sdpa_us'] / r['kvarn_us']:.2f}x",
+        ]
+        for r in f.obj["rows"]
+    ]
+    return [
+        "## Decode with key smoothing",
+        "",
+        f"Source: {provenance(f)}.",
+        "",
+        "`benchmarks/bench_decode.py --smooth`: the default decode launch over plain records, over records whose keys",
+        "are smoothed with one vector per sequence (the `_ks` presets) and with one per tile, CUDA-graph replays;",
+        "query / KV heads 32 / 8, float16. In brackets: the time over plain's.",
+        "",
+        *table(
+            ["preset", "D", "batch", "context", "plain µs", "per sequence µs", "per tile µs", "plain vs SDPA"],
+            body,
+            right=4,
+        ),
+    ]
+
+
+SPEC_ENGINES = {"default": "default engine, no drafts", "v1": "V1 runner, no drafts", "v1_drafts": "V1 runner, drafts"}
+
+
+def spec_section(found: list[Found], notes: list[str]) -> list[str] | None:
+    runs = [
+        f
+        for f in found
+        if isinstance(f.obj.get("engines"), dict)
+        and "drafts" in f.obj
+        and any(isinstance(e, dict) and "tpot_ms" in e for e in f.obj["engines"].values())
+    ]
+    return newest_that_renders(runs, _spec, "a speculative-decoding run", notes)
+
+
+def _spec(f: Found) -> list[str]:
+    o, engines = f.obj, f.obj["engines"]
+    base = engines.get("default", {}).get("tpot_ms")
+    body = []
+    for name, label in SPEC_ENGINES.items():
+        e = engines.get(name)
+        if not isinstance(e, dict) or "tpot_ms" not in e:
+            continue
+        counts = e.get("spec_counts") or {}
+        drafted = counts.get("vllm:spec_decode_num_draft_tokens", 0)
+        accepted = counts.get("vllm:spec_decode_num_accepted_tokens", 0)
+        low, high = e["tpot_range"]
+        body.append(
+            [
+                label,
+                f"{e['tpot_ms']:.2f} ({ratio(e['tpot_ms'], base)})" if base else f"{e['tpot_ms']:.2f}",
+                f"{low:.2f} - {high:.2f}",
+                f"{accepted} of {drafted}" if drafted else "",
+            ]
+        )
+    drafts = o["drafts"]
+    return [
+        f"## Speculative decoding: time per output token ({o['model']})",
+        "",
+        f"Source: {provenance(f, vllm=True)}.",
+        "",
+        f"`benchmarks/bench_vllm.py spec`: `{o['kv_cache_dtype']}`, batch {o['batch']}, {ctx_label(o['ctx'])} context,",
+        f"dummy weights; drafts: {drafts.get('method')} with {drafts.get('num_speculative_tokens')} tokens. Median ms",
+        "of the pairs, in brackets against the default engine's, then the pairs' range.",
+        "",
+        *table(["engine", "ms a token", "range", "drafts accepted"], body, right=3),
+    ]
+
+
 def eager_section(found: list[Found], notes: list[str]) -> list[str] | None:
     runs = [f for f in found if "env" in f.obj and rows_of(f.obj, "eager", EAGER_KEYS, FORCED_KEYS)]
     return newest_that_renders(runs, _eager, "an eager run", notes)
@@ -563,8 +650,8 @@ def render(results: Path) -> str:
     found = walk(sources)
     serving, serving_notes = serving_section(found)
     notes += serving_notes
-    sections = [decode_section(found, notes), eager_section(found, notes), store_section(found, notes)]
-    sections += [serving, e2e_section(found, notes)]
+    sections = [decode_section(found, notes), smooth_section(found, notes), eager_section(found, notes)]
+    sections += [store_section(found, notes), serving, spec_section(found, notes), e2e_section(found, notes)]
     used = {f.source.name for f in found if _recognised(f)}
     unread = [s.name for s in sources if s.name not in used]
     lines = [
@@ -592,6 +679,7 @@ def _recognised(f: Found) -> bool:
         or ("env" in o and rows_of(o, "eager", EAGER_KEYS))
         or ("env" in o and rows_of(o, "rows", STORE_KEYS))
         or {"model", "kv_cache_dtype", "kv_tokens"} <= o.keys()
+        or (isinstance(o.get("engines"), dict) and "drafts" in o)
         or (isinstance(o.get("meta"), dict) and rows_of(o, "rows", {"cache", "tokens_per_s"}))
     )
 

@@ -48,6 +48,17 @@ def test_a_synthetic_results_dir(tmp_path):
     runs = {"auto": held | {"kv_cache_dtype": "auto", "max_requests_ctx32768": 3.89}}
     runs["kvarn"] = held | {"kv_cache_dtype": "kvarn_k4v2_g128", "max_requests_ctx32768": 18.27}
     _write(tmp_path, "2026-01-05-h100-held.json", {"gpu": "NVIDIA H100", "runs": runs})
+    smooth = {"preset": "kvarn_k4v2_g128", "d": 128, "batch": 16, "ctx": 32768, "kvarn_us": 180.0, "sdpa_us": 720.0}
+    smooth |= {"smoothed_us": 630.0, "seq_smoothed_us": 198.0}
+    _write(tmp_path, "2026-01-05-h100-smooth.json", {"env": {"gpu": "NVIDIA H100"}, "rows": [smooth]})
+    spec = {"model": "llama3-8b", "kv_cache_dtype": "kvarn_k4v2_g128", "batch": 1, "ctx": 4096, "vllm": "0.26.0"}
+    spec["drafts"] = {"method": "ngram", "num_speculative_tokens": 3}
+    counts = {"vllm:spec_decode_num_draft_tokens": 30, "vllm:spec_decode_num_accepted_tokens": 27}
+    spec["engines"] = {
+        "default": {"tpot_ms": 7.0, "tpot_range": [6.9, 7.1]},
+        "v1_drafts": {"tpot_ms": 5.6, "tpot_range": [5.5, 5.8], "spec_counts": counts},
+    }
+    _write(tmp_path, "2026-01-05-h100-spec.json", spec)
     e2e = {"meta": {"gpu": "NVIDIA H100", "transformers": "5.17.0", "date": "2026-01-06"}, "rows": []}
     e2e["rows"] = [{"cache": "kvarn", "batch": 70, "context": 16384, "tokens_per_s": 749.1, "vs_fp16": 5.3}]
     _write(tmp_path, "2026-01-06-h100-e2e.json", e2e)
@@ -69,6 +80,8 @@ def test_a_synthetic_results_dir(tmp_path):
     assert "20 GiB: no bf16 run" in page
     assert "| requests of 32K tokens held at once | 3.89 | 18.27 (4.70x) |" in page
     assert "| kvarn | 70 | 16K |" in page and "5.30x" in page and "2026-01-06: NVIDIA H100" in page
+    assert "| k4v2_g128 | 128 | 16 | 32K | 180.0 | 198.0 (1.10x) | 630.0 (3.50x) | 4.00x |" in page
+    assert "| V1 runner, drafts | 5.60 (0.80x) | 5.50 - 5.80 | 27 of 30 |" in page and "vLLM 0.26.0" in page
     assert "`2026-01-07-h100-broken.json`: not JSON" in page
     assert "`notes.json`: no date" in page
     assert "`2026-01-07-h100-unknown.json`" in page.split("## Files not shown")[1]
