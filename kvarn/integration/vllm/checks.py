@@ -220,7 +220,7 @@ def speculative_problems(vllm_config, preset: str) -> list[str]:
     draft is verified, and the next), and those of :data:`DRAFT_LAYER_METHODS` with fewer than half
     of it (a draft layer's steps of one engine step write up to ``2k + 1`` positions), on a runner that
     plans from block ids (vLLM's V1 runner, the CPU engine's) with synchronous scheduling
-    (:func:`serve_speculative` turns asynchronous scheduling off).
+    (:func:`serve_speculative` turns asynchronous scheduling off and picks the V1 runner on a GPU).
     """
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is None:
@@ -269,8 +269,8 @@ def speculative_problems(vllm_config, preset: str) -> list[str]:
     if device in (None, "cuda") and getattr(vllm_config, "use_v2_model_runner", False):
         problems.append(
             "speculative decoding on vLLM's V2 GPU model runner keeps tails by request index or in vLLM's blocks, "
-            "which cannot yet hold a tile filled with an unverified draft next to the following one; set "
-            "VLLM_USE_V2_MODEL_RUNNER=0"
+            "which cannot yet hold a tile filled with an unverified draft next to the following one; unset "
+            "VLLM_USE_V2_MODEL_RUNNER (KVarN then picks the V1 runner) or set it to 0"
         )
     if getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False):
         problems.append(
@@ -280,24 +280,47 @@ def speculative_problems(vllm_config, preset: str) -> list[str]:
     return problems
 
 
-def serve_speculative(vllm_config) -> str | None:
-    """Turn asynchronous scheduling off for a KVarN run with speculative decoding; returns the line to log.
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+"""vLLM's choice of GPU model runner, which its config reads whenever it is asked (``use_v2_model_runner``)."""
 
-    With it on, vLLM schedules a step before the previous step's drafts are verified, and the host
-    lengths a step is planned from assume every draft was accepted; KVarN plans each step's tiles on
-    the host from exact lengths. Called once as vLLM builds the run's config (a run without KVarN
-    or without drafts is left alone).
+
+def serve_speculative(vllm_config) -> list[str]:
+    """Fit a KVarN run with speculative decoding to what KVarN plans drafts on; returns the lines to log.
+
+    Asynchronous scheduling goes off: with it vLLM schedules a step before the previous step's drafts
+    are verified, and the host lengths a step is planned from assume every draft was accepted, while
+    KVarN plans each step's tiles on the host from exact lengths. On a GPU the V1 model runner is chosen
+    where vLLM would pick its V2 runner by default (``VLLM_USE_V2_MODEL_RUNNER`` unset): KVarN keeps a
+    tile filled with an unverified draft in its tail pool keyed by block id, which only the V1 runner
+    serves. A run that asked for the V2 runner keeps it (and is refused, saying why). Called once as vLLM
+    builds the run's config, before it reads the runner choice; a run without KVarN or without drafts is
+    left alone.
     """
     if not is_cache_dtype(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None)):
-        return None
+        return []
+    if getattr(vllm_config, "speculative_config", None) is None:
+        return []
+    lines = []
     scheduler = getattr(vllm_config, "scheduler_config", None)
-    if getattr(vllm_config, "speculative_config", None) is None or not getattr(scheduler, "async_scheduling", False):
-        return None
-    scheduler.async_scheduling = False
-    return (
-        "KVarN: asynchronous scheduling turned off for speculative decoding (KVarN plans each step from the "
-        "sequence lengths after the previous step's drafts were verified)"
-    )
+    if getattr(scheduler, "async_scheduling", False):
+        scheduler.async_scheduling = False
+        lines.append(
+            "KVarN: asynchronous scheduling turned off for speculative decoding (KVarN plans each step from the "
+            "sequence lengths after the previous step's drafts were verified)"
+        )
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
+    v2 = getattr(vllm_config, "use_v2_model_runner", False)
+    if device in (None, "cuda") and v2 and V2_RUNNER_ENV not in os.environ:
+        os.environ[V2_RUNNER_ENV] = "0"
+        if getattr(vllm_config, "use_v2_model_runner", False):  # a vLLM that read the choice once already
+            del os.environ[V2_RUNNER_ENV]
+        else:
+            lines.append(
+                f"KVarN: vLLM's V1 GPU model runner chosen for speculative decoding ({V2_RUNNER_ENV}=0 for this "
+                "process and its workers: KVarN keeps a tile filled with an unverified draft in a tail pool keyed "
+                "by block id, which the V1 runner serves)"
+            )
+    return lines
 
 
 def key_smoothing_mode() -> str:

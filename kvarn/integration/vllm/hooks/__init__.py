@@ -15,7 +15,8 @@ only on KVarN cache dtypes and layers; every other run goes through vLLM's own c
   becomes its ``_ks`` form before any layer reads it
   (:func:`~kvarn.integration.vllm.checks.serve_key_smoothing`), so every layer, the page size and vLLM's
   cached backend selection (keyed by the dtype, not the model) agree on one format; with speculative
-  decoding, asynchronous scheduling is turned off (:func:`~kvarn.integration.vllm.checks.serve_speculative`);
+  decoding, asynchronous scheduling is turned off and the V1 GPU runner chosen
+  (:func:`~kvarn.integration.vllm.checks.serve_speculative`);
   and a ``_sink`` dtype whose workers would run apart from the scheduler is refused there, before vLLM
   starts them (:func:`~kvarn.integration.vllm.checks.sink_process_problem`).
 - **Page size** (:func:`install_spec_hook`, vLLM without ``customize_spec``: 0.26). ``Attention.get_kv_cache_spec``

@@ -247,9 +247,8 @@ def install_config_hook(platform=None) -> bool:
         note = serve_key_smoothing(vllm_config)  # first: the platform may read the cache dtype
         if note is not None:
             warn_once(f"KVarN: {note}")
-        note = serve_speculative(vllm_config)
-        if note is not None:
-            logger.info(note)
+        for line in serve_speculative(vllm_config):
+            logger.info(line)
         result = original(vllm_config, *args, **kwargs)
         dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None)
         # after the platform picked the executor; before vLLM starts workers, which would each refuse it
