@@ -410,9 +410,9 @@ class TilePlanner:
                 continue
             row = block_table[r]
             written.update(int(b) for b in row[start // g : (length - 1) // g + 1].tolist())
-            verified_start = drafts[r] < length - start
-            if verified_start and start // g - 1 >= self.first_live(start):  # a stale id before the window is no
-                below.append(int(row[start // g - 1]))  # block of this row
+            # an all-draft row may still rewind; a stale id before the window is not one of the row's blocks
+            if drafts[r] < length - start and start // g - 1 >= self.first_live(start):
+                below.append(int(row[start // g - 1]))
         for block in below:
             slot = self._slot_of.get(block)
             if slot in self._kept and block not in written:

@@ -116,8 +116,8 @@ def draft_pass_drafts(query_start_loc: np.ndarray, batch: int) -> np.ndarray:
     That pass runs over the rows of the noted step, in its order, with as many tokens as the target
     (EAGLE: the same positions), or more (a draft model adds its next token, and pads rejected rows at
     the end), or fewer (vLLM's unpadded drafter batch: the accepted ones). A row's first ``counts -
-    drafts`` tokens are the target's verified ones; the rest are planned as drafts. Rows that are not
-    the noted step's (a dummy run) are drafts whole.
+    drafts`` tokens are the target's verified ones; the rest are planned as drafts. Without a noted step
+    for these rows (a dummy run before any step) every token is a draft.
     """
     query_lens = np.diff(np.asarray(query_start_loc[: batch + 1], dtype=np.int64))
     noted = serving.step_drafts
