@@ -223,10 +223,10 @@ def main(out_path: str, scenarios: list[str]) -> int:
     for name in scenarios:
         if name in ("lfm2", "nemotron_h"):
             run_hybrid(rec, models, name)
+        elif name == "window":
+            run_window(rec, models)
         else:
-            {"window": run_window, "spec": run_spec, "draft": functools.partial(run_spec, draft_model=True)}[name](
-                rec, models
-            )
+            run_spec(rec, models, draft_model=name == "draft")
     rec.path.write_text(json.dumps(rec.data, indent=1))
     return 1 if rec.data["errors"] else 0
 
