@@ -254,17 +254,19 @@ def smooth_section(found: list[Found], notes: list[str]) -> list[str] | None:
     return newest_that_renders(runs, _smooth, "a key-smoothing decode run", notes)
 
 
+def _shape_cells(r: dict) -> list[str]:
+    """A decode row's preset, head dim, batch and context, as the decode tables' first cells."""
+    return [short(r["preset"]), str(r["d"]), str(r["batch"]), ctx_label(r["ctx"])]
+
+
 def _smooth(f: Found) -> list[str]:
     body = [
         [
-            short(r["preset"]),
-            str(r["d"]),
-            str(r["batch"]),
-            ctx_label(r["ctx"]),
+            *_shape_cells(r),
             num(r["kvarn_us"]),
-            f"{num(r['seq_smoothed_us'])} ({r['seq_smoothed_us'] / r['kvarn_us']:.2f}x)",
-            f"{num(r['smoothed_us'])} ({r['smoothed_us'] / r['kvarn_us']:.2f}x)",
-            f"{r['sdpa_us'] / r['kvarn_us']:.2f}x",
+            f"{num(r['seq_smoothed_us'])} ({ratio(r['seq_smoothed_us'], r['kvarn_us'])})",
+            f"{num(r['smoothed_us'])} ({ratio(r['smoothed_us'], r['kvarn_us'])})",
+            ratio(r["sdpa_us"], r["kvarn_us"]),
         ]
         for r in f.obj["rows"]
     ]
@@ -341,10 +343,7 @@ def eager_section(found: list[Found], notes: list[str]) -> list[str] | None:
 def _eager(f: Found) -> list[str]:
     body = [
         [
-            short(r["preset"]),
-            str(r["d"]),
-            str(r["batch"]),
-            ctx_label(r["ctx"]),
+            *_shape_cells(r),
             num(r["eager_host_us"]),
             num(r["sdpa_eager_host_us"]),
             ratio(r["eager_host_us"], r["sdpa_eager_host_us"]),

@@ -76,15 +76,24 @@ def test_window_layers_under_cuda_graphs(results, kind):
         assert any(g[1].endswith("FullAttentionSpec") for g in groups), groups
 
 
-def test_speculative_decoding_under_cuda_graphs(results):
-    from test_vllm_spec_e2e import MAX_TOKENS, PRESET
+def _drafted(results: dict, scenario: str) -> tuple[dict, dict]:
+    """A speculative scenario's KVarN engine with drafts and vLLM's own with the same drafts, after what both
+    scenarios hold: graphs, every token generated, the tokens of KVarN without drafts, again from prefix hits."""
+    from test_vllm_spec_e2e import MAX_TOKENS
 
-    spec = results["spec"]
+    spec = results[scenario]
     plain, drafted, base_drafted = (spec[n] for n in ("kvarn", "kvarn_spec", "auto_spec"))
     assert _graphs(plain) and _graphs(drafted), (plain["mode"], drafted["mode"])
     assert all(len(t) == MAX_TOKENS for t in drafted["tokens"])
     assert drafted["tokens"] == plain["tokens"], "drafts verified and rolled back give the tokens without drafts"
     assert drafted["again"] == drafted["tokens"] and max(drafted["num_cached_tokens"]) >= 128, "prefix hits"
+    return drafted, base_drafted
+
+
+def test_speculative_decoding_under_cuda_graphs(results):
+    from test_vllm_spec_e2e import PRESET
+
+    drafted, base_drafted = _drafted(results, "spec")
     assert drafted["preemptions"] > 0, "the KV budget was meant to force preemption"
     stats = drafted["facts"]["stats"]
     assert stats.get("verified_tails", 0) > 0 and stats.get("reopened_tails", 0) > 0, stats
@@ -101,14 +110,9 @@ def test_a_draft_models_layers_in_the_kvarn_cache_under_cuda_graphs(results):
     """vLLM's ``draft_model`` (the tiny Llama drafting for itself) with its layers in the KVarN cache, on the V1 GPU
     runner: the tokens without drafts, and its drafts (the target's own greedy tokens where the draft layers' cache
     holds what the target's does) accepted as often as with vLLM's own cache."""
-    from test_vllm_spec_e2e import MAX_TOKENS, PRESET
+    from test_vllm_spec_e2e import PRESET
 
-    spec = results["draft"]
-    plain, drafted, base_drafted = (spec[n] for n in ("kvarn", "kvarn_spec", "auto_spec"))
-    assert _graphs(plain) and _graphs(drafted), (plain["mode"], drafted["mode"])
-    assert all(len(t) == MAX_TOKENS for t in drafted["tokens"])
-    assert drafted["tokens"] == plain["tokens"], "a draft model's drafts verified give the tokens without drafts"
-    assert drafted["again"] == drafted["tokens"] and max(drafted["num_cached_tokens"]) >= 128, "prefix hits"
+    drafted, base_drafted = _drafted(results, "draft")
     assert drafted["draft_facts"]["backends"] == [_kvarn_backend(PRESET)], "the draft layers are KVarN's"
     stats = drafted["draft_facts"]["stats"]
     assert stats.get("reopened_tails", 0) > 0 and stats.get("evicted_tails", 0) == 0, stats
