@@ -316,6 +316,7 @@ def _report(argv, tmp_path, monkeypatch, capsys):
         (["--task", "niah", "--model", "llama-70b"], "unknown model 'llama-70b'"),
         (["--samples", "3"], "unrecognized arguments: --samples 3"),  # kl: the long-context options do not apply
         (["--task", "kl", "--regions", "middle"], "--regions takes 'tail' and/or 'sink', got 'middle'"),
+        (["--task", "niah", "--workers", "0"], "--workers must be at least 1"),
     ],
 )
 def test_misuse_exits_2_before_a_model_loads(argv, message, tmp_path, monkeypatch, capsys):
@@ -425,3 +426,40 @@ def test_drift_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys):
     assert 0 <= k2["first_divergence"][0] < 192  # a 2-bit cache of a random model does not follow 192 tokens
     assert (tmp_path / "r" / "tiny_drift.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "KL(exact || method) at position p" in (tmp_path / "r" / "report.md").read_text()
+
+
+def _without_seconds(value):
+    """``value`` with every ``seconds`` entry dropped (wall times differ between runs)."""
+    if isinstance(value, dict):
+        return {k: _without_seconds(v) for k, v in value.items() if k != "seconds"}
+    if isinstance(value, list):
+        return [_without_seconds(v) for v in value]
+    return value
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize(
+    ("task", "sizes"),
+    [
+        ("niah", ["--lengths", "640,768", "--samples", "2"]),
+        ("drift", ["--prefix", "128", "--new-tokens", "64", "--samples", "3"]),
+    ],
+)
+def test_worker_processes_give_the_records_of_one_process(task, sizes, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    from tiny_model import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "tiny")
+    argv = ["--task", task, "--model", str(folder), "--methods", "fp16,kvarn_k2v2_g128", "--regions", "sink", *sizes]
+    rc, one = _report(argv, tmp_path / "one", monkeypatch, capsys)
+    assert rc == 0, one.err
+    rc, two = _report([*argv, "--workers", "2"], tmp_path / "two", monkeypatch, capsys)
+    assert rc == 0, two.err
+    assert "on 2 worker processes" in two.out and "time estimate" in two.out
+    (serial,) = json.loads((tmp_path / "one" / "r" / "results.json").read_text())
+    (spread,) = json.loads((tmp_path / "two" / "r" / "results.json").read_text())
+    assert spread["workers"] == 2 and serial["workers"] == 1
+    assert len(spread["records"]) == (4 if task == "niah" else 3)
+    for key in ("records", "summary", "runs"):
+        assert _without_seconds(spread[key]) == _without_seconds(serial[key]), key
+    assert "in each of 2 worker processes" in (tmp_path / "two" / "r" / "report.md").read_text()

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from kvarn.eval import tasks
 from kvarn.eval.harness import BLOCK, _chunks
 from kvarn.eval.methods import DEFAULT_METHODS, Method, get_method, with_served_methods
+from kvarn.eval.workers import Workers
 
 DRIFT_PREFIX = 256
 DRIFT_TOKENS = 1024
@@ -218,6 +219,7 @@ def retrieval_sample(model, tok, sample: tasks.Sample, runs: list[Run], bar) -> 
         "runs": {},
     }
     ticks = _Ticks(bar)
+    t_sample = time.perf_counter()
 
     with torch.inference_mode():
         t0 = time.perf_counter()
@@ -241,6 +243,7 @@ def retrieval_sample(model, tok, sample: tasks.Sample, runs: list[Run], bar) -> 
             got["same_tokens"] = tokens == exact["tokens"]
             record["runs"][run.label] = got
             del cache
+    record["seconds"] = round(time.perf_counter() - t_sample, 3)
     return record
 
 
@@ -259,39 +262,57 @@ def retrieval(
     filler: str | None = None,
     progress_factory: Callable | None = None,
     log: Callable[[str], None] = print,
+    workers: Workers | None = None,
 ) -> dict:
-    """Run ``task`` at every length over ``samples`` samples: per-sample records and a summary per run and length."""
-    built = [[tasks.make_sample(task, tok, n, i, seed, filler) for i in range(samples)] for n in lengths]
+    """Run ``task`` at every length over ``samples`` samples: per-sample records and a summary per run and length.
+
+    ``workers``: answer the samples on these processes (``model`` is then unused and may be None).
+    """
+    built = [tasks.make_sample(task, tok, n, i, seed, filler) for n in lengths for i in range(samples)]
+    where = f" on {workers.count} worker processes" if workers else ""
     log(
         f"{task}: {samples} sample(s) at each of {', '.join(map(str, lengths))} tokens, {len(runs) + 1} runs a sample "
-        "(the exact model and each method); a time estimate follows the first sample"
+        f"(the exact model and each method){where}; a time estimate follows the first sample"
     )
-    steps = sum(_sample_steps(s, runs) for row in built for s in row)
-    bar = (progress_factory or PlainProgress)(total=steps)
-    records, seconds = [], {}
+    bar = (progress_factory or PlainProgress)(total=sum(_sample_steps(s, runs) for s in built))
+    records: list = [None] * len(built)
+    seconds: dict[int, float] = {}
     t_start = time.perf_counter()
+
+    def finished(i: int, record: dict, took: float) -> None:
+        sample = built[i]
+        records[i] = record
+        if sample.length not in seconds:
+            seconds[sample.length] = took
+            left = [s.length for j, s in enumerate(built) if records[j] is None]
+            rest = sum(_sample_seconds(seconds, n) for n in left) / (workers.count if workers else 1)
+            log(
+                f"{task}: first sample at {sample.length} tokens took {took:.0f} s ({len(runs) + 1} runs); "
+                f"remaining run time {_fmt_minutes(rest)} (extrapolated to longer contexts)"
+            )
+
     try:
-        for row in built:
-            for sample in row:
+        if workers is None:
+            for i, sample in enumerate(built):
                 t0 = time.perf_counter()
-                records.append(retrieval_sample(model, tok, sample, runs, bar))
-                took = time.perf_counter() - t0
-                if sample.length not in seconds:
-                    seconds[sample.length] = took
-                    rest = _remaining(built, seconds, sample)
-                    log(
-                        f"{task}: first sample at {sample.length} tokens took {took:.0f} s ({len(runs) + 1} runs); "
-                        f"remaining run time {_fmt_minutes(rest)} (extrapolated to longer contexts)"
-                    )
+                record = retrieval_sample(model, tok, sample, runs, bar)
+                finished(i, record, time.perf_counter() - t0)
+        else:
+            bar.describe(f"{task}: {len(built)} samples")
+            for i, record in workers.run(retrieval_sample, [(s, runs) for s in built]):
+                for _ in range(_sample_steps(built[i], runs)):
+                    bar.tick()
+                finished(i, record, record["seconds"])
     finally:
         bar.close()
+    config = workers.config if workers else model.config
     return {
         "task": task,
         "lengths": lengths,
         "samples": samples,
         "seed": seed,
         "filler": filler or tasks.DEFAULT_FILLER[task],
-        "runs": [_run_info(r, model) for r in runs],
+        "runs": [_run_info(r, config) for r in runs],
         "records": records,
         "summary": summarize(records, runs, lengths),
         "seconds": time.perf_counter() - t_start,
@@ -316,19 +337,7 @@ def _sample_seconds(seconds: dict[int, float], length: int) -> float:
     return seconds[ref] * (length / ref) ** exponent
 
 
-def _remaining(built, seconds: dict[int, float], done: tasks.Sample) -> float:
-    """Seconds left after sample ``done`` (see :func:`_sample_seconds`)."""
-    left, seen = 0.0, False
-    for row in built:
-        for s in row:
-            if seen:
-                left += _sample_seconds(seconds, s.length)
-            seen = seen or s is done
-    return left
-
-
-def _run_info(run: Run, model) -> dict:
-    cfg = model.config
+def _run_info(run: Run, cfg) -> dict:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return {
         "label": run.label,
@@ -441,6 +450,84 @@ def drift_prefixes(tok, text: str, prefix: int, samples: int, seed: int) -> list
     )
 
 
+def _drift_steps(prefix: int, new_tokens: int, group: int) -> int:
+    """Progress steps of one drift run: prefix chunks, generation or free run, teacher-forced chunks."""
+    return _n_chunks(0, prefix, group) + new_tokens + _n_chunks(prefix, prefix + new_tokens - 1, group)
+
+
+def drift_sample(
+    model,
+    tok,
+    index: int,
+    ids: list[int],
+    runs: list[Run],
+    new_tokens: int,
+    ngram: int,
+    bar,
+    first_run: Callable[[float, float], None] | None = None,
+) -> dict:
+    """The exact model's generation from the prefix ``ids`` and every run along it: one JSON-ready record.
+
+    ``first_run(exact seconds, first run's seconds)`` is called once the first run is done.
+    """
+    import torch
+
+    eos = _eos_ids(model, tok)
+    prefix = len(ids)
+    ticks = _Ticks(bar)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        bar.describe(f"drift #{index}: exact, generating {new_tokens} tokens")
+        cache = _exact_cache()
+        logits = _prefill(model, ids, cache, BLOCK, ticks.tick)
+        scales = _amax_scales(cache)
+        forced = copy.deepcopy(cache)
+        generated = _free_run(model, cache, logits, new_tokens, eos, ngram, None, ticks.tick)
+        bar.describe(f"drift #{index}: exact, teacher-forced")
+        ref = _teacher_forced(model, forced, logits, generated, BLOCK, prefix, ticks.tick)
+        ticks.settle(_drift_steps(prefix, new_tokens, BLOCK))
+        del cache, forced
+        t_exact = time.perf_counter() - t0
+        grams = [tuple(generated[i : i + 4]) for i in range(len(generated) - 3)]
+        record = {
+            "index": index,
+            "prefix_ids": ids,
+            "generated": generated,
+            "generated_text": tok.decode(generated),
+            "distinct_4grams": len(set(grams)) / max(len(grams), 1),
+            "runs": {},
+        }
+        for run_index, run in enumerate(runs):
+            r0 = time.perf_counter()
+            group = run.method.group_size
+            bar.describe(f"drift #{index}: {run.label}, teacher-forced")
+            cache = _method_cache(run, model, scales)
+            logits = _prefill(model, ids, cache, group, ticks.tick)
+            free = copy.deepcopy(cache)
+            lp = _teacher_forced(model, cache, logits, generated, group, prefix, ticks.tick)
+            kl = _kl_rows(ref, lp)
+            same = (lp.argmax(-1) == ref.argmax(-1)).float()
+            del cache, lp
+            bar.describe(f"drift #{index}: {run.label}, free run")
+            own = _free_run(model, free, logits, new_tokens, eos, ngram, generated, ticks.tick)
+            ticks.settle(_drift_steps(prefix, new_tokens, group))
+            del free
+            diverged = len(own) - 1 if own[-1] != generated[len(own) - 1] else None
+            record["runs"][run.label] = {
+                "kl": kl.tolist(),
+                "kl_windows": _windows(kl.tolist()),
+                "kl_mean": float(kl.mean()),
+                "top1": float(same.mean()),
+                "top1_windows": _windows(same.tolist()),
+                "first_divergence": diverged,
+                "seconds": round(time.perf_counter() - r0, 3),
+            }
+            if run_index == 0 and first_run is not None:
+                first_run(t_exact, time.perf_counter() - r0)
+    record["seconds"] = round(time.perf_counter() - t0, 3)
+    return record
+
+
 def drift(
     model,
     tok,
@@ -453,84 +540,54 @@ def drift(
     ngram: int = NO_REPEAT_NGRAM,
     progress_factory: Callable | None = None,
     log: Callable[[str], None] = print,
+    workers: Workers | None = None,
 ) -> dict:
-    """Teacher-forced KL along the exact model's own generation, and each run's first greedy divergence."""
-    import torch
+    """Teacher-forced KL along the exact model's own generation, and each run's first greedy divergence.
 
+    ``workers``: run the prefixes on these processes (``model`` is then unused and may be None).
+    """
     from kvarn.eval.harness import bundled_text
 
     prefixes = drift_prefixes(tok, bundled_text() if text is None else text, prefix, samples, seed)
-    eos = _eos_ids(model, tok)
-
-    def run_steps(group: int) -> int:  # prefix chunks, generation or free run, teacher-forced chunks
-        return _n_chunks(0, prefix, group) + new_tokens + _n_chunks(prefix, prefix + new_tokens - 1, group)
-
-    steps = samples * (run_steps(BLOCK) + sum(run_steps(r.method.group_size) for r in runs))
+    per_prefix = _drift_steps(prefix, new_tokens, BLOCK) + sum(
+        _drift_steps(prefix, new_tokens, r.method.group_size) for r in runs
+    )
+    where = f" on {workers.count} worker processes" if workers else ""
     log(
         f"drift: {samples} prefix(es) of {prefix} tokens, {new_tokens} generated tokens, {len(runs) + 1} runs a "
-        "prefix (the exact model and each method); a time estimate follows the first method"
+        f"prefix (the exact model and each method){where}; a time estimate follows the first "
+        + ("prefix" if workers else "method")
     )
-    bar = (progress_factory or PlainProgress)(total=steps)
-    ticks = _Ticks(bar)
-    records = []
+    bar = (progress_factory or PlainProgress)(total=samples * per_prefix)
+    records: list = [None] * samples
     t_start = time.perf_counter()
+
+    def first_run(t_exact: float, t_run: float) -> None:
+        left = (len(runs) - 1) * t_run + (samples - 1) * (t_exact + len(runs) * t_run)
+        log(
+            f"drift: the exact run took {t_exact:.0f} s, {runs[0].label} {t_run:.0f} s; remaining run "
+            f"time at most {_fmt_minutes(left)} (a method's free run stops at its first divergence)"
+        )
+
     try:
-        with torch.inference_mode():
+        if workers is None:
             for index, ids in enumerate(prefixes):
-                t0 = time.perf_counter()
-                bar.describe(f"drift #{index}: exact, generating {new_tokens} tokens")
-                cache = _exact_cache()
-                logits = _prefill(model, ids, cache, BLOCK, ticks.tick)
-                scales = _amax_scales(cache)
-                forced = copy.deepcopy(cache)
-                generated = _free_run(model, cache, logits, new_tokens, eos, ngram, None, ticks.tick)
-                bar.describe(f"drift #{index}: exact, teacher-forced")
-                ref = _teacher_forced(model, forced, logits, generated, BLOCK, prefix, ticks.tick)
-                ticks.settle(run_steps(BLOCK))
-                del cache, forced
-                t_exact = time.perf_counter() - t0
-                grams = [tuple(generated[i : i + 4]) for i in range(len(generated) - 3)]
-                record = {
-                    "index": index,
-                    "prefix_ids": ids,
-                    "generated": generated,
-                    "generated_text": tok.decode(generated),
-                    "distinct_4grams": len(set(grams)) / max(len(grams), 1),
-                    "runs": {},
-                }
-                for run_index, run in enumerate(runs):
-                    r0 = time.perf_counter()
-                    bar.describe(f"drift #{index}: {run.label}, teacher-forced")
-                    cache = _method_cache(run, model, scales)
-                    logits = _prefill(model, ids, cache, run.method.group_size, ticks.tick)
-                    free = copy.deepcopy(cache)
-                    lp = _teacher_forced(model, cache, logits, generated, run.method.group_size, prefix, ticks.tick)
-                    kl = _kl_rows(ref, lp)
-                    same = (lp.argmax(-1) == ref.argmax(-1)).float()
-                    del cache, lp
-                    bar.describe(f"drift #{index}: {run.label}, free run")
-                    own = _free_run(model, free, logits, new_tokens, eos, ngram, generated, ticks.tick)
-                    ticks.settle(run_steps(run.method.group_size))
-                    del free
-                    diverged = len(own) - 1 if own[-1] != generated[len(own) - 1] else None
-                    record["runs"][run.label] = {
-                        "kl": kl.tolist(),
-                        "kl_windows": _windows(kl.tolist()),
-                        "kl_mean": float(kl.mean()),
-                        "top1": float(same.mean()),
-                        "top1_windows": _windows(same.tolist()),
-                        "first_divergence": diverged,
-                        "seconds": round(time.perf_counter() - r0, 3),
-                    }
-                    if index == 0 and run_index == 0:
-                        t_run = time.perf_counter() - r0
-                        left = (len(runs) - 1) * t_run + (samples - 1) * (t_exact + len(runs) * t_run)
-                        log(
-                            f"drift: the exact run took {t_exact:.0f} s, {run.label} {t_run:.0f} s; remaining run "
-                            f"time at most {_fmt_minutes(left)} (a method's free run stops at its first divergence)"
-                        )
-                record["seconds"] = round(time.perf_counter() - t0, 3)
-                records.append(record)
+                records[index] = drift_sample(
+                    model, tok, index, ids, runs, new_tokens, ngram, bar, first_run if index == 0 else None
+                )
+        else:
+            bar.describe(f"drift: {samples} prefixes")
+            jobs = [(index, ids, runs, new_tokens, ngram) for index, ids in enumerate(prefixes)]
+            for done, (index, record) in enumerate(workers.run(drift_sample, jobs)):
+                records[index] = record
+                for _ in range(per_prefix):
+                    bar.tick()
+                if done == 0 and samples > workers.count:  # the other first prefixes finish about now
+                    rounds = math.ceil(samples / workers.count) - 1
+                    log(
+                        f"drift: the first prefix took {record['seconds']:.0f} s; remaining run time at most "
+                        f"{_fmt_minutes(rounds * record['seconds'])}"
+                    )
     finally:
         bar.close()
     return {
@@ -541,7 +598,7 @@ def drift(
         "seed": seed,
         "no_repeat_ngram": ngram,
         "window": WINDOW,
-        "runs": [_run_info(r, model) for r in runs],
+        "runs": [_run_info(r, workers.config if workers else model.config) for r in runs],
         "records": records,
         "summary": summarize_drift(records, runs, new_tokens),
         "seconds": time.perf_counter() - t_start,

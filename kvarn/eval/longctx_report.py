@@ -40,6 +40,7 @@ from kvarn.eval.longctx import (
     retrieval,
 )
 from kvarn.eval.methods import ALL_BASELINES, get_method, with_served_methods
+from kvarn.eval.workers import Workers
 
 TASKS = ("kl", *tasks.TASKS, "drift")
 DEFAULT_LENGTHS = (1024, 2048)
@@ -261,6 +262,11 @@ PROTOCOL = {
 }
 
 
+def _workers_note(res: dict) -> str:
+    workers = res.get("workers", 1)
+    return f" in each of {workers} worker processes" if workers > 1 else ""
+
+
 def write_markdown(results: list[dict], out: pathlib.Path, command: str, commit: str) -> pathlib.Path:
     import torch
     import transformers
@@ -272,7 +278,8 @@ def write_markdown(results: list[dict], out: pathlib.Path, command: str, commit:
         f"Command: `{command}` ({commit})",
         "",
         f"torch {torch.__version__}, transformers {transformers.__version__}, {platform.machine()} "
-        f"{platform.system()}, {torch.get_num_threads()} thread(s), device {results[0].get('device', 'cpu')}.",
+        f"{platform.system()}, {torch.get_num_threads()} thread(s){_workers_note(results[0])}, device "
+        f"{results[0].get('device', 'cpu')}.",
         "",
     ]
     for res in results:
@@ -369,7 +376,14 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--text", default=None, help="drift: a UTF-8 text file to take the prefixes from (default bundled)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu; cuda runs the Triton kernels)")
     p.add_argument("--out", default="report", help="output folder (default ./report)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1; per worker)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="processes answering samples at once, each with its own copy of the model (default 1; on a GPU, "
+        "where one process leaves the device mostly idle, 8 or more)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     drift_only = {"--prefix": args.prefix, "--new-tokens": args.new_tokens, "--no-repeat-ngram": args.no_repeat_ngram}
@@ -412,6 +426,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         p.error(f"--samples must be at least 1, got {args.samples}")
     if args.threads < 1:
         p.error(f"--threads must be at least 1, got {args.threads}")
+    if args.workers < 1:
+        p.error(f"--workers must be at least 1, got {args.workers}")
     args.models = list(BUNDLED_MODELS) if args.model == "all" else [m.strip() for m in args.model.split(",")]
     for m in args.models:
         if m not in BUNDLED_MODELS and not pathlib.Path(m).expanduser().exists():
@@ -511,25 +527,58 @@ def main(argv: list[str], progress_factory: Callable | None = None, commit: Call
         runs = plan_runs(args.method_list, args.region_list)
         what = f"{args.task}, {len(runs)} runs ({', '.join(r.label for r in runs)})"
         print(f"kvarn report: {name}: {what}")
+        model = workers = None
         try:
-            model, tok = load_model(name, device=args.device)
+            if args.workers > 1:
+                workers = Workers(name, args.device, args.workers, args.threads)
+                config = workers.config
+            else:
+                model, tok = load_model(name, device=args.device)
+                config = model.config
             for m in args.method_list:
                 policy = get_method(m).policy
                 if policy is not None:
-                    policy.kept(model.config.num_hidden_layers)
+                    policy.kept(config.num_hidden_layers)
         except (ModuleNotFoundError, ImportError, ValueError, FileNotFoundError, RuntimeError) as e:
+            if workers is not None:
+                workers.close()
             print(f"kvarn report: {e}", file=sys.stderr)
             return 2
 
         def bar(total: int):
             return factory(total=total, quiet=args.quiet)
 
-        if args.task == "drift":
-            res = drift(
-                model, tok, runs, args.prefix, args.new_tokens, args.samples, args.seed, text, args.no_repeat_ngram, bar
-            )
-        else:
-            res = retrieval(model, tok, args.task, runs, args.length_list, args.samples, args.seed, args.filler, bar)
+        try:
+            if args.task == "drift":
+                res = drift(
+                    model,
+                    tok,
+                    runs,
+                    args.prefix,
+                    args.new_tokens,
+                    args.samples,
+                    args.seed,
+                    text,
+                    args.no_repeat_ngram,
+                    bar,
+                    workers=workers,
+                )
+            else:
+                res = retrieval(
+                    model,
+                    tok,
+                    args.task,
+                    runs,
+                    args.length_list,
+                    args.samples,
+                    args.seed,
+                    args.filler,
+                    bar,
+                    workers=workers,
+                )
+        finally:
+            if workers is not None:
+                workers.close()
         res["model"] = name
         res["model_source"] = (
             f"{name} (bundled: {BUNDLED_MODELS[name].description})"
@@ -537,6 +586,7 @@ def main(argv: list[str], progress_factory: Callable | None = None, commit: Call
             else f"{pathlib.Path(name).expanduser().resolve()} (local)"
         )
         res["device"] = args.device
+        res["workers"] = args.workers
         res["commit"] = commit() if commit else "kvarn"
         res["seconds"] = time.perf_counter() - t0
         out.mkdir(parents=True, exist_ok=True)
