@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import pathlib
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
 from kvarn.eval import tasks
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -463,3 +471,41 @@ def test_worker_processes_give_the_records_of_one_process(task, sizes, tmp_path,
     for key in ("records", "summary", "runs"):
         assert _without_seconds(spread[key]) == _without_seconds(serial[key]), key
     assert "in each of 2 worker processes" in (tmp_path / "two" / "r" / "report.md").read_text()
+
+
+_KILLED_PARENT = """
+import os, signal, sys
+from kvarn.eval.workers import Workers
+
+workers = Workers(sys.argv[1], "cpu", 2)
+list(workers.run(print, [(), ()]))  # both workers loaded the model and answered
+print("pids", *[p.pid for p in workers.pool._processes.values()], flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = pathlib.Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status  # a zombie has exited
+
+
+@pytest.mark.hf
+@pytest.mark.skipif(not pathlib.Path("/proc/self/status").exists(), reason="reads /proc")
+def test_workers_end_when_their_report_is_killed(tmp_path):
+    from tiny_model import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "tiny")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_PARENT, str(folder)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    pids = [int(p) for line in proc.stdout.splitlines() if line.startswith("pids ") for p in line.split()[1:]]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids), "a worker outlived its killed report"

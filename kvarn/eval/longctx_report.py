@@ -6,7 +6,7 @@ The measurements are :mod:`kvarn.eval.longctx`'s; ``--task kl`` (the default) is
 Examples::
 
     kvarn report --task niah                                  # SmolLM2-135M, 1024 and 2048 tokens, ./report
-    kvarn report --task passkey --lengths 1024,4096,8192 --samples 50 --device cuda
+    kvarn report --task passkey --lengths 1024,4096,8192 --samples 50 --device cuda --workers 4
     kvarn report --task drift --prefix 256 --new-tokens 1024
 """
 
@@ -382,7 +382,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         type=int,
         default=1,
         help="processes answering samples at once, each with its own copy of the model (default 1; on a GPU, "
-        "where one process leaves the device mostly idle, 8 or more)",
+        "where one process leaves the device mostly idle, about 4)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
@@ -541,7 +541,7 @@ def main(argv: list[str], progress_factory: Callable | None = None, commit: Call
                     policy.kept(config.num_hidden_layers)
         except (ModuleNotFoundError, ImportError, ValueError, FileNotFoundError, RuntimeError) as e:
             if workers is not None:
-                workers.close()
+                workers.close(wait=False)
             print(f"kvarn report: {e}", file=sys.stderr)
             return 2
 
@@ -576,9 +576,12 @@ def main(argv: list[str], progress_factory: Callable | None = None, commit: Call
                     bar,
                     workers=workers,
                 )
-        finally:
+        except BaseException:
             if workers is not None:
-                workers.close()
+                workers.close(wait=False)  # an interrupted report stops its workers at once
+            raise
+        if workers is not None:
+            workers.close()
         res["model"] = name
         res["model_source"] = (
             f"{name} (bundled: {BUNDLED_MODELS[name].description})"

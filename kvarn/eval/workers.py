@@ -10,6 +10,9 @@ a record does not depend on which worker made it (on a CPU, bit for bit at the s
 from __future__ import annotations
 
 import multiprocessing
+import os
+import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 
@@ -27,11 +30,19 @@ class _Silent:
         pass
 
 
+def _exit_with(parent: int, period: float = 0.5) -> None:
+    """End this process once ``parent`` is gone (reparented): a killed report must not leave workers on the GPU."""
+    while os.getppid() == parent:
+        time.sleep(period)
+    os._exit(1)
+
+
 def _load(model: str, device: str, threads: int) -> None:
     import torch
 
     from kvarn.eval.models import load_model
 
+    threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     torch.set_num_threads(threads)
     _MODEL["model"], _MODEL["tok"] = load_model(model, device=device)
 
@@ -77,11 +88,16 @@ class Workers:
             for fut in pending:
                 fut.cancel()
 
-    def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+    def close(self, wait: bool = True) -> None:
+        """Stop the workers: after their samples, or (``wait=False``) at once, dropping the samples they hold."""
+        processes = list((self.pool._processes or {}).values())
+        self.pool.shutdown(wait=wait, cancel_futures=True)
+        if not wait:
+            for proc in processes:
+                proc.terminate()
 
     def __enter__(self) -> Workers:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, *exc) -> None:
+        self.close(wait=kind is None)
