@@ -582,7 +582,7 @@ def drift(
                 records[index] = record
                 for _ in range(per_prefix):
                     bar.tick()
-                if done == 0 and samples > workers.count:  # the other first prefixes finish about now
+                if done == 0:  # the other workers' first prefixes finish about now
                     rounds = math.ceil(samples / workers.count) - 1
                     log(
                         f"drift: the first prefix took {record['seconds']:.0f} s; remaining run time at most "

@@ -1,10 +1,11 @@
 """Samples of a long-context task spread over worker processes, each holding its own copy of the model.
 
 A sample runs its methods one token or one tile chunk at a time, so on a GPU a single process spends
-most of its time in Python and kernel launches while the device idles; several processes, each
-answering whole samples, keep it busy. Each worker loads the model once (``spawn``: no CUDA state is
-inherited) and answers the samples it is handed with the same functions a single process calls, so
-a record does not depend on which worker made it (on a CPU, bit for bit at the same thread count).
+most of its time in Python and kernel launches while the device idles; a few processes, each
+answering whole samples, use it better (not many: processes share a GPU in time slices). Each
+worker loads the model once (``spawn``: no CUDA state is inherited) and answers the samples it is
+handed with the same functions a single process calls, so a record does not depend on which worker
+made it (on a CPU, bit for bit at the same thread count).
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ def _exit_with(parent: int, period: float = 0.5) -> None:
 
 def _load(model: str, device: str, threads: int) -> None:
     import torch
+    import transformers
 
     from kvarn.eval.models import load_model
 
+    transformers.utils.logging.disable_progress_bar()  # one loading bar per worker would bury the parent's progress
     threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     torch.set_num_threads(threads)
     _MODEL["model"], _MODEL["tok"] = load_model(model, device=device)
