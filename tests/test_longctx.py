@@ -509,3 +509,44 @@ def test_workers_end_when_their_report_is_killed(tmp_path):
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(p) for p in pids), "a worker outlived its killed report"
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize(
+    ("task", "first", "more"),
+    [
+        ("niah", ["--lengths", "640", "--samples", "1"], ["--lengths", "640,768", "--samples", "2"]),
+        ("drift", ["--samples", "1"], ["--samples", "2"]),
+    ],
+)
+def test_a_resumed_run_takes_its_finished_samples_from_the_record_log(task, first, more, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    from tiny_model import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "tiny")
+    argv = ["--task", task, "--model", str(folder), "--methods", "kvarn_k2v2_g128", "--regions", "sink"]
+    if task == "drift":
+        argv += ["--prefix", "128", "--new-tokens", "64"]
+    out = tmp_path / "run" / "r"
+    rc, _ = _report([*argv, *first], tmp_path / "run", monkeypatch, capsys)
+    assert rc == 0
+    (before,) = json.loads((out / "results.json").read_text())
+    log = out / f"tiny_{task}.records.jsonl"
+    assert len(log.read_text().splitlines()) == 2  # the settings, then one finished sample
+    with log.open("a") as f:
+        f.write('{"key": [640, 1], "rec')  # a line cut short by a killed run
+    rc, got = _report([*argv, *more, "--resume"], tmp_path / "run", monkeypatch, capsys)
+    assert rc == 0, got.err
+    assert f"1 taken from {log}" in got.out
+    (resumed,) = json.loads((out / "results.json").read_text())
+    assert resumed["records"][0] == before["records"][0]  # taken over, its wall time included
+    rc, _ = _report([*argv, *more], tmp_path / "fresh", monkeypatch, capsys)
+    (fresh,) = json.loads((tmp_path / "fresh" / "r" / "results.json").read_text())
+    assert _without_seconds(resumed["records"]) == _without_seconds(fresh["records"])
+    assert _without_seconds(resumed["summary"]) == _without_seconds(fresh["summary"])
+    assert len(log.read_text().splitlines()) == 1 + len(fresh["records"])
+    # other settings are refused, naming the first that differs
+    rc, err = _report(
+        [*argv[:5], "kivi_k2v2_g128", *argv[6:], *more, "--resume"], tmp_path / "run", monkeypatch, capsys
+    )
+    assert rc == 2 and "holds a run with runs = ['kvarn_k2v2_g128 [sink+tail]']" in err.err

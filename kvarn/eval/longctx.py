@@ -29,6 +29,7 @@ the prefix (same rule) until its first token that differs from the exact run's.
 from __future__ import annotations
 
 import copy
+import json
 import math
 import statistics
 import sys
@@ -113,6 +114,45 @@ class PlainProgress:
 
     def close(self) -> None:
         pass
+
+
+class RecordLog:
+    """A run's finished samples, a JSON line each as it finishes, so that a stopped run loses only the samples it
+    was answering and ``kvarn report --resume`` takes up the rest (or more samples) where it stopped.
+
+    The first line holds the settings the records depend on (``config``); resuming with other settings is refused,
+    naming the first that differs.
+    """
+
+    def __init__(self, path, config: dict, resume: bool = False):
+        import pathlib
+
+        self.path, self.config, self.done = pathlib.Path(path), config, {}
+        if resume and self.path.is_file():
+            text = self.path.read_text().splitlines()
+            try:
+                lines = [json.loads(line) for line in text if line.strip()]
+            except json.JSONDecodeError:  # a line cut short by a killed run: drop it, keep the finished ones
+                lines = [json.loads(line) for line in text[:-1] if line.strip()]
+                self.path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+            if not lines or "config" not in lines[0]:
+                raise ValueError(f"{self.path} is not a kvarn report record log")
+            theirs = lines[0]["config"]
+            for key in sorted(set(theirs) | set(config)):
+                if theirs.get(key) != config.get(key):
+                    raise ValueError(
+                        f"{self.path} holds a run with {key} = {theirs.get(key)!r}, not {config.get(key)!r}; "
+                        "resume with that run's settings or write to another --out"
+                    )
+            self.done = {tuple(line["key"]): line["record"] for line in lines[1:]}
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps({"config": config}) + "\n")
+
+    def add(self, key: tuple, record: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"key": list(key), "record": record}) + "\n")
+        self.done[tuple(key)] = record
 
 
 def _forward(model, ids, cache, last_only: bool = False):
@@ -263,25 +303,32 @@ def retrieval(
     progress_factory: Callable | None = None,
     log: Callable[[str], None] = print,
     workers: Workers | None = None,
+    records_log: RecordLog | None = None,
 ) -> dict:
     """Run ``task`` at every length over ``samples`` samples: per-sample records and a summary per run and length.
 
     ``workers``: answer the samples on these processes (``model`` is then unused and may be None).
+    ``records_log``: append each finished sample there, and take the samples it already holds from it.
     """
     built = [tasks.make_sample(task, tok, n, i, seed, filler) for n in lengths for i in range(samples)]
+    done = records_log.done if records_log else {}
+    records: list = [done.get((s.length, s.index)) for s in built]
+    todo = [i for i, r in enumerate(records) if r is None]
     where = f" on {workers.count} worker processes" if workers else ""
+    kept = f"; {len(built) - len(todo)} taken from {records_log.path}" if len(todo) < len(built) else ""
     log(
         f"{task}: {samples} sample(s) at each of {', '.join(map(str, lengths))} tokens, {len(runs) + 1} runs a sample "
-        f"(the exact model and each method){where}; a time estimate follows the first sample"
+        f"(the exact model and each method){where}{kept}; a time estimate follows the first sample"
     )
-    bar = (progress_factory or PlainProgress)(total=sum(_sample_steps(s, runs) for s in built))
-    records: list = [None] * len(built)
+    bar = (progress_factory or PlainProgress)(total=sum(_sample_steps(built[i], runs) for i in todo))
     seconds: dict[int, float] = {}
     t_start = time.perf_counter()
 
     def finished(i: int, record: dict, took: float) -> None:
         sample = built[i]
         records[i] = record
+        if records_log is not None:
+            records_log.add((sample.length, sample.index), record)
         if sample.length not in seconds:
             seconds[sample.length] = took
             left = [s.length for j, s in enumerate(built) if records[j] is None]
@@ -293,16 +340,16 @@ def retrieval(
 
     try:
         if workers is None:
-            for i, sample in enumerate(built):
+            for i in todo:
                 t0 = time.perf_counter()
-                record = retrieval_sample(model, tok, sample, runs, bar)
+                record = retrieval_sample(model, tok, built[i], runs, bar)
                 finished(i, record, time.perf_counter() - t0)
-        else:
-            bar.describe(f"{task}: {len(built)} samples")
-            for i, record in workers.run(retrieval_sample, [(s, runs) for s in built]):
-                for _ in range(_sample_steps(built[i], runs)):
+        elif todo:
+            bar.describe(f"{task}: {len(todo)} samples")
+            for j, record in workers.run(retrieval_sample, [(built[i], runs) for i in todo]):
+                for _ in range(_sample_steps(built[todo[j]], runs)):
                     bar.tick()
-                finished(i, record, record["seconds"])
+                finished(todo[j], record, record["seconds"])
     finally:
         bar.close()
     config = workers.config if workers else model.config
@@ -541,10 +588,12 @@ def drift(
     progress_factory: Callable | None = None,
     log: Callable[[str], None] = print,
     workers: Workers | None = None,
+    records_log: RecordLog | None = None,
 ) -> dict:
     """Teacher-forced KL along the exact model's own generation, and each run's first greedy divergence.
 
     ``workers``: run the prefixes on these processes (``model`` is then unused and may be None).
+    ``records_log``: append each finished prefix there, and take the prefixes it already holds from it.
     """
     from kvarn.eval.harness import bundled_text
 
@@ -552,18 +601,26 @@ def drift(
     per_prefix = _drift_steps(prefix, new_tokens, BLOCK) + sum(
         _drift_steps(prefix, new_tokens, r.method.group_size) for r in runs
     )
+    done = records_log.done if records_log else {}
+    records: list = [done.get((index,)) for index in range(samples)]
+    todo = [i for i, r in enumerate(records) if r is None]
     where = f" on {workers.count} worker processes" if workers else ""
+    kept = f"; {samples - len(todo)} taken from {records_log.path}" if len(todo) < samples else ""
     log(
         f"drift: {samples} prefix(es) of {prefix} tokens, {new_tokens} generated tokens, {len(runs) + 1} runs a "
-        f"prefix (the exact model and each method){where}; a time estimate follows the first "
+        f"prefix (the exact model and each method){where}{kept}; a time estimate follows the first "
         + ("prefix" if workers else "method")
     )
-    bar = (progress_factory or PlainProgress)(total=samples * per_prefix)
-    records: list = [None] * samples
+    bar = (progress_factory or PlainProgress)(total=len(todo) * per_prefix)
     t_start = time.perf_counter()
 
+    def finished(index: int, record: dict) -> None:
+        records[index] = record
+        if records_log is not None:
+            records_log.add((index,), record)
+
     def first_run(t_exact: float, t_run: float) -> None:
-        left = (len(runs) - 1) * t_run + (samples - 1) * (t_exact + len(runs) * t_run)
+        left = (len(runs) - 1) * t_run + (len(todo) - 1) * (t_exact + len(runs) * t_run)
         log(
             f"drift: the exact run took {t_exact:.0f} s, {runs[0].label} {t_run:.0f} s; remaining run "
             f"time at most {_fmt_minutes(left)} (a method's free run stops at its first divergence)"
@@ -571,19 +628,22 @@ def drift(
 
     try:
         if workers is None:
-            for index, ids in enumerate(prefixes):
-                records[index] = drift_sample(
-                    model, tok, index, ids, runs, new_tokens, ngram, bar, first_run if index == 0 else None
+            for n, index in enumerate(todo):
+                finished(
+                    index,
+                    drift_sample(
+                        model, tok, index, prefixes[index], runs, new_tokens, ngram, bar, first_run if n == 0 else None
+                    ),
                 )
-        else:
-            bar.describe(f"drift: {samples} prefixes")
-            jobs = [(index, ids, runs, new_tokens, ngram) for index, ids in enumerate(prefixes)]
-            for done, (index, record) in enumerate(workers.run(drift_sample, jobs)):
-                records[index] = record
+        elif todo:
+            bar.describe(f"drift: {len(todo)} prefixes")
+            jobs = [(index, prefixes[index], runs, new_tokens, ngram) for index in todo]
+            for n, (j, record) in enumerate(workers.run(drift_sample, jobs)):
+                finished(todo[j], record)
                 for _ in range(per_prefix):
                     bar.tick()
-                if done == 0:  # the other workers' first prefixes finish about now
-                    rounds = math.ceil(samples / workers.count) - 1
+                if n == 0:  # the other workers' first prefixes finish about now
+                    rounds = math.ceil(len(todo) / workers.count) - 1
                     log(
                         f"drift: the first prefix took {record['seconds']:.0f} s; remaining run time at most "
                         f"{_fmt_minutes(rounds * record['seconds'])}"

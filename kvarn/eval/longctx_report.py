@@ -32,6 +32,7 @@ from kvarn.eval.longctx import (
     REGION_LABEL,
     WINDOW,
     PlainProgress,
+    RecordLog,
     default_methods,
     drift,
     drift_prefixes,
@@ -384,6 +385,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="processes answering samples at once, each with its own copy of the model (default 1; on a GPU, "
         "where one process leaves the device mostly idle, about 4)",
     )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="take the samples already in --out's record log (NAME_TASK.records.jsonl, written as samples finish) "
+        "instead of running them again: a stopped run goes on, or a finished one gains samples or lengths",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     drift_only = {"--prefix": args.prefix, "--new-tokens": args.new_tokens, "--no-repeat-ngram": args.no_repeat_ngram}
@@ -548,6 +555,21 @@ def main(argv: list[str], progress_factory: Callable | None = None, commit: Call
         def bar(total: int):
             return factory(total=total, quiet=args.quiet)
 
+        config = {"task": args.task, "model": name, "runs": [r.label for r in runs], "seed": args.seed}
+        config["device"] = args.device
+        if args.task == "drift":
+            config |= {"prefix": args.prefix, "new_tokens": args.new_tokens, "no_repeat_ngram": args.no_repeat_ngram}
+            config["text"] = args.text or "bundled"
+        else:
+            config["filler"] = args.filler or tasks.DEFAULT_FILLER[args.task]
+        try:
+            records_log = RecordLog(out / f"{_slug(name)}_{args.task}.records.jsonl", config, args.resume)
+        except ValueError as e:
+            if workers is not None:
+                workers.close(wait=False)
+            print(f"kvarn report: {e}", file=sys.stderr)
+            return 2
+
         try:
             if args.task == "drift":
                 res = drift(
@@ -562,6 +584,7 @@ def main(argv: list[str], progress_factory: Callable | None = None, commit: Call
                     args.no_repeat_ngram,
                     bar,
                     workers=workers,
+                    records_log=records_log,
                 )
             else:
                 res = retrieval(
@@ -575,6 +598,7 @@ def main(argv: list[str], progress_factory: Callable | None = None, commit: Call
                     args.filler,
                     bar,
                     workers=workers,
+                    records_log=records_log,
                 )
         except BaseException:
             if workers is not None:
