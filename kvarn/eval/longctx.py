@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import pathlib
 import statistics
 import sys
 import time
@@ -125,8 +126,6 @@ class RecordLog:
     """
 
     def __init__(self, path, config: dict, resume: bool = False):
-        import pathlib
-
         self.path, self.config, self.done = pathlib.Path(path), config, {}
         if resume and self.path.is_file():
             text = self.path.read_text().splitlines()
