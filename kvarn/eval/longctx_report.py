@@ -534,6 +534,18 @@ def main(argv: list[str], progress_factory: Callable | None = None, commit: Call
         runs = plan_runs(args.method_list, args.region_list)
         what = f"{args.task}, {len(runs)} runs ({', '.join(r.label for r in runs)})"
         print(f"kvarn report: {name}: {what}")
+        settings = {"task": args.task, "model": name, "runs": [r.label for r in runs], "seed": args.seed}
+        settings["device"] = args.device
+        if args.task == "drift":
+            settings |= {"prefix": args.prefix, "new_tokens": args.new_tokens, "no_repeat_ngram": args.no_repeat_ngram}
+            settings["text"] = args.text or "bundled"
+        else:
+            settings["filler"] = args.filler or tasks.DEFAULT_FILLER[args.task]
+        try:
+            records_log = RecordLog(out / f"{_slug(name)}_{args.task}.records.jsonl", settings, args.resume)
+        except ValueError as e:
+            print(f"kvarn report: {e}", file=sys.stderr)
+            return 2
         model = workers = None
         try:
             if args.workers > 1:
@@ -554,21 +566,6 @@ def main(argv: list[str], progress_factory: Callable | None = None, commit: Call
 
         def bar(total: int):
             return factory(total=total, quiet=args.quiet)
-
-        config = {"task": args.task, "model": name, "runs": [r.label for r in runs], "seed": args.seed}
-        config["device"] = args.device
-        if args.task == "drift":
-            config |= {"prefix": args.prefix, "new_tokens": args.new_tokens, "no_repeat_ngram": args.no_repeat_ngram}
-            config["text"] = args.text or "bundled"
-        else:
-            config["filler"] = args.filler or tasks.DEFAULT_FILLER[args.task]
-        try:
-            records_log = RecordLog(out / f"{_slug(name)}_{args.task}.records.jsonl", config, args.resume)
-        except ValueError as e:
-            if workers is not None:
-                workers.close(wait=False)
-            print(f"kvarn report: {e}", file=sys.stderr)
-            return 2
 
         try:
             if args.task == "drift":
