@@ -250,7 +250,7 @@ def test_answer_done():
 
 
 def test_ngram_guard_blocks_only_repeats():
-    from kvarn.eval.longctx import _NgramGuard
+    from kvarn.eval.drift import _NgramGuard
 
     g = _NgramGuard(3)
     for t in (1, 2, 3, 1):
