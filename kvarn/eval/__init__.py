@@ -10,8 +10,11 @@
 - :mod:`kvarn.eval.report`: ``kvarn report``, the table, ``report.md`` and the plots.
 - :mod:`kvarn.eval.tasks`: seeded long-context tasks (passkey, multi-key needle-in-a-haystack,
   variable tracking) and their exact-match scorer.
-- :mod:`kvarn.eval.longctx`: those tasks and generation drift run along a vLLM request's cache
-  path; :mod:`kvarn.eval.longctx_report`: ``kvarn report --task ...``, its tables and plots.
+- :mod:`kvarn.eval.longctx`: those tasks run along a vLLM request's cache path, with a record log to
+  resume from; :mod:`kvarn.eval.drift`: error accumulation along a long generation on the same path;
+  :mod:`kvarn.eval.workers`: samples answered by several processes.
+- :mod:`kvarn.eval.longctx_report`: ``kvarn report --task ...``, its tables and ``report.md``;
+  :mod:`kvarn.eval.longctx_plots`: its plots.
 
 Everything here imports transformers lazily, so ``import kvarn.eval`` needs torch alone.
 """

@@ -1,7 +1,8 @@
 """Long-context retrieval with a quantized KV cache, along the path a vLLM request takes.
 
-The measurements behind ``kvarn report --task passkey|niah|vartrack|drift``
-(:mod:`kvarn.eval.longctx_report` writes their tables, plots and ``report.md``).
+The measurements behind ``kvarn report --task passkey|niah|vartrack`` and the pieces ``--task drift``
+shares (:mod:`kvarn.eval.longctx_report` writes the tables and ``report.md``, :mod:`kvarn.eval.longctx_plots`
+the plots).
 
 **The cache path of a request.** The prompt is fed in chunks of one tile (the method's ``G``
 tokens, 128 for every default method): each chunk attends over its earlier tiles as the method
