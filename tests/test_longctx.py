@@ -473,13 +473,33 @@ def test_worker_processes_give_the_records_of_one_process(task, sizes, tmp_path,
     assert "in each of 2 worker processes" in (tmp_path / "two" / "r" / "report.md").read_text()
 
 
-_KILLED_PARENT = """
-import os, signal, sys
+_PARENT = """
+import os, signal, sys, threading, time
 from kvarn.eval.workers import Workers
+from tiny_model import hold_worker
+
+
+def workers_of(pid):
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+            cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
+        except (OSError, ValueError):
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline:
+            found.append(entry)
+    return found
+
 
 workers = Workers(sys.argv[1], "cpu", 2)
 list(workers.run(print, [(), ()]))  # both workers loaded the model and answered
-print("pids", *[p.pid for p in workers.pool._processes.values()], flush=True)
+print("pids", *workers_of(os.getpid()), flush=True)
+threading.Thread(target=lambda: list(workers.run(hold_worker, [(60,), (60,)])), daemon=True).start()
+time.sleep(2)  # both workers are mid-job
+if sys.argv[2] == "close":
+    workers.close(wait=False)
+    time.sleep(60)  # the report lives on; its workers must not
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
@@ -494,21 +514,34 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.hf
 @pytest.mark.skipif(not pathlib.Path("/proc/self/status").exists(), reason="reads /proc")
-def test_workers_end_when_their_report_is_killed(tmp_path):
+@pytest.mark.parametrize("how", ["killed", "close"])
+def test_workers_end_with_their_report(how, tmp_path):
+    """A report killed (SIGKILL: no clean-up runs) or closing its workers at once (an interrupt) leaves none."""
     from tiny_model import build_tiny_model
 
     folder = build_tiny_model(tmp_path / "tiny")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(
-        [sys.executable, "-c", _KILLED_PARENT, str(folder)], capture_output=True, text=True, env=env, timeout=120
+    path = [str(ROOT), str(pathlib.Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, str(folder), how], stdout=subprocess.PIPE, text=True, env=env
     )
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
-    pids = [int(p) for line in proc.stdout.splitlines() if line.startswith("pids ") for p in line.split()[1:]]
-    assert len(pids) == 2
-    deadline = time.monotonic() + 20
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(_alive(p) for p in pids), "a worker outlived its killed report"
+    try:
+        line = proc.stdout.readline()
+        while line and not line.startswith("pids "):  # the workers' own output (the job prints its arguments)
+            line = proc.stdout.readline()
+        pids = [int(p) for p in line.split()[1:]]
+        assert len(pids) == 2, line
+        deadline = time.monotonic() + 20
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in pids), "a worker outlived its report's " + how
+        if how == "close":
+            assert proc.poll() is None  # the workers ended on the stop, not with their report
+        else:
+            assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.mark.hf

@@ -260,3 +260,10 @@ def build_tiny_windowed(path: pathlib.Path, kind: str) -> pathlib.Path:
             tensors[f"model.layers.{i}.self_attn.sinks"] = torch.randn(config.num_attention_heads) + 1.0
         save_file(tensors, weights, metadata={"format": "pt"})
     return path
+
+
+def hold_worker(model, tok, seconds: float, bar) -> None:
+    """A ``kvarn.eval.workers`` job that keeps its worker busy for ``seconds``."""
+    import time
+
+    time.sleep(seconds)

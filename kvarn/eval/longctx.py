@@ -118,7 +118,7 @@ class RecordLog:
     """
 
     def __init__(self, path, config: dict, resume: bool = False):
-        self.path, self.config, self.done = pathlib.Path(path), config, {}
+        self.path, self.done = pathlib.Path(path), {}
         if resume and self.path.is_file():
             text = self.path.read_text().splitlines()
             try:

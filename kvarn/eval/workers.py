@@ -13,7 +13,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 
@@ -31,21 +30,22 @@ class _Silent:
         pass
 
 
-def _exit_with(parent: int, period: float = 0.5) -> None:
-    """End this process once ``parent`` is gone (reparented): a killed report must not leave workers on the GPU."""
-    while os.getppid() == parent:
-        time.sleep(period)
+def _exit_with(parent: int, stop, period: float = 0.5) -> None:
+    """End this process once ``parent`` is gone (reparented) or ``stop`` is set, even mid-sample: a killed or
+    interrupted report must not leave workers on the GPU."""
+    while os.getppid() == parent and not stop.wait(period):
+        pass
     os._exit(1)
 
 
-def _load(model: str, device: str, threads: int) -> None:
+def _load(model: str, device: str, threads: int, stop) -> None:
     import torch
     import transformers
 
     from kvarn.eval.models import load_model
 
     transformers.utils.logging.disable_progress_bar()  # one loading bar per worker would bury the parent's progress
-    threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
+    threading.Thread(target=_exit_with, args=(os.getppid(), stop), daemon=True).start()
     torch.set_num_threads(threads)
     _MODEL["model"], _MODEL["tok"] = load_model(model, device=device)
 
@@ -72,11 +72,10 @@ class Workers:
 
         self.count = count
         self.config = AutoConfig.from_pretrained(model_dir(model))  # the workers' model.config
+        context = multiprocessing.get_context("spawn")
+        self._stop = context.Event()
         self.pool = ProcessPoolExecutor(
-            count,
-            mp_context=multiprocessing.get_context("spawn"),
-            initializer=_load,
-            initargs=(model, device, threads),
+            count, mp_context=context, initializer=_load, initargs=(model, device, threads, self._stop)
         )
 
     def run(self, fn: Callable, jobs: Iterable[tuple]) -> Iterator[tuple[int, object]]:
@@ -93,11 +92,9 @@ class Workers:
 
     def close(self, wait: bool = True) -> None:
         """Stop the workers: after their samples, or (``wait=False``) at once, dropping the samples they hold."""
-        processes = list((self.pool._processes or {}).values())
-        self.pool.shutdown(wait=wait, cancel_futures=True)
         if not wait:
-            for proc in processes:
-                proc.terminate()
+            self._stop.set()
+        self.pool.shutdown(wait=wait, cancel_futures=True)
 
     def __enter__(self) -> Workers:
         return self
