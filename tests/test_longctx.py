@@ -273,6 +273,30 @@ def test_time_estimate_extrapolates_by_length():
     assert _sample_seconds({1024: 100.0, 2048: 300.0}, 1536) == pytest.approx(300.0 * 0.75 ** math.log2(3))
 
 
+def test_summary_pairs_each_run_with_the_exact_model():
+    from kvarn.eval.longctx import plan_runs, summarize
+    from kvarn.eval.longctx_report import retrieval_table
+
+    (run,) = plan_runs(["kivi_k4v2_g128"], ["tail"])
+
+    def answer(pred: str) -> dict:
+        return {"pred": pred, "correct": pred == "1", "distractor": pred == "2"}
+
+    # exact / run per sample: right / wrong (lost), wrong / right (gained), both right, both wrong with other answers
+    pairs = [("1", "2"), ("3", "1"), ("1", "1"), ("3", "4"), ("1", "5")]
+    records = [
+        {"length": 512, "index": i, "exact": answer(e), "runs": {run.label: answer(r)}}
+        for i, (e, r) in enumerate(pairs)
+    ]
+    exact, got = summarize(records, [run], [512])
+    assert exact == {"label": "exact", "length": 512, "n": 5, "accuracy": 0.6, "agreement": 1.0, "distractor": 0.0}
+    assert (got["accuracy"], got["agreement"], got["distractor"]) == (0.4, 0.2, 0.2)
+    assert (got["lost"], got["gained"]) == (2, 1)  # accuracy gap 0.6 - 0.4 = (2 - 1) of 5 samples
+    info = {"label": run.label, "method": "kivi_k4v2_g128", "family": "f", "region": "tail", "bits_per_element": 3.5}
+    table = retrieval_table({"lengths": [512], "summary": [exact, got], "runs": [info]})
+    assert "| 60% |" in table and "| 40% (20%; -2 +1) |" in table
+
+
 def test_runs_lossless_methods_once():
     from kvarn.eval.longctx import default_methods, plan_runs
 
@@ -380,7 +404,7 @@ def test_retrieval_task_end_to_end_on_a_tiny_model(task, tmp_path, monkeypatch, 
     assert rows[0] == ["method", "family", "bits/elem", "regions", "640 tokens", "768 tokens", "mean"]
     assert [r[0] for r in rows[1:]] == ["exact", "fp16", "kvarn_k2v2_g128", "kvarn_k2v2_g128"]
     assert [r[3] for r in rows[1:]] == ["-", "tail", "tail", "sink+tail"]
-    assert all(re.fullmatch(r"\d+% \(\d+%\)", cell) for r in rows[2:] for cell in r[4:6])
+    assert all(re.fullmatch(r"\d+% \(\d+%; -\d+ \+\d+\)", cell) for r in rows[2:] for cell in r[4:6])
     out_dir = tmp_path / "r"
     report = (out_dir / "report.md").read_text()
     assert f"# kvarn long-context report: {task}" in report and "| 640 | 1 |" in report

@@ -387,7 +387,12 @@ def _run_info(run: Run, cfg) -> dict:
 
 
 def summarize(records: list[dict], runs: list[Run], lengths: list[int]) -> list[dict]:
-    """Per run (and the exact model) and length: accuracy, agreement with the exact answer, distractor answers."""
+    """Per run (and the exact model) and length: accuracy, agreement with the exact answer, distractor answers.
+
+    A run's entry also counts the samples only the exact model answered right (``lost``) and those only the run did
+    (``gained``): the same samples answered twice, so these pairs, not two accuracies' difference, show what
+    quantizing changed (their difference is the accuracy gap, in samples).
+    """
     out = []
     for label in ["exact", *(r.label for r in runs)]:
         for n in lengths:
@@ -403,6 +408,9 @@ def summarize(records: list[dict], runs: list[Run], lengths: list[int]) -> list[
                 "agreement": sum(a["pred"] == e["pred"] for a, e in zip(rows, exact_rows, strict=True)) / len(rows),
                 "distractor": sum(r["distractor"] for r in rows) / len(rows),
             }
+            if label != "exact":
+                entry["lost"] = sum(e["correct"] and not a["correct"] for a, e in zip(rows, exact_rows, strict=True))
+                entry["gained"] = sum(a["correct"] and not e["correct"] for a, e in zip(rows, exact_rows, strict=True))
             if "recall" in rows[0]:
                 entry["recall"] = sum(r["recall"] for r in rows) / len(rows)
             out.append(entry)

@@ -76,7 +76,7 @@ def retrieval_table(result: dict) -> str:
             accs.append(e["accuracy"])
             cell = f"{100 * e['accuracy']:.0f}%"
             if info["label"] != "exact":
-                cell += f" ({100 * e['agreement']:.0f}%)"
+                cell += f" ({100 * e['agreement']:.0f}%; -{e['lost']} +{e['gained']})"
             cells.append(cell)
         bits = "-" if info["label"] == "exact" else f"{info['bits_per_element']:.2f}"
         region = "-" if info["region"] is None else REGION_LABEL[info["region"]]
@@ -136,7 +136,8 @@ PROTOCOL = {
         "answer is complete). K/V are rounded to fp16 before storing; 'tail' keeps the incomplete last tile in "
         "full precision, 'sink+tail' the first tile too (fp16 is the same in both and runs once). The exact model "
         "runs in its own dtype with an unquantized cache. Cells: accuracy (exact match of the normalised answer), "
-        "in parentheses the share of samples where the method gave the exact model's answer. Context length = "
+        "in parentheses the share of samples where the method gave the exact model's answer, then -L +W: L samples "
+        "only the exact model answered right, W only the method (the accuracy gap is W - L samples). Context length = "
         "prompt plus answer budget. Needle depths follow a seeded golden-ratio sequence, the same at every length."
     ),
     "drift": (
