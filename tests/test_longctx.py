@@ -295,6 +295,10 @@ def test_summary_pairs_each_run_with_the_exact_model():
     info = {"label": run.label, "method": "kivi_k4v2_g128", "family": "f", "region": "tail", "bits_per_element": 3.5}
     table = retrieval_table({"lengths": [512], "summary": [exact, got], "runs": [info]})
     assert "| 60% |" in table and "| 40% (20%; -2 +1) |" in table
+    assert "recall" not in table
+    with_recall = [{**exact, "recall": 0.8}, {**got, "recall": 0.55}]
+    table = retrieval_table({"lengths": [512], "summary": with_recall, "runs": [info]})
+    assert "| exact | - | 80% |" in table and "| kivi_k4v2_g128 | tail | 55% |" in table
 
 
 def test_runs_lossless_methods_once():
@@ -408,6 +412,7 @@ def test_retrieval_task_end_to_end_on_a_tiny_model(task, tmp_path, monkeypatch, 
     out_dir = tmp_path / "r"
     report = (out_dir / "report.md").read_text()
     assert f"# kvarn long-context report: {task}" in report and "| 640 | 1 |" in report
+    assert ("| recall, 640 tokens |" in report) == (task == "vartrack")
     (res,) = json.loads((out_dir / "results.json").read_text())
     assert res["task"] == task and res["lengths"] == [640, 768] and res["seed"] == 3
     assert [(r["length"], r["index"]) for r in res["records"]] == [(640, 0), (640, 1), (768, 0), (768, 1)]

@@ -60,7 +60,8 @@ def _fmt(x, spec: str) -> str:
 
 
 def retrieval_table(result: dict) -> str:
-    """Accuracy (agreement with the exact model's answer) per run and context length, as markdown."""
+    """Accuracy (agreement with the exact model's answer) per run and context length, as markdown; a task scored
+    with recall (vartrack) gets a second table of it."""
     lengths = result["lengths"]
     by = {(e["label"], e["length"]): e for e in result["summary"]}
     head = "| method | family | bits/elem | regions | " + " | ".join(f"{n} tokens" for n in lengths) + " | mean |"
@@ -84,6 +85,24 @@ def retrieval_table(result: dict) -> str:
         lines.append(
             f"| {info['method']} | {info['family']} | {bits} | {region} | " + " | ".join(cells) + f" | {mean} |"
         )
+    if any("recall" in e for e in result["summary"]):
+        lines += ["", _recall_table(result, by, infos)]
+    return "\n".join(lines)
+
+
+def _recall_table(result: dict, by: dict, infos: list[dict]) -> str:
+    """Mean recall per run and length (vartrack: the share of the chain's variables the answer names), as markdown.
+
+    Small models rarely name the exact set, so exact-match accuracy can be 0% for every method; recall still shows
+    what each kept of the exact model's tracking.
+    """
+    lengths = result["lengths"]
+    lines = ["| method | regions | " + " | ".join(f"recall, {n} tokens" for n in lengths) + " |"]
+    lines.append("|" + "---|" * (2 + len(lengths)))
+    for info in [*infos, *result["runs"]]:
+        cells = ["-" if (e := by.get((info["label"], n))) is None else f"{100 * e['recall']:.0f}%" for n in lengths]
+        region = "-" if info["region"] is None else REGION_LABEL[info["region"]]
+        lines.append(f"| {info['method']} | {region} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
