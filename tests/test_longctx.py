@@ -401,6 +401,8 @@ def test_retrieval_task_end_to_end_on_a_tiny_model(task, tmp_path, monkeypatch, 
     from tiny_model import build_tiny_model
 
     folder = build_tiny_model(tmp_path / "tiny")
+    versions = iter(f"kvarn at commit {i}" for i in range(100))
+    monkeypatch.setattr("kvarn.eval.report._commit", lambda: next(versions))
     argv = ["--task", task, "--model", str(folder), "--methods", "fp16,kvarn_k2v2_g128", "--regions", "tail,sink"]
     rc, out = _report([*argv, "--lengths", "768,640", "--samples", "2", "--seed", "3"], tmp_path, monkeypatch, capsys)
     assert rc == 0, out.err
@@ -415,6 +417,7 @@ def test_retrieval_task_end_to_end_on_a_tiny_model(task, tmp_path, monkeypatch, 
     assert ("| recall, 640 tokens |" in report) == (task == "vartrack")
     (res,) = json.loads((out_dir / "results.json").read_text())
     assert res["task"] == task and res["lengths"] == [640, 768] and res["seed"] == 3
+    assert res["commit"] == "kvarn at commit 0"  # the version read as the run started, not as it ended
     assert [(r["length"], r["index"]) for r in res["records"]] == [(640, 0), (640, 1), (768, 0), (768, 1)]
     for r in res["records"]:
         assert set(r["runs"]) == {"fp16 [tail]", "kvarn_k2v2_g128 [tail]", "kvarn_k2v2_g128 [sink+tail]"}

@@ -407,6 +407,7 @@ def main(argv: list[str], progress_factory: Callable | None = None, commit: Call
         print(f"kvarn report needs transformers, gguf and accelerate: pip install 'kvarn[hf]' ({e})", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
+    version = commit() if commit else "kvarn"  # read now: a long run's checkout may move on before it ends
     text = None
     if args.text is not None:
         try:
@@ -519,7 +520,7 @@ def main(argv: list[str], progress_factory: Callable | None = None, commit: Call
         )
         res["device"] = args.device
         res["workers"] = args.workers
-        res["commit"] = commit() if commit else "kvarn"
+        res["commit"] = version
         res["seconds"] = time.perf_counter() - t0
         out.mkdir(parents=True, exist_ok=True)
         plot = plot_drift if args.task == "drift" else plot_retrieval
