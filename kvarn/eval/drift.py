@@ -38,6 +38,7 @@ from kvarn.eval.longctx import (
     _prefill,
     _run_info,
     _Ticks,
+    taken_from_log,
 )
 from kvarn.eval.workers import Workers
 
@@ -225,11 +226,8 @@ def drift(
     per_prefix = _drift_steps(prefix, new_tokens, BLOCK) + sum(
         _drift_steps(prefix, new_tokens, r.method.group_size) for r in runs
     )
-    done = records_log.done if records_log else {}
-    records: list = [done.get((index,)) for index in range(samples)]
-    todo = [i for i, r in enumerate(records) if r is None]
+    records, todo, kept = taken_from_log(records_log, [(index,) for index in range(samples)])
     where = f" on {workers.count} worker processes" if workers else ""
-    kept = f"; {samples - len(todo)} taken from {records_log.path}" if len(todo) < samples else ""
     log(
         f"drift: {samples} prefix(es) of {prefix} tokens, {new_tokens} generated tokens, {len(runs) + 1} runs a "
         f"prefix (the exact model and each method){where}{kept}; a time estimate follows the first "

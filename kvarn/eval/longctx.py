@@ -146,6 +146,16 @@ class RecordLog:
         self.done[tuple(key)] = record
 
 
+def taken_from_log(records_log: RecordLog | None, keys: list[tuple]) -> tuple[list, list[int], str]:
+    """Each key's record already in ``records_log`` (None where there is none), the positions still to run, and the
+    start line's note on what was taken (``"; N taken from PATH"``, or ``""``)."""
+    done = records_log.done if records_log else {}
+    records = [done.get(key) for key in keys]
+    todo = [i for i, r in enumerate(records) if r is None]
+    kept = f"; {len(keys) - len(todo)} taken from {records_log.path}" if len(todo) < len(keys) else ""
+    return records, todo, kept
+
+
 def _forward(model, ids, cache, last_only: bool = False):
     """Logits ``[n, V]`` of the chunk ``ids`` (``[1, V]``, its last position's, with ``last_only``)."""
     import torch
@@ -302,11 +312,8 @@ def retrieval(
     ``records_log``: append each finished sample there, and take the samples it already holds from it.
     """
     built = [tasks.make_sample(task, tok, n, i, seed, filler) for n in lengths for i in range(samples)]
-    done = records_log.done if records_log else {}
-    records: list = [done.get((s.length, s.index)) for s in built]
-    todo = [i for i, r in enumerate(records) if r is None]
+    records, todo, kept = taken_from_log(records_log, [(s.length, s.index) for s in built])
     where = f" on {workers.count} worker processes" if workers else ""
-    kept = f"; {len(built) - len(todo)} taken from {records_log.path}" if len(todo) < len(built) else ""
     log(
         f"{task}: {samples} sample(s) at each of {', '.join(map(str, lengths))} tokens, {len(runs) + 1} runs a sample "
         f"(the exact model and each method){where}{kept}; a time estimate follows the first sample"
