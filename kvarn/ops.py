@@ -23,8 +23,10 @@ from kvarn import reference
 IMPLS = ("auto", "reference", "triton")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.uint8)
 """Dtypes of the deciding tensor for which ``auto`` uses Triton (uint8: the records themselves)."""
-REFERENCE_ONLY = frozenset({"prepare", "rotate", "from_pool", "sequence_smoothing_vector"})
+REFERENCE_ONLY = frozenset({"prepare", "from_pool", "sequence_smoothing_vector"})
 """Ops with no kernel of their own (cheap elementwise or small-matrix work): every ``impl`` runs the reference."""
+FP32_KERNEL_OPS = frozenset({"rotate"})
+"""Ops whose kernel ``auto`` also picks for fp32 CUDA tensors (the vectors the cache's readers rotate back)."""
 SMOOTH_KERNEL_OPS = frozenset(
     {"encode_records", "store_tiles", "commit_tiles", "decode_records", "paged_attention", "write_record_pages"}
 )
@@ -86,7 +88,8 @@ def _pick(name: str, impl: str, like: torch.Tensor, smoothed: bool = False) -> C
         if ops is None or name not in ops:
             raise RuntimeError(f"impl='triton' asked for {name}, but no Triton kernel for it imports")
         return ops[name]
-    if impl == "auto" and like.device.type == "cuda" and like.dtype in KERNEL_DTYPES:
+    fp32_ok = name in FP32_KERNEL_OPS and like.dtype == torch.float32
+    if impl == "auto" and like.device.type == "cuda" and (like.dtype in KERNEL_DTYPES or fp32_ok):
         # Triton is not even imported for CPU tensors
         ops = _triton_ops()
         if ops is not None and name in ops:

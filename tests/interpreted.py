@@ -21,6 +21,7 @@ from kvarn.config import KVarNConfig
 KERNEL_MODULES = (
     "kvarn.kernels._common",
     "kvarn.kernels.launch_rules",
+    "kvarn.kernels.hadamard",
     "kvarn.kernels.encode",
     "kvarn.kernels.tail",
     "kvarn.kernels.store",
@@ -47,11 +48,11 @@ def _interpreted_kernels():
     encode_mod = mods["kvarn.kernels.encode"]
     if type(encode_mod._encode_kernel).__name__ != "InterpretedFunction" and os.environ.get("TRITON_INTERPRET") == "1":
         mods = {n: importlib.reload(sys.modules[n]) for n in KERNEL_MODULES}
-    names = ("_common", "store", "dequant", "attention", "launch_rules")
+    names = ("_common", "store", "dequant", "attention", "launch_rules", "hadamard")
     return [mods[f"kvarn.kernels.{n}"] for n in names]
 
 
-_common, store, dequant, attention, launch_rules = _interpreted_kernels()
+_common, store, dequant, attention, launch_rules, hadamard = _interpreted_kernels()
 INTERPRETED = type(store._encode_kernel).__name__ == "InterpretedFunction"
 
 INTERPRETER_MARKS = [

@@ -8,9 +8,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from interpreted import INTERPRETER_MARKS, _common, attention, dequant, store
+from interpreted import INTERPRETER_MARKS, _common, attention, dequant, hadamard, store
 from kernel_oracle import attention_args, build_cache, expect_math_constants
 
+from kvarn import reference
 from kvarn.config import PRESETS, SUPPORTED_HEAD_DIMS, KVarNConfig
 
 pytestmark = INTERPRETER_MARKS
@@ -34,6 +35,26 @@ def test_kernels_reject_bad_input():
     for bad in (0, -1, 2.0):
         with pytest.raises(ValueError, match="num_splits must be a positive int"):
             attention.paged_attention(*args, num_splits=bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d", SUPPORTED_HEAD_DIMS)
+def test_rotate_is_the_references_bit_for_bit(d, dtype):
+    gen = torch.Generator().manual_seed(d)
+    x = (torch.randn(3, 7, 2 * d, generator=gen) * torch.logspace(-3, 3, 2 * d)).to(dtype)
+    x = x[..., ::2]  # strided, and 21 rows: a partial program
+    x[0, 0, :3] = torch.tensor([65504.0, -1e-7, 0.0]).to(dtype)
+    got = hadamard.rotate(x)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    assert torch.equal(got, reference.rotate(x))
+    assert hadamard.rotate(x[:0]).shape == (0, 7, d)
+
+
+def test_rotate_rejects_what_it_cannot_rotate():
+    with pytest.raises(ValueError, match="power of two"):
+        hadamard.rotate(torch.zeros(2, 48))
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
+        hadamard.rotate(torch.zeros(2, 64, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("smooth", [False, True])

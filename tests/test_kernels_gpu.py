@@ -39,7 +39,7 @@ from kvarn import reference as R  # noqa: E402
 from kvarn.config import PRESETS, KVarNConfig  # noqa: E402
 
 if torch.cuda.is_available():
-    from kvarn.kernels import attention, dequant, store
+    from kvarn.kernels import attention, dequant, hadamard, store
     from kvarn.kernels._plan import Plan
 
 DEV = "cuda"
@@ -554,6 +554,14 @@ def test_ops_auto_picks_triton_on_cuda():
     got = ops.encode_records(kr, vr, cfg, impl="auto")
     check_records(got, R.encode_records(kr, vr, cfg), kr, vr, cfg)
     assert ops._pick("paged_attention", "auto", kr) is attention.paged_attention  # kr: fp16 on CUDA
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_rotate_gpu_is_the_references(d, dtype):
+    x = (torch.randn(33, 8, d, device=DEV) * torch.logspace(-3, 3, d, device=DEV)).to(dtype)
+    assert ops._pick("rotate", "auto", x) is hadamard.rotate
+    assert torch.equal(ops.rotate(x), R.rotate(x))
 
 
 # Key smoothing (``smooth_keys=True``): implemented in the kernels and tested under the interpreter

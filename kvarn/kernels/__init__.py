@@ -11,6 +11,7 @@ implementation; an op missing from it runs the reference.
 - :func:`pages.write_record_pages`, :func:`pages.write_row_pages`: records and K/V rows read back
   as model-frame pages in the attention dtype (a prompt chunk's varlen attention).
 - :func:`attention.paged_attention`: decode and multi-query attention over the paged cache.
+- :func:`hadamard.rotate`: the Hadamard rotation of vectors read back from the cache.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import triton  # noqa: F401  (ImportError here means: no kernels on this machine
 
 from kvarn.kernels.attention import paged_attention
 from kvarn.kernels.dequant import decode_records
+from kvarn.kernels.hadamard import rotate
 from kvarn.kernels.pages import write_record_pages, write_row_pages
 from kvarn.kernels.store import commit_tiles, encode_records, gather_tail_tiles, store_tiles, write_tail
 
@@ -32,6 +34,7 @@ OPS = {
     "paged_attention": paged_attention,
     "write_record_pages": write_record_pages,
     "write_row_pages": write_row_pages,
+    "rotate": rotate,
 }
 
 __all__ = [
@@ -41,6 +44,7 @@ __all__ = [
     "encode_records",
     "gather_tail_tiles",
     "paged_attention",
+    "rotate",
     "store_tiles",
     "write_record_pages",
     "write_row_pages",
