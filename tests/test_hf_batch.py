@@ -9,6 +9,7 @@ import torch
 from hf_models import prompt_ids, tiny_llama
 
 transformers = pytest.importorskip("transformers")
+from kvarn.config import KVarNConfig  # noqa: E402
 from kvarn.integration.hf import DenseBatch, KVarNCache, register_kvarn_attention  # noqa: E402
 
 pytestmark = pytest.mark.hf
@@ -236,3 +237,42 @@ def test_the_padding_warning_fires_where_padding_may_hide(tiny):
         warnings.simplefilter("always")
         tiny.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, past_key_values=KVarNCache(PRESET))
     assert len(_padding_warnings(caught)) == 1
+
+
+@pytest.mark.parametrize(
+    "preset,sink",
+    [("kvarn_k4v2_g64", False), ("kvarn_k4v2_g64", True), ("kvarn_k4v2_g64_ks", True), ("norotate", False)],
+)
+def test_keep_decoded_attends_over_what_history_reads(preset, sink):
+    """``keep_decoded`` settles only what each step changed; every step still attends over ``history()`` exactly,
+    and ``history()`` reads what it reads without the option: left padding (a row's tile ``i`` committed
+    after another row's), chunks crossing tiles, the sink, an unrotated format, rows reordered as beams are."""
+    if preset == "norotate":
+        preset = KVarNConfig.from_preset(PRESET, rotate=False)
+    gen = torch.Generator().manual_seed(5)
+    pad, n = 40, 150
+    k, v = torch.randn(2, 3, 2, n, 64, generator=gen).unbind(0)
+    k[1, :, :pad], v[1, :, :pad] = 1e4, -1e4  # row 1: left padding, as generate positions it
+    pos = torch.arange(n).repeat(3, 1)
+    pos[1] = (torch.arange(n) - pad).clamp(min=0)
+    caches = [KVarNCache(preset, sink=sink, keep_decoded=keep) for keep in (False, True)]
+
+    def step(kk, vv, p):
+        (ka, va), (kb, vb) = (c.update(kk, vv, 0, kwargs={"position_ids": p}) for c in caches)
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+        (ka, va), (kb, vb) = (c.layers[0].history() for c in caches)
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+    step(k, v, pos)
+    last = pos[:, -1:]
+    for i, size in enumerate([1, 5, 1, 70, 3, 1, 64, 2, 1, 1]):
+        if i == 6:  # beams: rows 0 and 2 (equal lengths) exchanged
+            for c in caches:
+                c.reorder_cache(torch.tensor([2, 1, 0]))
+        kk, vv = torch.randn(2, 3, 2, size, 64, generator=gen).unbind(0)
+        p = last + 1 + torch.arange(size)
+        step(kk, vv, p)
+        last = p[:, -1:]
+    kept = caches[1].layers[0]
+    copies = [kept.kept.k, kept.kept.v, *(kept.decoded or ())]  # the kept history and history()'s tiles
+    assert caches[1].nbytes()["decoded"] == sum(t.numel() * 4 for t in copies) > 0

@@ -355,12 +355,15 @@ class PagedKV:
                 v[rows, : cfg.group_size] = ops.from_pool(self.tail_v[slots])
         return self.to_model_frame(k), self.to_model_frame(v)
 
-    def read_tail(self, slots: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``count`` tokens of pool slots ``slots: [B]`` in the model frame: ``[B, count, Hkv, D]`` fp32."""
+    def read_tail(self, slots: torch.Tensor, count: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens ``start .. start + count`` of pool slots ``slots: [B]`` in the model frame: ``[B, count, Hkv, D]``
+        fp32."""
         idx = slots.long()
-        k = ops.from_pool(self.tail_k[idx, :count])
-        v = ops.from_pool(self.tail_v[idx, :count])
-        return self.to_model_frame(k), self.to_model_frame(v)
+        kv = ops.from_pool(
+            torch.stack([self.tail_k[idx, start : start + count], self.tail_v[idx, start : start + count]])
+        )
+        k, v = self.to_model_frame(kv).unbind(0)  # one rotation for both: a reader's launches are per call
+        return k, v
 
     def tail_block_view(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The records' bytes as tail rows (``docs/internals/vllm_backend.md``): ``k, v: [num_blocks, rows, Hkv, D]``.

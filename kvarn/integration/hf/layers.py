@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -17,6 +18,42 @@ from kvarn.paged import PagedKV
 STORE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """The dtypes K/V may be stored in: the full-precision pool's, and the quantizer's input."""
 STORE_DTYPE_NAMES = "torch.float16, torch.bfloat16 or torch.float32"
+
+
+@dataclass
+class _KeptHistory:
+    """What a ``keep_decoded`` layer attends over, kept from step to step: ``k, v: [B, Hkv, capacity, D]``.
+
+    Positions ``0 .. length`` hold what :meth:`KVarNLayer.history` would read back (model frame and
+    dtype, zeros at padding), except the last step's positions, which hold that step's K/V as given
+    until the next step settles them: for row ``b``, tiles below ``tiles[b]`` hold their records' values
+    and its other real tokens below ``tokens[b]`` their tail values. Each step then reads back only
+    what changed: its tokens from the tail, and the tiles it completed from their records.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int
+    tiles: list[int]
+    tokens: list[int]
+    last: tuple[int, int, list[int]] | None = None  # (start, n, real tokens of each row) of the unsettled step
+
+    def reserve(self, positions: int, group_size: int) -> None:
+        """Grow the capacity to at least ``positions`` (doubling, so a generation copies O(its length) in all)."""
+        capacity = self.k.shape[2]
+        if positions <= capacity:
+            return
+        capacity = math.ceil(max(positions, 2 * capacity) / group_size) * group_size
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+
+
+def _rows(index: list[int]) -> slice | list[int]:
+    """Batch rows ``index`` (ascending) as a slice where they are consecutive (a view, not a gather)."""
+    return slice(index[0], index[-1] + 1) if index[-1] - index[0] == len(index) - 1 else index
 
 
 class KVarNLayer(CacheLayerMixin):
@@ -47,6 +84,7 @@ class KVarNLayer(CacheLayerMixin):
         self.impl = impl
         self.keep_decoded = keep_decoded
         self.decoded: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.kept: _KeptHistory | None = None
         self.length = 0
         self.cfg: KVarNConfig | None = None
         self.kv: PagedKV | None = None
@@ -144,12 +182,80 @@ class KVarNLayer(CacheLayerMixin):
         if self.paged:
             ATTENDING.set((self, key_states))
             return key_states, value_states
+        if self.keep_decoded:
+            out = self._attend_kept(step, past, key_states, value_states)
+            self.finish_step()
+            return out
         if past == 0:
             self.finish_step()
             return key_states, value_states
         hist_k, hist_v = self.history(step.before, past, before=True)
         self.finish_step()
         return torch.cat([hist_k, key_states], dim=2), torch.cat([hist_v, value_states], dim=2)
+
+    def _attend_kept(self, step, past: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        """:meth:`update`'s result (``history(before=True)`` then the step's K/V) from :attr:`kept`."""
+        kept = self.kept
+        if kept is None or kept.length != past:  # the first step, or rows reordered since the last
+            kept = self.kept = self._start_kept(step, past)
+        else:
+            self._settle(kept, step)
+        end = past + step.n
+        kept.reserve(end, self.cfg.group_size)
+        kept.k[:, :, past:end] = key_states
+        kept.v[:, :, past:end] = value_states
+        kept.last = (past, step.n, [a - b for a, b in zip(step.after, step.before, strict=True)])
+        kept.length = end
+        if past == 0:
+            return key_states, value_states
+        return kept.k[:, :, :end], kept.v[:, :, :end]
+
+    def _start_kept(self, step, past: int) -> _KeptHistory:
+        """A fresh :class:`_KeptHistory` of the positions before ``step``, read back whole."""
+        shape = (self.batch_size, self.num_heads, 0, self.cfg.head_dim)
+        g = self.cfg.group_size
+        kept = _KeptHistory(
+            torch.zeros(shape, dtype=self.dtype, device=self.device),
+            torch.zeros(shape, dtype=self.dtype, device=self.device),
+            0,
+            [n // g for n in step.before],
+            list(step.before),
+        )
+        if past:
+            kept.reserve(past, g)
+            kept.k[:, :, :past], kept.v[:, :, :past] = self.history(step.before, past, before=True)
+            kept.length = past
+            self.decoded = None  # the kept history replaces it
+        return kept
+
+    def _settle(self, kept: _KeptHistory, step) -> None:
+        """Bring the last step's positions (and tiles completed since) to what ``history(before=True)`` reads."""
+        g, past, plan = self.cfg.group_size, kept.length, step.plan
+        start, n, new = kept.last
+        for b, r in enumerate(new):  # left padding inside the last step's positions reads back as zeros
+            if r < n:
+                kept.k[b, :, start : start + n - r] = 0
+                kept.v[b, :, start : start + n - r] = 0
+        work: dict[tuple[int, int, int, int, int], list[int]] = {}
+        for b, before in enumerate(step.before):
+            tiles = before // g  # the own-tile rule: a partial tile is read from its tail slot
+            tokens = max(kept.tokens[b], tiles * g)
+            work.setdefault((past - before, kept.tiles[b], tiles, tokens, before), []).append(b)
+            kept.tiles[b], kept.tokens[b] = tiles, before
+        for (pad, tile_lo, tile_hi, tok_lo, tok_hi), index in work.items():
+            rows = _rows(index)
+            if tile_hi > tile_lo:
+                sinks = plan.sink_slots[rows] if tile_lo == 0 and plan.sink_slots is not None else None
+                k, v = self.kv.read_tiles(step.block_table[rows, tile_lo:tile_hi], sinks)
+                at = slice(pad + tile_lo * g, pad + tile_hi * g)
+                kept.k[rows, :, at] = k.transpose(1, 2).to(self.dtype)
+                kept.v[rows, :, at] = v.transpose(1, 2).to(self.dtype)
+            if tok_hi > tok_lo:
+                first = tile_hi * g
+                k, v = self.kv.read_tail(plan.head_slots[rows], tok_hi - tok_lo, start=tok_lo - first)
+                at = slice(pad + tok_lo, pad + tok_hi)
+                kept.k[rows, :, at] = k.transpose(1, 2).to(self.dtype)
+                kept.v[rows, :, at] = v.transpose(1, 2).to(self.dtype)
 
     def finish_step(self) -> None:
         """Write the tail tokens of the last step that waited for its attention (``PagedKV.write_late_tail``)."""
@@ -174,7 +280,7 @@ class KVarNLayer(CacheLayerMixin):
         g = self.cfg.group_size
         committed = [n // g for n in (lengths if before else step.after)]  # tiles read from records
         n_full = max((min(math.ceil(n / g), c) for n, c in zip(lengths, committed, strict=True)), default=0)
-        tiles_k, tiles_v = self._tiles(n_full)
+        tiles_k, tiles_v = self._tiles(n_full, min(committed, default=0))
         tail_k, tail_v = self.kv.read_tail(step.plan.head_slots if before else step.plan.tail_slots, g)
         out_k = key_like = torch.zeros(
             self.batch_size, positions, self.num_heads, self.cfg.head_dim, dtype=self.dtype, device=self.device
@@ -188,21 +294,29 @@ class KVarNLayer(CacheLayerMixin):
             out_v[b, positions - n :] = torch.cat(rows_v).to(self.dtype)
         return out_k.transpose(1, 2), out_v.transpose(1, 2)
 
-    def _tiles(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tiles ``0 .. n`` of every row read back: ``[B, n * G, Hkv, D]`` fp32, model frame."""
+    def _tiles(self, n: int, common: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tiles ``0 .. n`` of every row read back: ``[B, n * G, Hkv, D]`` fp32, model frame.
+
+        ``keep_decoded`` keeps the first ``common`` of them, which every row has committed: a row of a
+        left-padded batch may not have written its tile ``i`` yet when another row has.
+        """
         step = self.step
         sinks = step.plan.sink_slots
         if not self.keep_decoded:
             return self.kv.read_tiles(step.block_table[:, :n], sinks)
-        g = self.cfg.group_size
+        g, keep = self.cfg.group_size, min(n, common)
         done = 0 if self.decoded is None else self.decoded[0].shape[1] // g
-        if n > done:
-            new_k, new_v = self.kv.read_tiles(step.block_table[:, done:n], sinks if done == 0 else None)
+        if keep > done:
+            new_k, new_v = self.kv.read_tiles(step.block_table[:, done:keep], sinks if done == 0 else None)
             if self.decoded is not None:
                 new_k = torch.cat([self.decoded[0], new_k], dim=1)
                 new_v = torch.cat([self.decoded[1], new_v], dim=1)
             self.decoded = (new_k, new_v)
-        return self.decoded[0][:, : n * g], self.decoded[1][:, : n * g]
+        kept = None if self.decoded is None else tuple(t[:, : keep * g] for t in self.decoded)
+        if kept is not None and n == keep:
+            return kept
+        rest = self.kv.read_tiles(step.block_table[:, keep:n], sinks if keep == 0 else None)
+        return rest if kept is None else tuple(torch.cat([a, b], dim=1) for a, b in zip(kept, rest, strict=True))
 
     def attend(self, query: torch.Tensor, scale: float | None = None, window: int | None = None) -> torch.Tensor:
         """Paged attention of ``query: [B, Hq, n, D]`` (the last ``n`` stored positions) -> ``[B, n, Hq, D]``.
@@ -233,6 +347,7 @@ class KVarNLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.length = 0
         self.decoded = None
+        self.kept = None
         self.kv = None
         self.first_chunk = True
         self.saw_kvarn_attention = False
@@ -253,15 +368,17 @@ class KVarNLayer(CacheLayerMixin):
             self.kv.tail_k[dst] = self.kv.tail_k[src].clone()
             self.kv.tail_v[dst] = self.kv.tail_v[src].clone()
         self.decoded = None
+        self.kept = None
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("KVarNCache cannot be cropped: committed tiles are quantized and cannot be reopened")
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes this layer holds: ``records`` (allocated), ``tail`` and ``sink`` pools, ``decoded`` copy."""
+        """Bytes this layer holds: ``records`` (allocated), ``tail`` and ``sink`` pools, ``decoded`` copies."""
         if not self.is_initialized:
             return {"records": 0, "tail": 0, "sink": 0, "decoded": 0}
-        decoded = sum(t.numel() * t.element_size() for t in self.decoded) if self.decoded else 0
+        copies = [*(self.decoded or ()), *((self.kept.k, self.kept.v) if self.kept else ())]
+        decoded = sum(t.numel() * t.element_size() for t in copies)
         return {**self.kv.nbytes(), "decoded": decoded}
 
     @property
