@@ -139,8 +139,17 @@ class Result:
     extra: dict = field(default_factory=dict)
 
 
+def attention_backends():
+    """The SDPA backends the harness's forwards use: all but cuDNN's, which builds an execution plan on the host
+    for each new key length, so a decode step (a new length every token) would pay for one at every layer."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def _forward(model, ids: torch.Tensor, cache) -> torch.Tensor:
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+    with attention_backends():
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
     return out.logits[0].float()
 
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvarn.eval import tasks
-from kvarn.eval.harness import BLOCK, _chunks
+from kvarn.eval.harness import BLOCK, _chunks, attention_backends
 from kvarn.eval.methods import DEFAULT_METHODS, Method, get_method, with_served_methods
 from kvarn.eval.workers import Workers
 
@@ -162,7 +162,8 @@ def _forward(model, ids, cache, last_only: bool = False):
 
     tokens = torch.as_tensor(ids, device=model.device).view(1, -1)
     # the LM head over a whole prompt chunk costs a tenth of the model's work (a quarter at Qwen's vocabulary)
-    out = model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=1 if last_only else 0)
+    with attention_backends():
+        out = model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=1 if last_only else 0)
     return out.logits[0].float()
 
 
