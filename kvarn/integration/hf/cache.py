@@ -25,10 +25,11 @@ class KVarNCache(Cache):
         paged: attend through :meth:`kvarn.paged.PagedKV.attend`; needs
             ``attn_implementation="kvarn"`` (:func:`register_kvarn_attention`).
         impl: ``"auto" | "reference" | "triton"``, passed to every :mod:`kvarn.ops` call.
-        keep_decoded: keep the decoded K/V of committed tiles between steps instead of decoding
-            every record at every step (a speed aid for CPU evaluation: same outputs, but the
-            decoded copy costs fp16-cache memory; it is counted under ``"decoded"`` in
-            :meth:`nbytes`).
+        keep_decoded: keep what each layer attends over (its history read back, in the model's
+            dtype) from step to step, reading back only what a step changed (its tokens, the tiles it
+            completed), instead of decoding every record at every step: a speed aid for evaluation,
+            with the same outputs, but the copy costs an unquantized cache's memory; it is counted
+            under ``"decoded"`` in :meth:`nbytes`.
         attention_mask: the prompt's ``[B, T]`` attention mask (as given to ``generate``) for a
             left-padded batch, so that each row's tiles start at its first real token. With
             ``num_beams`` (or ``num_return_sequences``) each row serves its prompt's beams, as
