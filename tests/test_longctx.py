@@ -615,3 +615,27 @@ def test_a_resumed_run_takes_its_finished_samples_from_the_record_log(task, firs
         [*argv[:5], "kivi_k2v2_g128", *argv[6:], *more, "--resume"], tmp_path / "run", monkeypatch, capsys
     )
     assert rc == 2 and "holds a run with runs = ['kvarn_k2v2_g128 [sink+tail]']" in err.err
+
+
+@pytest.mark.parametrize("task", ["kl", "longctx"])
+def test_forwards_leave_out_cudnn_attention(task):
+    """cuDNN's SDPA plans every new key length on the host: each forward of the harness runs without it."""
+    import torch
+
+    from kvarn.eval import harness, longctx
+
+    seen = []
+
+    class Model:
+        device = "cpu"
+
+        def __call__(self, **kwargs):
+            seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+            return type("Out", (), {"logits": torch.zeros(1, 1, 5)})()
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    if task == "kl":
+        harness._forward(Model(), torch.tensor([[1]]), None)
+    else:
+        longctx._forward(Model(), [1], cache=None)
+    assert seen == [False] and torch.backends.cuda.cudnn_sdp_enabled() == before
