@@ -239,6 +239,22 @@ def test_the_padding_warning_fires_where_padding_may_hide(tiny):
     assert len(_padding_warnings(caught)) == 1
 
 
+def test_rows_are_compared_only_at_a_batchs_first_step(monkeypatch):
+    """Comparing a batch's rows (may padding hide there?) waits for the GPU: one row, and every later step, skip it."""
+    from kvarn.integration.hf import batch as batch_module
+
+    calls, compare = [], batch_module._copies_of_one_row
+    monkeypatch.setattr(batch_module, "_copies_of_one_row", lambda x: calls.append(x.shape[0]) or compare(x))
+    one, two = KVarNCache(PRESET), KVarNCache(PRESET)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for n in (5, 1, 1):
+            k = torch.randn(1, 2, n, 64)
+            one.update(k, k, 0)
+            two.update(k.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), 0)
+    assert calls == [2]
+
+
 @pytest.mark.parametrize(
     "preset,sink",
     [("kvarn_k4v2_g64", False), ("kvarn_k4v2_g64", True), ("kvarn_k4v2_g64_ks", True), ("norotate", False)],

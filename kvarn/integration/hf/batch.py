@@ -260,8 +260,9 @@ class Sequences:
                 mask = _left_padding_mask(seen)
             if mask is None:
                 shared = position_ids is not None and position_ids.shape[0] == 1  # the same positions in every row
-                unseen = seen is not UNPADDED and not shared and not _copies_of_one_row(key_states)
-                if batch > 1 and start == 0 and unseen:
+                unseen = seen is not UNPADDED and not shared
+                # the comparison of rows waits for the GPU: only a batch's first step asks it
+                if batch > 1 and start == 0 and unseen and not _copies_of_one_row(key_states):
                     warnings.warn(
                         "KVarNCache cannot see this batch's padding; if it is padded, pass "
                         "KVarNCache(..., attention_mask=mask) or each row's records will depend on its padding",
