@@ -31,11 +31,7 @@ def _rotate_kernel(
     ch = tl.arange(0, D)
     ok = (r < n_rows)[:, None] & (ch[None, :] < D)
     at = r[:, None] * D + ch[None, :]
-    if IS_BF16:
-        v = load_f32(x + at, ok, True)
-    else:
-        v = tl.load(x + at, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out + at, fwht_rows(v, INV_SQRT_D), mask=ok)
+    tl.store(out + at, fwht_rows(load_f32(x + at, ok, IS_BF16), INV_SQRT_D), mask=ok)
 
 
 def rotate(x: torch.Tensor) -> torch.Tensor:

@@ -25,25 +25,22 @@ class _KeptHistory:
     """What a ``keep_decoded`` layer attends over, kept from step to step: ``k, v: [B, Hkv, capacity, D]``.
 
     Positions ``0 .. length`` hold what :meth:`KVarNLayer.history` would read back (model frame and
-    dtype, zeros at padding), except the last step's positions, which hold that step's K/V as given
-    until the next step settles them: for row ``b``, tiles below ``tiles[b]`` hold their records' values
-    and its other real tokens below ``tokens[b]`` their tail values. Each step then reads back only
-    what changed: its tokens from the tail, and the tiles it completed from their records.
+    dtype, zeros at padding) as it stood before the last step, whose positions hold that step's K/V as
+    given until the next step settles them. Each step then reads back only what changed: the last
+    step's tokens from the tail, and the tiles completed since from their records.
     """
 
     k: torch.Tensor
     v: torch.Tensor
     length: int
-    tiles: list[int]
-    tokens: list[int]
-    last: tuple[int, int, list[int]] | None = None  # (start, n, real tokens of each row) of the unsettled step
+    last: tuple[int, int, list[int]]  # (start, n, real tokens of each row) of the unsettled step
 
-    def reserve(self, positions: int, group_size: int) -> None:
+    def reserve(self, positions: int) -> None:
         """Grow the capacity to at least ``positions`` (doubling, so a generation copies O(its length) in all)."""
         capacity = self.k.shape[2]
         if positions <= capacity:
             return
-        capacity = math.ceil(max(positions, 2 * capacity) / group_size) * group_size
+        capacity = max(positions, 2 * capacity)
         for name in ("k", "v"):
             old = getattr(self, name)
             new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
@@ -196,12 +193,12 @@ class KVarNLayer(CacheLayerMixin):
     def _attend_kept(self, step, past: int, key_states: torch.Tensor, value_states: torch.Tensor):
         """:meth:`update`'s result (``history(before=True)`` then the step's K/V) from :attr:`kept`."""
         kept = self.kept
-        if kept is None or kept.length != past:  # the first step, or rows reordered since the last
-            kept = self.kept = self._start_kept(step, past)
+        if kept is None:  # the first step, or rows reordered since the last (reorder_rows drops it)
+            kept = self.kept = self._start_kept(past)
         else:
             self._settle(kept, step)
         end = past + step.n
-        kept.reserve(end, self.cfg.group_size)
+        kept.reserve(end)
         kept.k[:, :, past:end] = key_states
         kept.v[:, :, past:end] = value_states
         kept.last = (past, step.n, [a - b for a, b in zip(step.after, step.before, strict=True)])
@@ -210,20 +207,14 @@ class KVarNLayer(CacheLayerMixin):
             return key_states, value_states
         return kept.k[:, :, :end], kept.v[:, :, :end]
 
-    def _start_kept(self, step, past: int) -> _KeptHistory:
-        """A fresh :class:`_KeptHistory` of the positions before ``step``, read back whole."""
+    def _start_kept(self, past: int) -> _KeptHistory:
+        """A fresh :class:`_KeptHistory` of the positions before this step, read back whole."""
         shape = (self.batch_size, self.num_heads, 0, self.cfg.head_dim)
-        g = self.cfg.group_size
-        kept = _KeptHistory(
-            torch.zeros(shape, dtype=self.dtype, device=self.device),
-            torch.zeros(shape, dtype=self.dtype, device=self.device),
-            0,
-            [n // g for n in step.before],
-            list(step.before),
-        )
+        empty = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        kept = _KeptHistory(empty, empty.clone(), 0, (0, 0, []))
         if past:
-            kept.reserve(past, g)
-            kept.k[:, :, :past], kept.v[:, :, :past] = self.history(step.before, past, before=True)
+            kept.reserve(past)
+            kept.k[:, :, :past], kept.v[:, :, :past] = self.history(self.step.before, past, before=True)
             kept.length = past
             self.decoded = None  # the kept history replaces it
         return kept
@@ -236,12 +227,11 @@ class KVarNLayer(CacheLayerMixin):
             if r < n:
                 kept.k[b, :, start : start + n - r] = 0
                 kept.v[b, :, start : start + n - r] = 0
-        work: dict[tuple[int, int, int, int, int], list[int]] = {}
-        for b, before in enumerate(step.before):
+        work: dict[tuple[int, int, int, int, int], list[int]] = {}  # rows with the same reads, read together
+        for b, (before, r) in enumerate(zip(step.before, new, strict=True)):
             tiles = before // g  # the own-tile rule: a partial tile is read from its tail slot
-            tokens = max(kept.tokens[b], tiles * g)
-            work.setdefault((past - before, kept.tiles[b], tiles, tokens, before), []).append(b)
-            kept.tiles[b], kept.tokens[b] = tiles, before
+            settled = before - r  # the row's real tokens before the last step
+            work.setdefault((past - before, settled // g, tiles, max(settled, tiles * g), before), []).append(b)
         for (pad, tile_lo, tile_hi, tok_lo, tok_hi), index in work.items():
             rows = _rows(index)
             if tile_hi > tile_lo:
