@@ -292,3 +292,27 @@ def test_keep_decoded_attends_over_what_history_reads(preset, sink):
     kept = caches[1].layers[0]
     copies = [kept.kept.k, kept.kept.v, *(kept.decoded or ())]  # the kept history and history()'s tiles
     assert caches[1].nbytes()["decoded"] == sum(t.numel() * 4 for t in copies) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("keep_decoded", [False, True])
+def test_a_cuda_step_queues_its_work_without_waiting_for_the_device(keep_decoded):
+    """An fp16 model's steps through ``KVarNCache`` (planned once a step, stored, attended over) never wait for the
+    device: a host sync in a step leaves the GPU idle while the host prepares the next one. A prompt chunk that
+    ends inside a tile, then tokens one at a time across a tile boundary (commits)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def run(mode: str) -> None:
+        cache = KVarNCache(PRESET, keep_decoded=keep_decoded)
+        for n in [G * 2 + 3] + [1] * G:
+            k, v = torch.randn(2, 1, 2, n, G, device="cuda", dtype=torch.float16, generator=gen).unbind(0)
+            torch.cuda.set_sync_debug_mode(mode)
+            try:
+                for layer in range(2):
+                    cache.update(k, v, layer)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+    run("default")  # Triton compiles and torch allocates first
+    run("error")

@@ -96,8 +96,9 @@ def _teacher_forced(model, cache, logits, generated: list[int], group: int, pref
     import torch
 
     rows = [torch.log_softmax(logits[-1:], -1)]
+    tokens = torch.as_tensor(generated, device=model.device)  # one copy, not one a chunk (each waits for the device)
     for a, b in _chunks(prefix, prefix + len(generated) - 1, group):
-        rows.append(torch.log_softmax(_forward(model, generated[a - prefix : b - prefix], cache), -1))
+        rows.append(torch.log_softmax(_forward(model, tokens[a - prefix : b - prefix], cache), -1))
         tick()
     return torch.cat(rows)
 

@@ -169,9 +169,12 @@ def _forward(model, ids, cache, last_only: bool = False):
 
 def _prefill(model, ids: list[int], cache, group: int, tick: Callable) -> object:
     """Feed ``ids`` in ``group``-token tile-aligned chunks; the last position's logits ``[1, V]``."""
+    import torch
+
     logits = None
+    tokens = torch.as_tensor(ids, device=model.device)  # one copy: a copy a chunk would wait for the device each time
     for a, b in _chunks(0, len(ids), group):
-        logits = _forward(model, ids[a:b], cache, last_only=True)
+        logits = _forward(model, tokens[a:b], cache, last_only=True)
         tick()
     return logits
 

@@ -84,6 +84,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvarn.paged.transfer import to_device_aligned
+
 
 class TailLostError(RuntimeError):
     """A request continues a tile whose full-precision tail slot was recycled."""
@@ -548,26 +550,26 @@ class TilePlanner:
         self.stats["tail_tokens"] += int((mapping >= 0).sum()) + int((late_mapping >= 0).sum())
         used = [s for s, _ in commits] + [s for r, s in enumerate(tail_slots) if lens[r] % g] + sink_slots
 
-        def tensor(values, shape=(-1,)):
-            return torch.tensor(values, dtype=torch.int64).reshape(shape).to(device)
-
-        store_idx = torch.tensor([first for first, _ in stores], dtype=torch.int64)
-        store_idx = store_idx[:, None] + torch.arange(g)[None, :]
-        return TilePlan(
-            tail_slot_mapping=mapping.to(device),
-            commit_slots=tensor([s for s, _ in commits]),
-            commit_blocks=tensor([b for _, b in commits]),
-            store_token_idx=store_idx.to(device),
-            store_blocks=tensor([b for _, b in stores]),
-            tail_slots=tensor(tail_slots),
-            head_slots=tensor(head_slots),
-            sink_slot_mapping=sink_mapping.to(device) if sink else None,
-            sink_slots=tensor(sink_slots) if sink else None,
-            slots_needed=max(used, default=-1) + 1,
-            late_tail_slot_mapping=late_mapping.to(device) if reused else None,
-            commit_first=tensor(commit_first),
-            store_first=tensor(store_first),
-        )
+        store_idx = np.asarray([first for first, _ in stores], dtype=np.int64)[:, None] + np.arange(g)
+        host = {
+            "tail_slot_mapping": mapping.numpy(),
+            "commit_slots": [s for s, _ in commits],
+            "commit_blocks": [b for _, b in commits],
+            "store_token_idx": store_idx,
+            "store_blocks": [b for _, b in stores],
+            "tail_slots": tail_slots,
+            "head_slots": head_slots,
+            "commit_first": commit_first,
+            "store_first": store_first,
+        }
+        if sink:
+            host.update(sink_slot_mapping=sink_mapping.numpy(), sink_slots=sink_slots)
+        if reused:
+            host["late_tail_slot_mapping"] = late_mapping.numpy()
+        # one copy for the whole plan: a copy per list from pageable memory would wait for the device each time
+        moved = dict(zip(host, to_device_aligned(list(host.values()), device), strict=True))
+        moved["store_token_idx"] = moved["store_token_idx"].view(-1, g)
+        return TilePlan(**moved, slots_needed=max(used, default=-1) + 1)
 
     def release_blocks(self, blocks) -> int:
         """Free the tail slots keyed by any of ``blocks`` (the blocks of a finished or preempted request).

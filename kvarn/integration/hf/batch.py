@@ -17,7 +17,7 @@ import torch
 
 from kvarn.config import KVarNConfig
 from kvarn.integration.hf.attention import MASKED, UNPADDED
-from kvarn.paged import TilePlan, TilePlanner
+from kvarn.paged import TilePlan, TilePlanner, to_device_aligned
 
 
 @dataclass
@@ -66,16 +66,18 @@ class _Cursor:
         table = torch.arange(tiles)[None, :] * batch + torch.arange(batch)[:, None]
         plan = self.planner.plan(qsl, torch.tensor(after), table, int(qsl[-1]), device)
         self.real, self.index = after, self.index + 1
+        host = [rows[keep].numpy(), qsl.numpy(), after, table.numpy()]
+        token_idx, qsl_d, lens_d, table_d = to_device_aligned(host, device)  # one copy, not waiting for the device
         self.last = BatchStep(
             start=start,
             n=n,
             plan=plan,
-            token_idx=rows[keep].to(device),
-            query_start_loc=qsl.to(device, torch.int32),
+            token_idx=token_idx,
+            query_start_loc=qsl_d.to(torch.int32),
             before=before,
             after=after,
-            seq_lens=torch.tensor(after, dtype=torch.int32, device=device),
-            block_table=table.to(device, torch.int32),
+            seq_lens=lens_d.to(torch.int32),
+            block_table=table_d.view(table.shape).to(torch.int32),
         )
         return self.last
 
