@@ -291,7 +291,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         type=int,
         default=1,
         help="processes answering samples at once, each with its own copy of the model (default 1; on a GPU, "
-        "where one process leaves the device mostly idle, about 4)",
+        "where one process leaves the device mostly idle, 8 for a small model)",
     )
     p.add_argument(
         "--resume",
