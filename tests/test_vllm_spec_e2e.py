@@ -182,15 +182,19 @@ def test_speculative_decoding_gives_kvarns_greedy_tokens(results):
 
 
 def test_drafts_are_accepted_as_often_as_with_the_unquantized_cache(results):
-    """The same drafts are proposed and verified (vLLM's own counters): the acceptance rate is that of the
-    unquantized cache's engine within the noise of two different token streams, and drafts are rejected."""
+    """The same drafts are proposed and verified (vLLM's own counters): the acceptance rate is no lower than the
+    unquantized cache's engine's, within the noise of two different token streams, and drafts are rejected.
+
+    One-sided: each engine drafts from its own greedy stream (the quantized cache changes the tiny random model's
+    tokens), and a more repetitive stream accepts more ngram drafts; that KVarN accepts no draft its own greedy
+    run would not take is the previous test's equality of tokens."""
     engines = results["engines"]
     spec, base = engines["kvarn_spec"]["spec"], engines["auto_spec"]["spec"]
     assert engines["kvarn"]["spec"]["draft_tokens"] == 0
     for counts in (spec, base):
         assert counts["drafts"] > 0 and 0 < counts["accepted_tokens"] < counts["draft_tokens"], counts
     rate, base_rate = (c["accepted_tokens"] / c["draft_tokens"] for c in (spec, base))
-    assert abs(rate - base_rate) <= 0.15, (rate, base_rate)
+    assert rate >= base_rate - 0.15, (rate, base_rate)
     assert engines["auto_spec"]["tokens"] == engines["auto"]["tokens"], "vLLM's own cache, with and without drafts"
 
 
