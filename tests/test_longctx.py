@@ -317,6 +317,64 @@ def test_runs_lossless_methods_once():
     ]
 
 
+def test_a_longer_prompt_chunk_feeds_the_first_tile_alone():
+    from kvarn.eval.longctx import Feed, feed_of
+    from kvarn.eval.methods import get_method
+
+    assert list(Feed(128).chunks(0, 300)) == [(0, 128), (128, 256), (256, 300)]
+    assert list(Feed(128, 512).chunks(0, 1000)) == [(0, 128), (128, 640), (640, 1000)]
+    assert list(Feed(64, 256).chunks(0, 300)) == [(0, 64), (64, 300)]
+    assert list(Feed(128, 512).chunks(1000, 1500)) == [(1000, 1408), (1408, 1500)]  # back on a tile boundary
+    assert Feed(128, 512).count(0, 1000) == 3
+    assert feed_of(None, 512) == Feed(128, 512)  # the exact model: any chunk, its cache is exact
+    assert feed_of(get_method("kvarn_k4v2_g64"), 512) == Feed(64, 512, paged=True)
+    assert feed_of(get_method("fp8_e4m3"), 512) == Feed(128)  # reads its history back whole: one tile a chunk
+    assert feed_of(get_method("kvarn_k4v2_g128"), None) == Feed(128)
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("method", ["kvarn_k2v2_g128", "kivi_k4v2_g128", "kvarn_k4v2_g64_ks"])
+@pytest.mark.parametrize("region", ["tail", "sink"])
+def test_a_longer_prompt_chunk_attends_as_one_tile_at_a_time(method, region, tmp_path):
+    """Multi-tile chunks through the paged attention give what one-tile chunks give (the paged path's, up to the order
+    of the arithmetic; the SDPA path's, up to the paged path's fp16 attention); a prompt chunk that saw its earlier
+    tiles exactly would not."""
+    import torch
+    from tiny_model import build_tiny_model
+    from transformers import AutoModelForCausalLM
+
+    from kvarn.eval.drift import _teacher_forced
+    from kvarn.eval.longctx import Feed, Run, _method_cache, _prefill, use_attention
+    from kvarn.eval.methods import get_method
+    from kvarn.integration.hf import KVarNCache
+
+    model = AutoModelForCausalLM.from_pretrained(
+        build_tiny_model(tmp_path / "tiny"), dtype=torch.float32, attn_implementation="sdpa"
+    )
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 250, (700,), generator=gen).tolist()
+    after = torch.randint(0, 250, (200,), generator=gen).tolist()
+    run = Run(get_method(method), region)
+    g = run.method.group_size
+
+    def logprobs(feed: Feed):
+        with torch.inference_mode():
+            cache = _method_cache(run, model, None, feed)
+            last = _prefill(model, ids, cache, feed, lambda: None)
+            return _teacher_forced(model, cache, last, after, feed, len(ids), lambda: None)
+
+    one_tile = logprobs(Feed(g, g, paged=True))
+    chunked = max((logprobs(Feed(g, n * g, paged=True)) - one_tile).abs().max() for n in (3, 4))
+    use_attention(model, False)
+    assert model.config._attn_implementation == "sdpa"
+    sdpa = (logprobs(Feed(g)) - one_tile).abs().max()
+    with torch.inference_mode():  # the whole prompt in one exact chunk: its own tiles seen exactly
+        cache = KVarNCache(run.method.config, sink=region == "sink", dtype=torch.float16)
+        last = model(input_ids=torch.tensor([ids]), past_key_values=cache).logits[0, -1:]
+        wrong = (_teacher_forced(model, cache, last, after, Feed(g), len(ids), lambda: None) - one_tile).abs().max()
+    assert chunked < 1e-3 and sdpa < 0.03 and wrong > 0.2, (float(chunked), float(sdpa), float(wrong))
+
+
 def _report(argv, tmp_path, monkeypatch, capsys):
     """``kvarn report ARGS`` through the CLI entry; exit status and captured output."""
     from kvarn import cli
@@ -353,6 +411,8 @@ def _report(argv, tmp_path, monkeypatch, capsys):
         (["--samples", "3"], "unrecognized arguments: --samples 3"),  # kl: the long-context options do not apply
         (["--task", "kl", "--regions", "middle"], "--regions takes 'tail' and/or 'sink', got 'middle'"),
         (["--task", "niah", "--workers", "0"], "--workers must be at least 1"),
+        (["--task", "niah", "--prefill-chunk", "100"], "--prefill-chunk: the prompt chunk must be a positive multiple"),
+        (["--task", "drift", "--prefill-chunk", "0"], "--prefill-chunk: the prompt chunk must be a positive multiple"),
     ],
 )
 def test_misuse_exits_2_before_a_model_loads(argv, message, tmp_path, monkeypatch, capsys):
@@ -466,6 +526,31 @@ def test_drift_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys):
     assert 0 <= k2["first_divergence"][0] < 192  # a 2-bit cache of a random model does not follow 192 tokens
     assert (tmp_path / "r" / "tiny_drift.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "KL(exact || method) at position p" in (tmp_path / "r" / "report.md").read_text()
+
+
+@pytest.mark.hf
+def test_a_report_with_longer_prompt_chunks_says_so_and_keeps_its_log_apart(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    from tiny_model import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "tiny")
+    argv = ["--task", "niah", "--model", str(folder), "--methods", "fp8_e4m3,kvarn_k4v2_g128", "--regions", "tail"]
+    argv += ["--lengths", "640", "--samples", "2"]
+    rc, out = _report([*argv, "--prefill-chunk", "256"], tmp_path / "chunked", monkeypatch, capsys)
+    assert rc == 0, out.err
+    rc, _ = _report(argv, tmp_path / "tile", monkeypatch, capsys)
+    assert rc == 0
+    (chunked,) = json.loads((tmp_path / "chunked" / "r" / "results.json").read_text())
+    (tile,) = json.loads((tmp_path / "tile" / "r" / "results.json").read_text())
+    assert chunked["prefill_chunk"] == 256 and tile["prefill_chunk"] is None
+    for a, b in zip(chunked["records"], tile["records"], strict=True):
+        assert a["exact"]["tokens"] == b["exact"]["tokens"]  # the exact model's answer does not depend on chunks
+        assert a["runs"]["fp8_e4m3 [tail]"]["tokens"] == b["runs"]["fp8_e4m3 [tail]"]["tokens"]  # one tile a chunk
+    report = (tmp_path / "chunked" / "r" / "report.md").read_text()
+    assert "the first tile alone, then chunks of 256 tokens" in report
+    assert "in chunks of one tile" in (tmp_path / "tile" / "r" / "report.md").read_text()
+    rc, err = _report([*argv, "--resume"], tmp_path / "chunked", monkeypatch, capsys)
+    assert rc == 2 and "holds a run with prefill_chunk = 256, not None" in err.err
 
 
 def _without_seconds(value):

@@ -18,13 +18,13 @@ import statistics
 import time
 from collections.abc import Callable
 
-from kvarn.eval.harness import BLOCK, _chunks
 from kvarn.eval.longctx import (
     DRIFT_POSITIONS,
     DRIFT_PREFIX,
     DRIFT_TOKENS,
     NO_REPEAT_NGRAM,
     WINDOW,
+    Feed,
     PlainProgress,
     RecordLog,
     Run,
@@ -34,11 +34,13 @@ from kvarn.eval.longctx import (
     _fmt_minutes,
     _forward,
     _method_cache,
-    _n_chunks,
     _prefill,
     _run_info,
     _Ticks,
+    check_chunk,
+    feed_of,
     taken_from_log,
+    use_attention,
 )
 from kvarn.eval.workers import Workers
 
@@ -90,14 +92,14 @@ def _free_run(model, cache, logits, n: int, eos: set[int], ngram: int, stop_at: 
     return out
 
 
-def _teacher_forced(model, cache, logits, generated: list[int], group: int, prefix: int, tick) -> object:
+def _teacher_forced(model, cache, logits, generated: list[int], feed: Feed, prefix: int, tick) -> object:
     """``[N, V]`` log-probabilities of each generated position: the prefix's last row, then the generated
-    tokens fed in tile-aligned chunks (positions counted from the start of the sequence)."""
+    tokens fed in ``feed``'s chunks (positions counted from the start of the sequence)."""
     import torch
 
     rows = [torch.log_softmax(logits[-1:], -1)]
     tokens = torch.as_tensor(generated, device=model.device)  # one copy, not one a chunk (each waits for the device)
-    for a, b in _chunks(prefix, prefix + len(generated) - 1, group):
+    for a, b in feed.chunks(prefix, prefix + len(generated) - 1):
         rows.append(torch.log_softmax(_forward(model, tokens[a - prefix : b - prefix], cache), -1))
         tick()
     return torch.cat(rows)
@@ -123,9 +125,9 @@ def drift_prefixes(tok, text: str, prefix: int, samples: int, seed: int) -> list
     )
 
 
-def _drift_steps(prefix: int, new_tokens: int, group: int) -> int:
+def _drift_steps(prefix: int, new_tokens: int, feed: Feed) -> int:
     """Progress steps of one drift run: prefix chunks, generation or free run, teacher-forced chunks."""
-    return _n_chunks(0, prefix, group) + new_tokens + _n_chunks(prefix, prefix + new_tokens - 1, group)
+    return feed.count(0, prefix) + new_tokens + feed.count(prefix, prefix + new_tokens - 1)
 
 
 def drift_sample(
@@ -136,11 +138,13 @@ def drift_sample(
     runs: list[Run],
     new_tokens: int,
     ngram: int,
+    chunk: int | None,
     bar,
     first_run: Callable[[float, float], None] | None = None,
 ) -> dict:
     """The exact model's generation from the prefix ``ids`` and every run along it: one JSON-ready record.
 
+    ``chunk``: chunk tokens after the first tile (:func:`~kvarn.eval.longctx.feed_of`), None for one tile.
     ``first_run(exact seconds, first run's seconds)`` is called once the first run is done.
     """
     import torch
@@ -151,14 +155,16 @@ def drift_sample(
     with torch.inference_mode():
         t0 = time.perf_counter()
         bar.describe(f"drift #{index}: exact, generating {new_tokens} tokens")
+        feed = feed_of(None, chunk)
+        use_attention(model, False)
         cache = _exact_cache()
-        logits = _prefill(model, ids, cache, BLOCK, ticks.tick)
+        logits = _prefill(model, ids, cache, feed, ticks.tick)
         scales = _amax_scales(cache)
         forced = copy.deepcopy(cache)
         generated = _free_run(model, cache, logits, new_tokens, eos, ngram, None, ticks.tick)
         bar.describe(f"drift #{index}: exact, teacher-forced")
-        ref = _teacher_forced(model, forced, logits, generated, BLOCK, prefix, ticks.tick)
-        ticks.settle(_drift_steps(prefix, new_tokens, BLOCK))
+        ref = _teacher_forced(model, forced, logits, generated, feed, prefix, ticks.tick)
+        ticks.settle(_drift_steps(prefix, new_tokens, feed))
         del cache, forced
         t_exact = time.perf_counter() - t0
         grams = [tuple(generated[i : i + 4]) for i in range(len(generated) - 3)]
@@ -172,18 +178,18 @@ def drift_sample(
         }
         for run_index, run in enumerate(runs):
             r0 = time.perf_counter()
-            group = run.method.group_size
+            feed = feed_of(run.method, chunk)
             bar.describe(f"drift #{index}: {run.label}, teacher-forced")
-            cache = _method_cache(run, model, scales)
-            logits = _prefill(model, ids, cache, group, ticks.tick)
+            cache = _method_cache(run, model, scales, feed)
+            logits = _prefill(model, ids, cache, feed, ticks.tick)
             free = copy.deepcopy(cache)
-            lp = _teacher_forced(model, cache, logits, generated, group, prefix, ticks.tick)
+            lp = _teacher_forced(model, cache, logits, generated, feed, prefix, ticks.tick)
             kl = _kl_rows(ref, lp)
             same = (lp.argmax(-1) == ref.argmax(-1)).float()
             del cache, lp
             bar.describe(f"drift #{index}: {run.label}, free run")
             own = _free_run(model, free, logits, new_tokens, eos, ngram, generated, ticks.tick)
-            ticks.settle(_drift_steps(prefix, new_tokens, group))
+            ticks.settle(_drift_steps(prefix, new_tokens, feed))
             del free
             diverged = len(own) - 1 if own[-1] != generated[len(own) - 1] else None
             record["runs"][run.label] = {
@@ -197,6 +203,7 @@ def drift_sample(
             }
             if run_index == 0 and first_run is not None:
                 first_run(t_exact, time.perf_counter() - r0)
+        use_attention(model, False)
     record["seconds"] = round(time.perf_counter() - t0, 3)
     return record
 
@@ -215,17 +222,21 @@ def drift(
     log: Callable[[str], None] = print,
     workers: Workers | None = None,
     records_log: RecordLog | None = None,
+    chunk: int | None = None,
 ) -> dict:
     """Teacher-forced KL along the exact model's own generation, and each run's first greedy divergence.
 
     ``workers``: run the prefixes on these processes (``model`` is then unused and may be None).
     ``records_log``: append each finished prefix there, and take the prefixes it already holds from it.
+    ``chunk``: chunk tokens after the first tile (:func:`~kvarn.eval.longctx.feed_of`); None: one tile at a time.
     """
+    if chunk is not None:
+        check_chunk(chunk, [r.method for r in runs])
     from kvarn.eval.harness import bundled_text
 
     prefixes = drift_prefixes(tok, bundled_text() if text is None else text, prefix, samples, seed)
-    per_prefix = _drift_steps(prefix, new_tokens, BLOCK) + sum(
-        _drift_steps(prefix, new_tokens, r.method.group_size) for r in runs
+    per_prefix = _drift_steps(prefix, new_tokens, feed_of(None, chunk)) + sum(
+        _drift_steps(prefix, new_tokens, feed_of(r.method, chunk)) for r in runs
     )
     records, todo, kept = taken_from_log(records_log, [(index,) for index in range(samples)])
     where = f" on {workers.count} worker processes" if workers else ""
@@ -255,12 +266,21 @@ def drift(
                 finished(
                     index,
                     drift_sample(
-                        model, tok, index, prefixes[index], runs, new_tokens, ngram, bar, first_run if n == 0 else None
+                        model,
+                        tok,
+                        index,
+                        prefixes[index],
+                        runs,
+                        new_tokens,
+                        ngram,
+                        chunk,
+                        bar,
+                        first_run if n == 0 else None,
                     ),
                 )
         elif todo:
             bar.describe(f"drift: {len(todo)} prefixes")
-            jobs = [(index, prefixes[index], runs, new_tokens, ngram) for index in todo]
+            jobs = [(index, prefixes[index], runs, new_tokens, ngram, chunk) for index in todo]
             for n, (j, record) in enumerate(workers.run(drift_sample, jobs)):
                 finished(todo[j], record)
                 for _ in range(per_prefix):
@@ -280,6 +300,7 @@ def drift(
         "samples": samples,
         "seed": seed,
         "no_repeat_ngram": ngram,
+        "prefill_chunk": chunk,
         "window": WINDOW,
         "runs": [_run_info(r, workers.config if workers else model.config) for r in runs],
         "records": records,

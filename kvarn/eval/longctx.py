@@ -8,6 +8,10 @@ the plots).
 tokens, 128 for every default method): each chunk attends over its earlier tiles as the method
 stored them and over its own tile exactly (the own-tile rule), then the answer is decoded token by
 token, each token seeing the earlier tiles quantized and its own tile from the full-precision tail.
+With a longer prompt chunk (:class:`Feed`), the exact model and the KVarN-record methods take the
+first tile alone and then that many tokens at a time, the methods through the paged attention a vLLM
+request's prompt chunks take (``KVarNCache(paged=True)``), which keeps the own-tile rule for queries
+of many tiles: the same answers up to the order of the arithmetic, for far fewer forwards.
 Methods are :mod:`kvarn.eval.methods`' caches (:meth:`Method.make_cache`), K/V rounded to fp16
 before storing; ``tail`` keeps only the incomplete last tile in full precision, ``sink`` the first
 tile as well. A lossless method (``fp16``) is the same in both settings and runs once. The
@@ -27,11 +31,11 @@ import math
 import pathlib
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvarn.eval import tasks
-from kvarn.eval.harness import BLOCK, _chunks, attention_backends
+from kvarn.eval.harness import BLOCK, attention_backends
 from kvarn.eval.methods import DEFAULT_METHODS, Method, get_method, with_served_methods
 from kvarn.eval.workers import Workers
 
@@ -43,6 +47,59 @@ WINDOW = 64
 DRIFT_POSITIONS = (64, 256, 512, 1024)
 """Generated positions whose window (the 64 positions up to it) the drift table shows."""
 REGION_LABEL = {"tail": "tail", "sink": "sink+tail"}
+
+
+@dataclass(frozen=True)
+class Feed:
+    """How a run's tokens reach its cache: chunks of one ``group``-token tile, or (``chunk``) the first tile
+    alone and then ``chunk`` tokens at a time, each chunk ending on a tile boundary (``chunk`` a multiple of
+    ``group``). ``paged``: the chunks attend through ``KVarNCache(paged=True)`` and ``attn_implementation="kvarn"``.
+    """
+
+    group: int
+    chunk: int | None = None
+    paged: bool = False
+
+    def chunks(self, start: int, stop: int) -> Iterator[tuple[int, int]]:
+        """The ``[a, b)`` chunks covering ``start .. stop``."""
+        g, a = self.group, start
+        while a < stop:
+            more = (self.chunk or g) - g if a >= g else 0  # the first tile alone: a multi-tile first chunk is exact
+            b = min((a // g + 1) * g + more, stop)
+            yield a, b
+            a = b
+
+    def count(self, start: int, stop: int) -> int:
+        return sum(1 for _ in self.chunks(start, stop))
+
+
+def feed_of(method: Method | None, chunk: int | None) -> Feed:
+    """The :class:`Feed` of the exact model (``method`` None) or of ``method`` for prompt chunks of ``chunk`` tokens.
+
+    A KVarN-record method takes them through the paged attention; a method storing tiles as fp16 / fp8 tensors
+    reads its history back whole, which keeps the own-tile rule only one tile at a time.
+    """
+    if method is None:
+        return Feed(BLOCK, chunk)
+    if chunk is None or method.config is None:
+        return Feed(method.group_size)
+    return Feed(method.group_size, chunk, paged=True)
+
+
+def check_chunk(chunk: int, methods: list[Method]) -> None:
+    """Raise ValueError unless ``chunk`` is a multiple of every method's tile (and of the exact model's)."""
+    for g in sorted({BLOCK, *(m.group_size for m in methods)}):
+        if chunk <= 0 or chunk % g:
+            raise ValueError(f"the prompt chunk must be a positive multiple of {g} tokens (a tile), got {chunk}")
+
+
+def use_attention(model, paged: bool) -> None:
+    """Point ``model``'s attention at the paged KVarN path (``"kvarn"``) or at transformers' SDPA."""
+    from kvarn.integration.hf import register_kvarn_attention
+
+    name = register_kvarn_attention() if paged else "sdpa"
+    if model.config._attn_implementation != name:
+        model.set_attn_implementation(name)
 
 
 def default_methods() -> list[str]:
@@ -167,13 +224,13 @@ def _forward(model, ids, cache, last_only: bool = False):
     return out.logits[0].float()
 
 
-def _prefill(model, ids: list[int], cache, group: int, tick: Callable) -> object:
-    """Feed ``ids`` in ``group``-token tile-aligned chunks; the last position's logits ``[1, V]``."""
+def _prefill(model, ids: list[int], cache, feed: Feed, tick: Callable) -> object:
+    """Feed ``ids`` in ``feed``'s chunks; the last position's logits ``[1, V]``."""
     import torch
 
     logits = None
     tokens = torch.as_tensor(ids, device=model.device)  # one copy: a copy a chunk would wait for the device each time
-    for a, b in _chunks(0, len(ids), group):
+    for a, b in feed.chunks(0, len(ids)):
         logits = _forward(model, tokens[a:b], cache, last_only=True)
         tick()
     return logits
@@ -185,15 +242,18 @@ def _exact_cache():
     return DynamicCache()
 
 
-def _method_cache(run: Run, model, scales):
+def _method_cache(run: Run, model, scales, feed: Feed):
+    """``run``'s fresh cache, with ``model``'s attention set for it."""
     import torch
 
+    use_attention(model, feed.paged)
     return run.method.make_cache(
         sink=run.region == "sink",
         dtype=torch.float16,
         scales=scales,
-        keep_decoded=True,
+        keep_decoded=not feed.paged,
         num_layers=model.config.num_hidden_layers,
+        paged=feed.paged,
     )
 
 
@@ -238,17 +298,14 @@ def _answer_record(tok, sample: tasks.Sample, tokens: list[int], seconds: float)
     return record
 
 
-def _n_chunks(start: int, stop: int, group: int) -> int:
-    return len(list(_chunks(start, stop, group)))
+def _sample_steps(sample: tasks.Sample, runs: list[Run], chunk: int | None) -> int:
+    feeds = [feed_of(None, chunk), *(feed_of(r.method, chunk) for r in runs)]
+    return sum(f.count(0, sample.prompt_tokens) for f in feeds) + (len(runs) + 1) * sample.max_new_tokens
 
 
-def _sample_steps(sample: tasks.Sample, runs: list[Run]) -> int:
-    chunks = sum(_n_chunks(0, sample.prompt_tokens, g) for g in [BLOCK, *(r.method.group_size for r in runs)])
-    return chunks + (len(runs) + 1) * sample.max_new_tokens
-
-
-def retrieval_sample(model, tok, sample: tasks.Sample, runs: list[Run], bar) -> dict:
-    """The exact model and every run answering ``sample``: one JSON-ready record."""
+def retrieval_sample(model, tok, sample: tasks.Sample, runs: list[Run], chunk: int | None, bar) -> dict:
+    """The exact model and every run answering ``sample`` (prompt chunks of ``chunk`` tokens after the first tile,
+    or one tile with None: :func:`feed_of`): one JSON-ready record."""
     import torch
 
     ids = tasks.encode(tok, sample)
@@ -269,25 +326,29 @@ def retrieval_sample(model, tok, sample: tasks.Sample, runs: list[Run], bar) -> 
     with torch.inference_mode():
         t0 = time.perf_counter()
         bar.describe(f"{sample.task} {sample.length} #{sample.index}: exact")
+        feed = feed_of(None, chunk)
+        use_attention(model, False)
         cache = _exact_cache()
-        logits = _prefill(model, ids, cache, BLOCK, ticks.tick)
+        logits = _prefill(model, ids, cache, feed, ticks.tick)
         scales = _amax_scales(cache)
         tokens = _greedy_answer(model, tok, cache, logits, sample, eos, ticks.tick)
-        ticks.settle(_n_chunks(0, len(ids), BLOCK) + sample.max_new_tokens)
+        ticks.settle(feed.count(0, len(ids)) + sample.max_new_tokens)
         exact = record["exact"] = _answer_record(tok, sample, tokens, time.perf_counter() - t0)
         del cache
         for run in runs:
             t0 = time.perf_counter()
             bar.describe(f"{sample.task} {sample.length} #{sample.index}: {run.label}")
-            cache = _method_cache(run, model, scales)
-            logits = _prefill(model, ids, cache, run.method.group_size, ticks.tick)
+            feed = feed_of(run.method, chunk)
+            cache = _method_cache(run, model, scales, feed)
+            logits = _prefill(model, ids, cache, feed, ticks.tick)
             tokens = _greedy_answer(model, tok, cache, logits, sample, eos, ticks.tick)
-            ticks.settle(_n_chunks(0, len(ids), run.method.group_size) + sample.max_new_tokens)
+            ticks.settle(feed.count(0, len(ids)) + sample.max_new_tokens)
             got = _answer_record(tok, sample, tokens, time.perf_counter() - t0)
             got["same_as_exact"] = got["pred"] == exact["pred"]
             got["same_tokens"] = tokens == exact["tokens"]
             record["runs"][run.label] = got
             del cache
+        use_attention(model, False)
     record["seconds"] = round(time.perf_counter() - t_sample, 3)
     return record
 
@@ -309,12 +370,16 @@ def retrieval(
     log: Callable[[str], None] = print,
     workers: Workers | None = None,
     records_log: RecordLog | None = None,
+    chunk: int | None = None,
 ) -> dict:
     """Run ``task`` at every length over ``samples`` samples: per-sample records and a summary per run and length.
 
     ``workers``: answer the samples on these processes (``model`` is then unused and may be None).
     ``records_log``: append each finished sample there, and take the samples it already holds from it.
+    ``chunk``: prompt chunk tokens after the first tile (:func:`feed_of`); None: one tile at a time.
     """
+    if chunk is not None:
+        check_chunk(chunk, [r.method for r in runs])
     built = [tasks.make_sample(task, tok, n, i, seed, filler) for n in lengths for i in range(samples)]
     records, todo, kept = taken_from_log(records_log, [(s.length, s.index) for s in built])
     where = f" on {workers.count} worker processes" if workers else ""
@@ -322,7 +387,7 @@ def retrieval(
         f"{task}: {samples} sample(s) at each of {', '.join(map(str, lengths))} tokens, {len(runs) + 1} runs a sample "
         f"(the exact model and each method){where}{kept}; a time estimate follows the first sample"
     )
-    bar = (progress_factory or PlainProgress)(total=sum(_sample_steps(built[i], runs) for i in todo))
+    bar = (progress_factory or PlainProgress)(total=sum(_sample_steps(built[i], runs, chunk) for i in todo))
     seconds: dict[int, float] = {}
     t_start = time.perf_counter()
 
@@ -344,12 +409,12 @@ def retrieval(
         if workers is None:
             for i in todo:
                 t0 = time.perf_counter()
-                record = retrieval_sample(model, tok, built[i], runs, bar)
+                record = retrieval_sample(model, tok, built[i], runs, chunk, bar)
                 finished(i, record, time.perf_counter() - t0)
         elif todo:
             bar.describe(f"{task}: {len(todo)} samples")
-            for j, record in workers.run(retrieval_sample, [(built[i], runs) for i in todo]):
-                for _ in range(_sample_steps(built[todo[j]], runs)):
+            for j, record in workers.run(retrieval_sample, [(built[i], runs, chunk) for i in todo]):
+                for _ in range(_sample_steps(built[todo[j]], runs, chunk)):
                     bar.tick()
                 finished(todo[j], record, record["seconds"])
     finally:
@@ -361,6 +426,7 @@ def retrieval(
         "samples": samples,
         "seed": seed,
         "filler": filler or tasks.DEFAULT_FILLER[task],
+        "prefill_chunk": chunk,
         "runs": [_run_info(r, config) for r in runs],
         "records": records,
         "summary": summarize(records, runs, lengths),

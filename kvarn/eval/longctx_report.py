@@ -34,6 +34,7 @@ from kvarn.eval.longctx import (
     WINDOW,
     PlainProgress,
     RecordLog,
+    check_chunk,
     default_methods,
     plan_runs,
     retrieval,
@@ -149,26 +150,38 @@ def drift_table(result: dict) -> str:
 
 PROTOCOL = {
     "retrieval": (
-        "Each prompt is fed the way a vLLM request is: in chunks of one tile (128 tokens; 64 for the _g64 "
-        "presets), each chunk attending over the earlier tiles as the method stored them and over its own tile "
-        "exactly, then the answer decoded greedily token by token (at most {max_new} tokens, stopping once the "
-        "answer is complete). K/V are rounded to fp16 before storing; 'tail' keeps the incomplete last tile in "
-        "full precision, 'sink+tail' the first tile too (fp16 is the same in both and runs once). The exact model "
-        "runs in its own dtype with an unquantized cache. Cells: accuracy (exact match of the normalised answer), "
-        "in parentheses the share of samples where the method gave the exact model's answer, then -L +W: L samples "
-        "only the exact model answered right, W only the method (the accuracy gap is W - L samples). Context length = "
-        "prompt plus answer budget. Needle depths follow a seeded golden-ratio sequence, the same at every length."
+        "Each prompt is fed the way a vLLM request is: {feeding}, then the answer decoded greedily token by "
+        "token (at most {max_new} tokens, stopping once the answer is complete). K/V are rounded to fp16 before "
+        "storing; 'tail' keeps the incomplete last tile in full precision, 'sink+tail' the first tile too (fp16 is "
+        "the same in both and runs once). The exact model runs in its own dtype with an unquantized cache. Cells: "
+        "accuracy (exact match of the normalised answer), in parentheses the share of samples where the method gave "
+        "the exact model's answer, then -L +W: L samples only the exact model answered right, W only the method "
+        "(the accuracy gap is W - L samples). Context length = prompt plus answer budget. Needle depths follow a "
+        "seeded golden-ratio sequence, the same at every length."
     ),
     "drift": (
         "From a {prefix}-token prefix of the text, the exact model (own dtype, unquantized cache) generates "
         "{new} tokens greedily (no end-of-sequence token{ngram}). Each method is teacher-forced on that text "
-        "the way a vLLM request is fed (one tile a chunk, each chunk attending over the earlier tiles as stored "
-        "and over its own tile exactly): KL(exact || method) at position p is the mean over the 64 positions up "
-        "to p; top-1 is agreement with the exact next-token argmax over all positions. First divergence: the "
-        "first position where the method's own greedy run (same rule) picks another token than the exact run "
-        "({new} = none)."
+        "the way a vLLM request is fed ({feeding}): KL(exact || method) at position p is the mean over the 64 "
+        "positions up to p; top-1 is agreement with the exact next-token argmax over all positions. First "
+        "divergence: the first position where the method's own greedy run (same rule) picks another token than "
+        "the exact run ({new} = none)."
     ),
 }
+
+
+def _feeding(chunk: int | None) -> str:
+    """How the report's prompts were fed, for its protocol paragraph."""
+    if chunk is None:
+        return (
+            "in chunks of one tile (128 tokens; 64 for the _g64 presets), each chunk attending over the earlier "
+            "tiles as the method stored them and over its own tile exactly"
+        )
+    return (
+        f"the first tile alone, then chunks of {chunk} tokens (the exact model, and the KVarN-record methods through "
+        "the paged attention of a vLLM prompt chunk; methods storing fp16 / fp8 tiles one tile a chunk), each "
+        "query attending over the tiles before its own as the method stored them and over its own tile exactly"
+    )
 
 
 def _workers_note(res: dict) -> str:
@@ -197,7 +210,9 @@ def write_markdown(results: list[dict], out: pathlib.Path, command: str, commit:
             distinct = ", ".join(f"{r['distinct_4grams']:.2f}" for r in res["records"])
             ngram = f", no repeated {res['no_repeat_ngram']}-gram" if res["no_repeat_ngram"] else ""
             lines += [
-                PROTOCOL["drift"].format(prefix=res["prefix"], new=res["new_tokens"], ngram=ngram),
+                PROTOCOL["drift"].format(
+                    prefix=res["prefix"], new=res["new_tokens"], ngram=ngram, feeding=_feeding(res.get("prefill_chunk"))
+                ),
                 "",
                 f"Samples (prefixes): {res['samples']}, seed {res['seed']}; share of distinct 4-grams in the "
                 f"exact generation: {distinct}; wall time {res['seconds']:.0f} s.",
@@ -208,7 +223,7 @@ def write_markdown(results: list[dict], out: pathlib.Path, command: str, commit:
         else:
             max_new = tasks.MAX_NEW_TOKENS[task]
             lines += [
-                PROTOCOL["retrieval"].format(max_new=max_new),
+                PROTOCOL["retrieval"].format(max_new=max_new, feeding=_feeding(res.get("prefill_chunk"))),
                 "",
                 f"Task {task}, filler {res['filler']}, {res['samples']} samples per length, seed {res['seed']}; "
                 f"wall time {res['seconds']:.0f} s.",
@@ -284,6 +299,15 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--text", default=None, help="drift: a UTF-8 text file to take the prefixes from (default bundled)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu; cuda runs the Triton kernels)")
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="feed prompts as the first tile, then chunks of TOKENS tokens (a multiple of 128), the KVarN-record "
+        "methods through the paged attention of a vLLM prompt chunk: the same rule, for far fewer forwards (on a GPU, "
+        "2048); default one tile a chunk",
+    )
     p.add_argument("--out", default="report", help="output folder (default ./report)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1; per worker)")
     p.add_argument(
@@ -372,6 +396,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     if not args.region_list or any(r not in REGION_LABEL for r in args.region_list):
         p.error(f"--regions takes 'tail' and/or 'sink', got {args.regions!r}")
     args.region_list = list(dict.fromkeys(args.region_list))
+    if args.prefill_chunk is not None:
+        try:
+            check_chunk(args.prefill_chunk, [get_method(m) for m in args.method_list])
+        except ValueError as e:
+            p.error(f"--prefill-chunk: {e}")
     return args
 
 
@@ -450,6 +479,8 @@ def main(argv: list[str], progress_factory: Callable | None = None, commit: Call
             settings["text"] = args.text or "bundled"
         else:
             settings["filler"] = args.filler or tasks.DEFAULT_FILLER[args.task]
+        if args.prefill_chunk is not None:  # logs of one-tile runs, written before this setting, have no entry
+            settings["prefill_chunk"] = args.prefill_chunk
         try:
             records_log = RecordLog(out / f"{_slug(name)}_{args.task}.records.jsonl", settings, args.resume)
         except ValueError as e:
@@ -491,6 +522,7 @@ def main(argv: list[str], progress_factory: Callable | None = None, commit: Call
                     bar,
                     workers=workers,
                     records_log=records_log,
+                    chunk=args.prefill_chunk,
                 )
             else:
                 res = retrieval(
@@ -505,6 +537,7 @@ def main(argv: list[str], progress_factory: Callable | None = None, commit: Call
                     bar,
                     workers=workers,
                     records_log=records_log,
+                    chunk=args.prefill_chunk,
                 )
         except BaseException:
             if workers is not None:

@@ -122,9 +122,17 @@ class Method:
         return 16.0 / self.bits_per_element(head_dim, num_layers)
 
     def make_cache(
-        self, *, sink: bool, dtype: torch.dtype, scales=None, keep_decoded: bool = False, num_layers: int | None = None
+        self,
+        *,
+        sink: bool,
+        dtype: torch.dtype,
+        scales=None,
+        keep_decoded: bool = False,
+        num_layers: int | None = None,
+        paged: bool = False,
     ):
-        """A fresh transformers cache storing full tiles this way."""
+        """A fresh transformers cache storing full tiles this way (``paged``: ``KVarNCache(paged=True)``, for
+        ``attn_implementation="kvarn"``; KVarN-record methods only)."""
         if self.config is not None:
             from kvarn.integration.hf import KVarNCache
 
@@ -135,7 +143,10 @@ class Method:
                 keep_decoded=keep_decoded,
                 layer_policy=self.policy,
                 num_layers=num_layers,
+                paged=paged,
             )
+        if paged:
+            raise ValueError(f"method {self.name} stores tiles as {self.fp8 or 'fp16'} tensors: it has no paged cache")
         return SimpleTiledCache(self._codec(scales), self.group_size, sink=sink, dtype=dtype)
 
     def _codec(self, scales):
