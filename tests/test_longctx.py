@@ -553,6 +553,25 @@ def test_a_report_with_longer_prompt_chunks_says_so_and_keeps_its_log_apart(tmp_
     assert rc == 2 and "holds a run with prefill_chunk = 256, not None" in err.err
 
 
+@pytest.mark.hf
+def test_drift_with_longer_prompt_chunks_measures_what_one_tile_chunks_do(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    from tiny_model import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "tiny")
+    argv = ["--task", "drift", "--model", str(folder), "--methods", "kvarn_k2v2_g128", "--regions", "tail,sink"]
+    argv += ["--prefix", "256", "--new-tokens", "192"]
+    rc, out = _report([*argv, "--prefill-chunk", "256"], tmp_path / "chunked", monkeypatch, capsys)
+    assert rc == 0, out.err
+    rc, _ = _report(argv, tmp_path / "tile", monkeypatch, capsys)
+    assert rc == 0
+    (chunked,) = json.loads((tmp_path / "chunked" / "r" / "results.json").read_text())
+    (tile,) = json.loads((tmp_path / "tile" / "r" / "results.json").read_text())
+    assert chunked["prefill_chunk"] == 256 and chunked["records"][0]["generated"] == tile["records"][0]["generated"]
+    for a, b in zip(chunked["summary"], tile["summary"], strict=True):
+        assert a["label"] == b["label"] and a["kl_mean"] == pytest.approx(b["kl_mean"], rel=0.05)
+
+
 def _without_seconds(value):
     """``value`` with every ``seconds`` entry dropped (wall times differ between runs)."""
     if isinstance(value, dict):
