@@ -644,6 +644,58 @@ def _e2e(f: Found) -> list[str]:
     ]
 
 
+FEED_KEYS = {"shape", "tokens", "cache", "chunked_prompt_s", "chunked_token_ms"}
+
+
+def feed_section(found: list[Found], notes: list[str]) -> list[str] | None:
+    runs = [f for f in found if f.obj.get("ok") is True and rows_of(f.obj, "rows", FEED_KEYS)]
+    return newest_that_renders(runs, _feed, "a long-context feed run", notes)
+
+
+def _feed(f: Found) -> list[str]:
+    body = []
+    for r in f.obj["rows"]:
+        tile = r.get("tile_prompt_s")
+        body.append(
+            [
+                str(r["shape"]),
+                ctx_label(r["tokens"]),
+                str(r["cache"]),
+                num(tile if tile is not None else "", 2),
+                num(r["chunked_prompt_s"], 2) + (f" ({ratio(r['chunked_prompt_s'], tile)})" if tile else ""),
+                num(r.get("tile_token_ms", ""), 1),
+                num(r["chunked_token_ms"], 1),
+                num(r.get("max_abs_dlogp", ""), 4),
+            ]
+        )
+    chunk = f.obj.get("meta", {}).get("chunk", "N")
+    return [
+        "## Long-context harness: how a prompt is fed",
+        "",
+        f"Source: {provenance(f, transformers=True)}.",
+        "",
+        "`benchmarks/bench_longctx_feed.py`: `kvarn report --task ...` feeding a prompt one tile a forward against",
+        f"the first tile and then {chunk}-token chunks (`--prefill-chunk`, the KVarN caches through the paged",
+        "attention), random fp16 models in the bundled models' shapes; the largest log-probability difference of the",
+        "two feeds over 256 teacher-forced positions gates the run.",
+        "",
+        *table(
+            [
+                "shape",
+                "prompt",
+                "cache",
+                "prompt s, one tile",
+                "prompt s, chunked",
+                "ms a token, one tile",
+                "ms a token, chunked",
+                "max abs dlogp",
+            ],
+            body,
+            right=3,
+        ),
+    ]
+
+
 def render(results: Path) -> str:
     sources, notes = load(results)
     found = walk(sources)
@@ -651,6 +703,7 @@ def render(results: Path) -> str:
     notes += serving_notes
     sections = [decode_section(found, notes), smooth_section(found, notes), eager_section(found, notes)]
     sections += [store_section(found, notes), serving, spec_section(found, notes), e2e_section(found, notes)]
+    sections.append(feed_section(found, notes))
     used = {f.source.name for f in found if _recognised(f)}
     unread = [s.name for s in sources if s.name not in used]
     lines = [
@@ -680,6 +733,7 @@ def _recognised(f: Found) -> bool:
         or {"model", "kv_cache_dtype", "kv_tokens"} <= o.keys()
         or (isinstance(o.get("engines"), dict) and "drafts" in o)
         or (isinstance(o.get("meta"), dict) and rows_of(o, "rows", {"cache", "tokens_per_s"}))
+        or (o.get("ok") is True and rows_of(o, "rows", FEED_KEYS))
     )
 
 

@@ -62,6 +62,12 @@ def test_a_synthetic_results_dir(tmp_path):
     e2e = {"meta": {"gpu": "NVIDIA H100", "transformers": "5.17.0", "date": "2026-01-06"}, "rows": []}
     e2e["rows"] = [{"cache": "kvarn", "batch": 70, "context": 16384, "tokens_per_s": 749.1, "vs_fp16": 5.3}]
     _write(tmp_path, "2026-01-06-h100-e2e.json", e2e)
+    feed = {"meta": {"gpu": "NVIDIA H100", "transformers": "5.17.0", "chunk": 2048}, "ok": True, "rows": []}
+    row = {"shape": "smollm2-135m", "tokens": 8192, "cache": "kvarn_k4v2_g128", "chunked_prompt_s": 0.2}
+    row |= {"chunked_token_ms": 30.0, "tile_prompt_s": 2.0, "tile_token_ms": 29.0, "max_abs_dlogp": 0.01}
+    feed["rows"] = [row]
+    _write(tmp_path, "2026-01-06-h100-feed.json", feed)
+    _write(tmp_path, "2026-01-06-h100-feed-failed.json", feed | {"ok": False})  # a run that refused to report
     _write(tmp_path, "2026-01-07-h100-broken.json", "{not json")
     _write(tmp_path, "2026-01-07-h100-unknown.json", [{"rows": [1, 2]}, {"grid": "x", "env": 3}, None])
     _write(tmp_path, "notes.json", {})
@@ -82,6 +88,8 @@ def test_a_synthetic_results_dir(tmp_path):
     assert "| kvarn | 70 | 16K |" in page and "5.30x" in page and "2026-01-06: NVIDIA H100" in page
     assert "| k4v2_g128 | 128 | 16 | 32K | 180.0 | 198.0 (1.10x) | 630.0 (3.50x) | 4.00x |" in page
     assert "| V1 runner, drafts | 5.60 (0.80x) | 5.50 - 5.80 | 27 of 30 |" in page and "vLLM 0.26.0" in page
+    assert "| smollm2-135m | 8K | kvarn_k4v2_g128 | 2.00 | 0.20 (0.10x) | 29.0 | 30.0 | 0.0100 |" in page
+    assert "then 2048-token chunks" in page and "`2026-01-06-h100-feed-failed.json`" in page.split("## Files not")[1]
     assert "`2026-01-07-h100-broken.json`: not JSON" in page
     assert "`notes.json`: no date" in page
     assert "`2026-01-07-h100-unknown.json`" in page.split("## Files not shown")[1]
