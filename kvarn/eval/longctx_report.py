@@ -6,7 +6,7 @@ The measurements are :mod:`kvarn.eval.longctx`'s; ``--task kl`` (the default) is
 Examples::
 
     kvarn report --task niah                                  # SmolLM2-135M, 1024 and 2048 tokens, ./report
-    kvarn report --task passkey --lengths 1024,4096,8192 --samples 50 --device cuda --workers 8
+    kvarn report --task passkey --lengths 1024,4096,8192 --samples 50 --device cuda --workers 8 --prefill-chunk 2048
     kvarn report --task drift --prefix 256 --new-tokens 1024
 """
 
