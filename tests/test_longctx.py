@@ -528,21 +528,27 @@ def test_drift_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys):
     assert "KL(exact || method) at position p" in (tmp_path / "r" / "report.md").read_text()
 
 
-@pytest.mark.hf
-def test_a_report_with_longer_prompt_chunks_says_so_and_keeps_its_log_apart(tmp_path, monkeypatch, capsys):
+def _chunked_and_one_tile(argv, tmp_path, monkeypatch, capsys):
+    """The results of ``kvarn report ARGV --prefill-chunk 256`` and of ``kvarn report ARGV`` on a tiny model."""
     pytest.importorskip("matplotlib")
     from tiny_model import build_tiny_model
 
-    folder = build_tiny_model(tmp_path / "tiny")
-    argv = ["--task", "niah", "--model", str(folder), "--methods", "fp8_e4m3,kvarn_k4v2_g128", "--regions", "tail"]
-    argv += ["--lengths", "640", "--samples", "2"]
+    argv = [*argv, "--model", str(build_tiny_model(tmp_path / "tiny"))]
     rc, out = _report([*argv, "--prefill-chunk", "256"], tmp_path / "chunked", monkeypatch, capsys)
     assert rc == 0, out.err
-    rc, _ = _report(argv, tmp_path / "tile", monkeypatch, capsys)
-    assert rc == 0
+    rc, out = _report(argv, tmp_path / "tile", monkeypatch, capsys)
+    assert rc == 0, out.err
     (chunked,) = json.loads((tmp_path / "chunked" / "r" / "results.json").read_text())
     (tile,) = json.loads((tmp_path / "tile" / "r" / "results.json").read_text())
     assert chunked["prefill_chunk"] == 256 and tile["prefill_chunk"] is None
+    return argv, chunked, tile
+
+
+@pytest.mark.hf
+def test_a_report_with_longer_prompt_chunks_says_so_and_keeps_its_log_apart(tmp_path, monkeypatch, capsys):
+    argv = ["--task", "niah", "--methods", "fp8_e4m3,kvarn_k4v2_g128", "--regions", "tail"]
+    argv += ["--lengths", "640", "--samples", "2"]
+    argv, chunked, tile = _chunked_and_one_tile(argv, tmp_path, monkeypatch, capsys)
     for a, b in zip(chunked["records"], tile["records"], strict=True):
         assert a["exact"]["tokens"] == b["exact"]["tokens"]  # the exact model's answer does not depend on chunks
         assert a["runs"]["fp8_e4m3 [tail]"]["tokens"] == b["runs"]["fp8_e4m3 [tail]"]["tokens"]  # one tile a chunk
@@ -555,19 +561,10 @@ def test_a_report_with_longer_prompt_chunks_says_so_and_keeps_its_log_apart(tmp_
 
 @pytest.mark.hf
 def test_drift_with_longer_prompt_chunks_measures_what_one_tile_chunks_do(tmp_path, monkeypatch, capsys):
-    pytest.importorskip("matplotlib")
-    from tiny_model import build_tiny_model
-
-    folder = build_tiny_model(tmp_path / "tiny")
-    argv = ["--task", "drift", "--model", str(folder), "--methods", "kvarn_k2v2_g128", "--regions", "tail,sink"]
+    argv = ["--task", "drift", "--methods", "kvarn_k2v2_g128", "--regions", "tail,sink"]
     argv += ["--prefix", "256", "--new-tokens", "192"]
-    rc, out = _report([*argv, "--prefill-chunk", "256"], tmp_path / "chunked", monkeypatch, capsys)
-    assert rc == 0, out.err
-    rc, _ = _report(argv, tmp_path / "tile", monkeypatch, capsys)
-    assert rc == 0
-    (chunked,) = json.loads((tmp_path / "chunked" / "r" / "results.json").read_text())
-    (tile,) = json.loads((tmp_path / "tile" / "r" / "results.json").read_text())
-    assert chunked["prefill_chunk"] == 256 and chunked["records"][0]["generated"] == tile["records"][0]["generated"]
+    _, chunked, tile = _chunked_and_one_tile(argv, tmp_path, monkeypatch, capsys)
+    assert chunked["records"][0]["generated"] == tile["records"][0]["generated"]
     for a, b in zip(chunked["summary"], tile["summary"], strict=True):
         assert a["label"] == b["label"] and a["kl_mean"] == pytest.approx(b["kl_mean"], rel=0.05)
 
