@@ -273,6 +273,25 @@ def test_time_estimate_extrapolates_by_length():
     assert _sample_seconds({1024: 100.0, 2048: 300.0}, 1536) == pytest.approx(300.0 * 0.75 ** math.log2(3))
 
 
+@pytest.mark.parametrize(
+    ("lost", "gained", "p"),
+    [
+        (0, 0, 1.0),
+        (1, 0, 1.0),
+        (4, 1, 0.375),  # 2 * (1 + 5) / 32
+        (1, 4, 0.375),
+        (5, 0, 0.0625),
+        (10, 0, 2 / 1024),
+        (7, 7, 1.0),
+        (12, 2, 2 * (1 + 14 + 91) / 2**14),
+    ],
+)
+def test_paired_p_value_is_the_exact_two_sided_mcnemar_test(lost, gained, p):
+    from kvarn.eval.longctx import paired_p_value
+
+    assert paired_p_value(lost, gained) == pytest.approx(p, rel=1e-12)
+
+
 def test_summary_pairs_each_run_with_the_exact_model():
     from kvarn.eval.longctx import plan_runs, summarize
     from kvarn.eval.longctx_report import retrieval_table
@@ -292,10 +311,15 @@ def test_summary_pairs_each_run_with_the_exact_model():
     assert exact == {"label": "exact", "length": 512, "n": 5, "accuracy": 0.6, "agreement": 1.0, "distractor": 0.0}
     assert (got["accuracy"], got["agreement"], got["distractor"]) == (0.4, 0.2, 0.2)
     assert (got["lost"], got["gained"]) == (2, 1)  # accuracy gap 0.6 - 0.4 = (2 - 1) of 5 samples
+    assert got["p_value"] == 1.0  # 2 against 1 is as even as 3 samples split
     info = {"label": run.label, "method": "kivi_k4v2_g128", "family": "f", "region": "tail", "bits_per_element": 3.5}
     table = retrieval_table({"lengths": [512], "summary": [exact, got], "runs": [info]})
-    assert "| 60% |" in table and "| 40% (20%; -2 +1) |" in table
+    assert "| 60% |" in table and "| 40% (20%; -2 +1, p=1.00) |" in table
     assert "recall" not in table
+    lopsided = {**got, "lost": 12, "gained": 2}
+    assert "-12 +2, p=0.01)" in retrieval_table({"lengths": [512], "summary": [exact, lopsided], "runs": [info]})
+    lopsided = {**got, "lost": 8, "gained": 0}
+    assert "-8 +0, p<0.01)" in retrieval_table({"lengths": [512], "summary": [exact, lopsided], "runs": [info]})
     with_recall = [{**exact, "recall": 0.8}, {**got, "recall": 0.55}]
     table = retrieval_table({"lengths": [512], "summary": with_recall, "runs": [info]})
     assert "| exact | - | 80% |" in table and "| kivi_k4v2_g128 | tail | 55% |" in table
@@ -470,7 +494,8 @@ def test_retrieval_task_end_to_end_on_a_tiny_model(task, tmp_path, monkeypatch, 
     assert rows[0] == ["method", "family", "bits/elem", "regions", "640 tokens", "768 tokens", "mean"]
     assert [r[0] for r in rows[1:]] == ["exact", "fp16", "kvarn_k2v2_g128", "kvarn_k2v2_g128"]
     assert [r[3] for r in rows[1:]] == ["-", "tail", "tail", "sink+tail"]
-    assert all(re.fullmatch(r"\d+% \(\d+%; -\d+ \+\d+\)", cell) for r in rows[2:] for cell in r[4:6])
+    cell_form = r"\d+% \(\d+%; -\d+ \+\d+(, p(=[01]\.\d\d|<0\.01))?\)"
+    assert all(re.fullmatch(cell_form, cell) for r in rows[2:] for cell in r[4:6])
     out_dir = tmp_path / "r"
     report = (out_dir / "report.md").read_text()
     assert f"# kvarn long-context report: {task}" in report and "| 640 | 1 |" in report

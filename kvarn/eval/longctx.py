@@ -463,12 +463,22 @@ def _run_info(run: Run, cfg) -> dict:
     }
 
 
+def paired_p_value(lost: int, gained: int) -> float:
+    """Two-sided exact McNemar test of ``lost`` against ``gained`` samples: the chance of a split at least this uneven
+    if each sample that only one of the two answered right were equally likely to fall either way (1.0 for none)."""
+    n, k = lost + gained, min(lost, gained)
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
+
+
 def summarize(records: list[dict], runs: list[Run], lengths: list[int]) -> list[dict]:
     """Per run (and the exact model) and length: accuracy, agreement with the exact answer, distractor answers.
 
     A run's entry also counts the samples only the exact model answered right (``lost``) and those only the run did
     (``gained``): the same samples answered twice, so these pairs, not two accuracies' difference, show what
-    quantizing changed (their difference is the accuracy gap, in samples).
+    quantizing changed (their difference is the accuracy gap, in samples); ``p_value`` is
+    :func:`paired_p_value` of the two.
     """
     out = []
     for label in ["exact", *(r.label for r in runs)]:
@@ -488,6 +498,7 @@ def summarize(records: list[dict], runs: list[Run], lengths: list[int]) -> list[
             if label != "exact":
                 entry["lost"] = sum(e["correct"] and not a["correct"] for a, e in zip(rows, exact_rows, strict=True))
                 entry["gained"] = sum(a["correct"] and not e["correct"] for a, e in zip(rows, exact_rows, strict=True))
+                entry["p_value"] = paired_p_value(entry["lost"], entry["gained"])
             if "recall" in rows[0]:
                 entry["recall"] = sum(r["recall"] for r in rows) / len(rows)
             out.append(entry)

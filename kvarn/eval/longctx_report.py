@@ -36,6 +36,7 @@ from kvarn.eval.longctx import (
     RecordLog,
     check_chunk,
     default_methods,
+    paired_p_value,
     plan_runs,
     retrieval,
 )
@@ -78,7 +79,11 @@ def retrieval_table(result: dict) -> str:
             accs.append(e["accuracy"])
             cell = f"{100 * e['accuracy']:.0f}%"
             if info["label"] != "exact":
-                cell += f" ({100 * e['agreement']:.0f}%; -{e['lost']} +{e['gained']})"
+                cell += f" ({100 * e['agreement']:.0f}%; -{e['lost']} +{e['gained']}"
+                if e["lost"] + e["gained"]:
+                    p = paired_p_value(e["lost"], e["gained"])
+                    cell += f", p={p:.2f}" if p >= 0.01 else ", p<0.01"
+                cell += ")"
             cells.append(cell)
         bits = "-" if info["label"] == "exact" else f"{info['bits_per_element']:.2f}"
         region = "-" if info["region"] is None else REGION_LABEL[info["region"]]
@@ -156,8 +161,10 @@ PROTOCOL = {
         "the same in both and runs once). The exact model runs in its own dtype with an unquantized cache. Cells: "
         "accuracy (exact match of the normalised answer), in parentheses the share of samples where the method gave "
         "the exact model's answer, then -L +W: L samples only the exact model answered right, W only the method "
-        "(the accuracy gap is W - L samples). Context length = prompt plus answer budget. Needle depths follow a "
-        "seeded golden-ratio sequence, the same at every length."
+        "(the accuracy gap is W - L samples), and p, the two-sided exact McNemar test of L against W (the chance "
+        "of a split at least that uneven if each such sample were as likely to fall either way: above about 0.05 the "
+        "gap is within what this many samples can tell). Context length = prompt plus answer budget. Needle "
+        "depths follow a seeded golden-ratio sequence, the same at every length."
     ),
     "drift": (
         "From a {prefix}-token prefix of the text, the exact model (own dtype, unquantized cache) generates "
