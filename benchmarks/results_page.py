@@ -7,8 +7,9 @@
 The JSON files were written by the benchmarks over time, alone or nested inside a record of several device
 calls, so their schemas differ. The page reads them by the shape of their records, not by file name: a
 ``bench_decode.py --grid`` run (``env`` beside a ``grid`` list), an ``--eager`` run, a ``bench_store.py`` run,
-``bench_vllm.py bench`` records (``model``, ``kv_cache_dtype``, ``kv_tokens``) and a ``bench_e2e_generate.py``
-run (``meta`` and ``rows``), wherever they sit in a file. For each area it takes the newest file that holds
+``bench_vllm.py bench`` records (``model``, ``kv_cache_dtype``, ``kv_tokens``), a ``bench_e2e_generate.py``
+run (``meta`` and ``rows``), a ``bench_longctx_feed.py`` run and ``kvarn report --task`` records (its
+``command`` beside its ``summary``), wherever they sit in a file. For each area it takes the newest file that holds
 that area's records (files sort by the date their name starts with, then by name, numbers as numbers), and
 says which file, GPU, versions and commit each table comes from. A file it cannot parse, a record whose values
 are not what the benchmark writes (the next older one is shown) and a file with none of these records are listed
@@ -696,6 +697,101 @@ def _feed(f: Found) -> list[str]:
     ]
 
 
+TASK = re.compile(r"^kvarn report --task (passkey|niah|vartrack|drift)\b")
+RETRIEVAL_KEYS = {"label", "length", "accuracy", "n"}
+DRIFT_KEYS = {"label", "kl_at", "kl_mean", "top1"}
+DRIFT_AT = ("64", "256", "512", "1024")
+SETTINGS = {
+    "retrieval": (("--seed", "0"), ("--filler", "task default")),
+    "drift": (("--seed", "0"), ("--prefix", "256"), ("--new-tokens", "1024"), ("--no-repeat-ngram", "4")),
+}
+"""Options that change what a long-context run measures: runs that differ in one are never merged."""
+
+
+def _option(command: str, name: str, default: str) -> str:
+    m = re.search(rf"(?:^|\s){re.escape(name)}[ =](\S+)", command)
+    return m.group(1) if m else default
+
+
+def _longctx_runs(found: list[Found]) -> dict[tuple, dict[tuple, tuple[Found, str]]]:
+    """``kvarn report --task`` summary rows by (task, model, settings), each (label, length) cell from the newest
+    record that holds it (files oldest first, records in file order), with that record's command."""
+    groups: dict[tuple, dict[tuple, tuple[Found, str]]] = {}
+    for f in found:
+        command = f.obj.get("command")
+        m = TASK.match(command) if isinstance(command, str) else None
+        if m is None or "--text " in command:
+            continue
+        task = m.group(1)
+        kind = "drift" if task == "drift" else "retrieval"
+        rows = rows_of(f.obj, "summary", DRIFT_KEYS if kind == "drift" else RETRIEVAL_KEYS)
+        if rows is None:
+            continue
+        settings = tuple(f"{k} {_option(command, k, d)}" for k, d in SETTINGS[kind])
+        cells = groups.setdefault((task, _option(command, "--model", "smollm2-135m"), settings), {})
+        env = f.env if "--device cuda" in command else {**f.env, "gpu": "CPU"}
+        for r in rows:
+            cells[(r["label"], r.get("length"))] = (Found(f.source, f.order, f.path, r, env), command)
+    return groups
+
+
+def _pct(x: object, digits: int = 0) -> str:
+    return f"{100 * x:.{digits}f}%" if isinstance(x, int | float) and not isinstance(x, bool) else "-"
+
+
+def longctx_section(found: list[Found], notes: list[str]) -> list[str] | None:
+    groups = _longctx_runs(found)
+    if not groups:
+        return None
+    out = [
+        "## Long-context accuracy and drift",
+        "",
+        "`kvarn report --task passkey|niah|vartrack|drift` runs (`docs/guide/fidelity.md` reads them). A cell is the",
+        "newest record's figure for its method and length, over its number of samples; runs with other seeds,",
+        "fillers or drift settings are separate tables. Retrieval cells: exact-match accuracy (vartrack: recall, the",
+        "share of the chain's variables the answer names). Drift: KL of each method against the exact model at",
+        "generated positions, mean KL and top-1 over the generation, over its number of prefixes.",
+    ]
+    for (task, model, settings), cells in sorted(groups.items()):
+        try:
+            if task == "drift":
+                body = _drift_rows(cells)
+                header = ["method", *(f"KL@{p}" for p in DRIFT_AT), "mean KL", "top-1", "prefixes"]
+            else:
+                lengths = sorted({n for _, n in cells if isinstance(n, int)})
+                body = _retrieval_rows(task, cells, lengths)
+                header = ["method", *(ctx_label(n) for n in lengths)]
+        except UNREADABLE as e:
+            notes.append(f"{task} on {model}: not read as a long-context run ({type(e).__name__}: {e})")
+            continue
+        out += ["", f"### {task}, {model} ({', '.join(settings)})", "", *table(header, body), ""]
+        files = sorted({f.source.name: f for f, _ in cells.values()}.values(), key=lambda f: sort_key(f.source.name))
+        out += [f"- {provenance(f, transformers=True, triton=False)}" for f in files]
+    return out
+
+
+def _retrieval_rows(task: str, cells: dict[tuple, tuple[Found, str]], lengths: list[int]) -> list[list[str]]:
+    labels = sorted(dict.fromkeys(label for label, _ in cells), key=lambda x: x != "exact")
+    key, digits = ("recall", 1) if task == "vartrack" else ("accuracy", 0)
+    rows = []
+    for label in labels:
+        row = [label]
+        for n in lengths:
+            f = cells[(label, n)][0] if (label, n) in cells else None
+            row.append("-" if f is None else f"{_pct(f.obj.get(key), digits)} of {f.obj['n']}")
+        rows.append(row)
+    return rows
+
+
+def _drift_rows(cells: dict[tuple, tuple[Found, str]]) -> list[list[str]]:
+    rows = []
+    for (label, _), (f, command) in cells.items():
+        kl = f.obj["kl_at"]
+        at = [f"{kl[p]:.1e}" if p in kl else "-" for p in DRIFT_AT]
+        rows.append([label, *at, f"{f.obj['kl_mean']:.1e}", _pct(f.obj["top1"]), _option(command, "--samples", "1")])
+    return rows
+
+
 def render(results: Path) -> str:
     sources, notes = load(results)
     found = walk(sources)
@@ -703,7 +799,7 @@ def render(results: Path) -> str:
     notes += serving_notes
     sections = [decode_section(found, notes), smooth_section(found, notes), eager_section(found, notes)]
     sections += [store_section(found, notes), serving, spec_section(found, notes), e2e_section(found, notes)]
-    sections.append(feed_section(found, notes))
+    sections += [feed_section(found, notes), longctx_section(found, notes)]
     used = {f.source.name for f in found if _recognised(f)}
     unread = [s.name for s in sources if s.name not in used]
     lines = [
@@ -734,6 +830,7 @@ def _recognised(f: Found) -> bool:
         or (isinstance(o.get("engines"), dict) and "drafts" in o)
         or (isinstance(o.get("meta"), dict) and rows_of(o, "rows", {"cache", "tokens_per_s"}))
         or (o.get("ok") is True and rows_of(o, "rows", FEED_KEYS))
+        or bool(_longctx_runs([f]))
     )
 
 

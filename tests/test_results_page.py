@@ -105,3 +105,33 @@ def test_the_script_writes_to_stdout(tmp_path, capsys):
     _write(tmp_path, "2026-01-02-h100-decode.json", _decode_run("aaaaaaa", 100.0))
     assert rp.main(["--results", str(tmp_path)]) == 0
     assert capsys.readouterr().out == rp.render(tmp_path)
+
+
+def _task_run(task, lengths, acc, extra="", device="--device cuda "):
+    command = f"kvarn report --task {task} --model smollm2-135m {device}--methods kvarn_k4v2_g128 {extra}--samples 50"
+    summary = []
+    for n in lengths:
+        summary.append({"label": "exact", "length": n, "n": 50, "accuracy": 0.9, "agreement": 1.0})
+        summary.append({"label": "kvarn_k4v2_g128 [tail]", "length": n, "n": 50, "accuracy": acc, "recall": acc / 2})
+    return {"command": command, "summary": summary}
+
+
+def test_long_context_records_merge_by_cell_newest_first(tmp_path):
+    env = {"gpu": "NVIDIA H100", "torch": "2.11.0", "commit": "aaaaaaa"}
+    _write(tmp_path, "2026-01-02-h100-niah.json", env | {"runs": [_task_run("niah", [1024, 2048], 0.5)]})
+    _write(tmp_path, "2026-01-03-h100-niah.json", env | {"runs": [_task_run("niah", [2048], 0.7)]})
+    _write(tmp_path, "2026-01-04-h100-niah-seed.json", env | {"r": _task_run("niah", [1024], 0.1, "--seed 3 ")})
+    _write(tmp_path, "2026-01-04-cpu-vartrack.json", {"r": _task_run("vartrack", [1024], 0.25, device="")})
+    drift = {"label": "kvarn_k4v2_g128 [tail]", "kl_at": {"64": 0.02, "1024": 0.01}, "kl_mean": 0.015, "top1": 0.95}
+    command = "kvarn report --task drift --model smollm2-135m --device cuda --samples 20"
+    _write(tmp_path, "2026-01-05-h100-drift.json", env | {"r": {"command": command, "summary": [drift]}})
+    page = rp.render(tmp_path)
+    assert "## Long-context accuracy and drift" in page and "no records this page reads" not in page
+    seed0 = page.split("### niah, smollm2-135m (--seed 0, --filler task default)")[1].split("###")[0]
+    assert "| kvarn_k4v2_g128 [tail] | 50% of 50 | 70% of 50 |" in seed0  # 2K from the newer file
+    assert "2026-01-02-h100-niah.json" in seed0 and "2026-01-03-h100-niah.json" in seed0
+    seed3 = page.split("### niah, smollm2-135m (--seed 3, --filler task default)")[1].split("###")[0]
+    assert "| kvarn_k4v2_g128 [tail] | 10% of 50 |" in seed3 and "2026-01-02" not in seed3
+    vartrack = page.split("### vartrack, smollm2-135m")[1].split("###")[0]
+    assert "| kvarn_k4v2_g128 [tail] | 12.5% of 50 |" in vartrack and ": CPU, torch" in vartrack  # recall
+    assert "| kvarn_k4v2_g128 [tail] | 2.0e-02 | - | - | 1.0e-02 | 1.5e-02 | 95% | 20 |" in page
