@@ -714,8 +714,9 @@ def _option(command: str, name: str, default: str) -> str:
 
 
 def _longctx_runs(found: list[Found]) -> dict[tuple, dict[tuple, tuple[Found, str]]]:
-    """``kvarn report --task`` summary rows by (task, model, settings), each (label, length) cell from the newest
-    record that holds it (files oldest first, records in file order), with that record's command."""
+    """``kvarn report --task`` summary rows by (task, model, settings, samples), each (label, length) cell from the
+    newest record that holds it (files oldest first, records in file order), with that record's command. Runs of
+    one seed and sample count answer the same samples, so a table's columns compare like with like."""
     groups: dict[tuple, dict[tuple, tuple[Found, str]]] = {}
     for f in found:
         command = f.obj.get("command")
@@ -728,9 +729,11 @@ def _longctx_runs(found: list[Found]) -> dict[tuple, dict[tuple, tuple[Found, st
         if rows is None:
             continue
         settings = tuple(f"{k} {_option(command, k, d)}" for k, d in SETTINGS[kind])
-        cells = groups.setdefault((task, _option(command, "--model", "smollm2-135m"), settings), {})
+        model = _option(command, "--model", "smollm2-135m")
         env = f.env if "--device cuda" in command else {**f.env, "gpu": "CPU"}
         for r in rows:
+            n = int(_option(command, "--samples", "1")) if kind == "drift" else r["n"]
+            cells = groups.setdefault((task, model, settings, n), {})
             cells[(r["label"], r.get("length"))] = (Found(f.source, f.order, f.path, r, env), command)
     return groups
 
@@ -746,25 +749,26 @@ def longctx_section(found: list[Found], notes: list[str]) -> list[str] | None:
     out = [
         "## Long-context accuracy and drift",
         "",
-        "`kvarn report --task passkey|niah|vartrack|drift` runs (`docs/guide/fidelity.md` reads them). A cell is the",
-        "newest record's figure for its method and length, over its number of samples; runs with other seeds,",
-        "fillers or drift settings are separate tables. Retrieval cells: exact-match accuracy (vartrack: recall, the",
-        "share of the chain's variables the answer names). Drift: KL of each method against the exact model at",
-        "generated positions, mean KL and top-1 over the generation, over its number of prefixes.",
+        "`kvarn report --task passkey|niah|vartrack|drift` runs (`docs/guide/fidelity.md` reads them), a table for",
+        "each task, model, sample count and setting (seed, filler, drift's lengths), so that a table's figures come",
+        "from the same samples; a cell is the newest record's figure for its method and length. Retrieval cells:",
+        "exact-match accuracy (vartrack: recall, the share of the chain's variables the answer names). Drift: KL of",
+        "each method against the exact model at generated positions, mean KL and top-1 over the generation.",
     ]
-    for (task, model, settings), cells in sorted(groups.items()):
+    for (task, model, settings, n), cells in sorted(groups.items()):
         try:
             if task == "drift":
                 body = _drift_rows(cells)
-                header = ["method", *(f"KL@{p}" for p in DRIFT_AT), "mean KL", "top-1", "prefixes"]
+                header = ["method", *(f"KL@{p}" for p in DRIFT_AT), "mean KL", "top-1"]
             else:
-                lengths = sorted({n for _, n in cells if isinstance(n, int)})
+                lengths = sorted({length for _, length in cells if isinstance(length, int)})
                 body = _retrieval_rows(task, cells, lengths)
-                header = ["method", *(ctx_label(n) for n in lengths)]
+                header = ["method", *(ctx_label(length) for length in lengths)]
         except UNREADABLE as e:
             notes.append(f"{task} on {model}: not read as a long-context run ({type(e).__name__}: {e})")
             continue
-        out += ["", f"### {task}, {model} ({', '.join(settings)})", "", *table(header, body), ""]
+        count = f"{n} prefixes" if task == "drift" else f"{n} samples a length"
+        out += ["", f"### {task}, {model}, {count} ({', '.join(settings)})", "", *table(header, body), ""]
         files = sorted({f.source.name: f for f, _ in cells.values()}.values(), key=lambda f: sort_key(f.source.name))
         out += [f"- {provenance(f, transformers=True, triton=False)}" for f in files]
     return out
@@ -778,17 +782,17 @@ def _retrieval_rows(task: str, cells: dict[tuple, tuple[Found, str]], lengths: l
         row = [label]
         for n in lengths:
             f = cells[(label, n)][0] if (label, n) in cells else None
-            row.append("-" if f is None else f"{_pct(f.obj.get(key), digits)} of {f.obj['n']}")
+            row.append("-" if f is None else _pct(f.obj.get(key), digits))
         rows.append(row)
     return rows
 
 
 def _drift_rows(cells: dict[tuple, tuple[Found, str]]) -> list[list[str]]:
     rows = []
-    for (label, _), (f, command) in cells.items():
+    for (label, _), (f, _command) in cells.items():
         kl = f.obj["kl_at"]
         at = [f"{kl[p]:.1e}" if p in kl else "-" for p in DRIFT_AT]
-        rows.append([label, *at, f"{f.obj['kl_mean']:.1e}", _pct(f.obj["top1"]), _option(command, "--samples", "1")])
+        rows.append([label, *at, f"{f.obj['kl_mean']:.1e}", _pct(f.obj["top1"])])
     return rows
 
 

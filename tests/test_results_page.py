@@ -121,17 +121,26 @@ def test_long_context_records_merge_by_cell_newest_first(tmp_path):
     _write(tmp_path, "2026-01-02-h100-niah.json", env | {"runs": [_task_run("niah", [1024, 2048], 0.5)]})
     _write(tmp_path, "2026-01-03-h100-niah.json", env | {"runs": [_task_run("niah", [2048], 0.7)]})
     _write(tmp_path, "2026-01-04-h100-niah-seed.json", env | {"r": _task_run("niah", [1024], 0.1, "--seed 3 ")})
+    more = _task_run("niah", [1024], 0.3)
+    for row in more["summary"]:
+        row["n"] = 200
+    _write(tmp_path, "2026-01-04-h100-niah-200.json", env | {"r": more})
     _write(tmp_path, "2026-01-04-cpu-vartrack.json", {"r": _task_run("vartrack", [1024], 0.25, device="")})
     drift = {"label": "kvarn_k4v2_g128 [tail]", "kl_at": {"64": 0.02, "1024": 0.01}, "kl_mean": 0.015, "top1": 0.95}
     command = "kvarn report --task drift --model smollm2-135m --device cuda --samples 20"
     _write(tmp_path, "2026-01-05-h100-drift.json", env | {"r": {"command": command, "summary": [drift]}})
     page = rp.render(tmp_path)
     assert "## Long-context accuracy and drift" in page and "no records this page reads" not in page
-    seed0 = page.split("### niah, smollm2-135m (--seed 0, --filler task default)")[1].split("###")[0]
-    assert "| kvarn_k4v2_g128 [tail] | 50% of 50 | 70% of 50 |" in seed0  # 2K from the newer file
+    seed0 = page.split("### niah, smollm2-135m, 50 samples a length (--seed 0, --filler task default)")[1]
+    seed0 = seed0.split("###")[0]
+    assert "| kvarn_k4v2_g128 [tail] | 50% | 70% |" in seed0  # 2K from the newer file
     assert "2026-01-02-h100-niah.json" in seed0 and "2026-01-03-h100-niah.json" in seed0
-    seed3 = page.split("### niah, smollm2-135m (--seed 3, --filler task default)")[1].split("###")[0]
-    assert "| kvarn_k4v2_g128 [tail] | 10% of 50 |" in seed3 and "2026-01-02" not in seed3
+    seed3 = page.split("### niah, smollm2-135m, 50 samples a length (--seed 3, --filler task default)")[1]
+    seed3 = seed3.split("###")[0]
+    assert "| kvarn_k4v2_g128 [tail] | 10% |" in seed3 and "2026-01-02" not in seed3
     vartrack = page.split("### vartrack, smollm2-135m")[1].split("###")[0]
-    assert "| kvarn_k4v2_g128 [tail] | 12.5% of 50 |" in vartrack and ": CPU, torch" in vartrack  # recall
-    assert "| kvarn_k4v2_g128 [tail] | 2.0e-02 | - | - | 1.0e-02 | 1.5e-02 | 95% | 20 |" in page
+    n200 = page.split("### niah, smollm2-135m, 200 samples a length (--seed 0")[1].split("###")[0]
+    assert "| kvarn_k4v2_g128 [tail] | 30% |" in n200 and "2026-01-04-h100-niah-200.json" in n200
+    assert "| kvarn_k4v2_g128 [tail] | 12.5% |" in vartrack and ": CPU, torch" in vartrack  # recall
+    assert "### drift, smollm2-135m, 20 prefixes" in page
+    assert "| kvarn_k4v2_g128 [tail] | 2.0e-02 | - | - | 1.0e-02 | 1.5e-02 | 95% |" in page
