@@ -776,12 +776,14 @@ def longctx_section(found: list[Found], notes: list[str]) -> list[str] | None:
 
 def _retrieval_rows(task: str, cells: dict[tuple, tuple[Found, str]], lengths: list[int]) -> list[list[str]]:
     labels = sorted(dict.fromkeys(label for label, _ in cells), key=lambda x: x != "exact")
-    key, digits = ("recall", 1) if task == "vartrack" else ("accuracy", 0)
+    key = "recall" if task == "vartrack" else "accuracy"
     rows = []
     for label in labels:
         row = [label]
         for n in lengths:
             f = cells[(label, n)][0] if (label, n) in cells else None
+            # a tenth of a point where one sample is less than a point, or the score is a mean recall
+            digits = 1 if task == "vartrack" or (f is not None and f.obj["n"] > 100) else 0
             row.append("-" if f is None else _pct(f.obj.get(key), digits))
         rows.append(row)
     return rows

@@ -140,7 +140,7 @@ def test_long_context_records_merge_by_cell_newest_first(tmp_path):
     assert "| kvarn_k4v2_g128 [tail] | 10% |" in seed3 and "2026-01-02" not in seed3
     vartrack = page.split("### vartrack, smollm2-135m")[1].split("###")[0]
     n200 = page.split("### niah, smollm2-135m, 200 samples a length (--seed 0")[1].split("###")[0]
-    assert "| kvarn_k4v2_g128 [tail] | 30% |" in n200 and "2026-01-04-h100-niah-200.json" in n200
+    assert "| kvarn_k4v2_g128 [tail] | 30.0% |" in n200 and "2026-01-04-h100-niah-200.json" in n200
     assert "| kvarn_k4v2_g128 [tail] | 12.5% |" in vartrack and ": CPU, torch" in vartrack  # recall
     assert "### drift, smollm2-135m, 20 prefixes" in page
     assert "| kvarn_k4v2_g128 [tail] | 2.0e-02 | - | - | 1.0e-02 | 1.5e-02 | 95% |" in page
