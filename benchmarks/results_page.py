@@ -713,11 +713,11 @@ def _option(command: str, name: str, default: str) -> str:
     return m.group(1) if m else default
 
 
-def _longctx_runs(found: list[Found]) -> dict[tuple, dict[tuple, tuple[Found, str]]]:
+def _longctx_runs(found: list[Found]) -> dict[tuple, dict[tuple, Found]]:
     """``kvarn report --task`` summary rows by (task, model, settings, samples), each (label, length) cell from the
-    newest record that holds it (files oldest first, records in file order), with that record's command. Runs of
-    one seed and sample count answer the same samples, so a table's columns compare like with like."""
-    groups: dict[tuple, dict[tuple, tuple[Found, str]]] = {}
+    newest record that holds it (files oldest first, records in file order). Runs of one seed and sample count
+    answer the same samples, so a table's columns compare like with like."""
+    groups: dict[tuple, dict[tuple, Found]] = {}
     for f in found:
         command = f.obj.get("command")
         m = TASK.match(command) if isinstance(command, str) else None
@@ -734,7 +734,7 @@ def _longctx_runs(found: list[Found]) -> dict[tuple, dict[tuple, tuple[Found, st
         for r in rows:
             n = int(_option(command, "--samples", "1")) if kind == "drift" else r["n"]
             cells = groups.setdefault((task, model, settings, n), {})
-            cells[(r["label"], r.get("length"))] = (Found(f.source, f.order, f.path, r, env), command)
+            cells[(r["label"], r.get("length"))] = Found(f.source, f.order, f.path, r, env)
     return groups
 
 
@@ -769,19 +769,19 @@ def longctx_section(found: list[Found], notes: list[str]) -> list[str] | None:
             continue
         count = f"{n} prefixes" if task == "drift" else f"{n} samples a length"
         out += ["", f"### {task}, {model}, {count} ({', '.join(settings)})", "", *table(header, body), ""]
-        files = sorted({f.source.name: f for f, _ in cells.values()}.values(), key=lambda f: sort_key(f.source.name))
+        files = sorted({f.source.name: f for f in cells.values()}.values(), key=lambda f: sort_key(f.source.name))
         out += [f"- {provenance(f, transformers=True, triton=False)}" for f in files]
     return out
 
 
-def _retrieval_rows(task: str, cells: dict[tuple, tuple[Found, str]], lengths: list[int]) -> list[list[str]]:
+def _retrieval_rows(task: str, cells: dict[tuple, Found], lengths: list[int]) -> list[list[str]]:
     labels = sorted(dict.fromkeys(label for label, _ in cells), key=lambda x: x != "exact")
     key = "recall" if task == "vartrack" else "accuracy"
     rows = []
     for label in labels:
         row = [label]
         for n in lengths:
-            f = cells[(label, n)][0] if (label, n) in cells else None
+            f = cells.get((label, n))
             # a tenth of a point where one sample is less than a point, or the score is a mean recall
             digits = 1 if task == "vartrack" or (f is not None and f.obj["n"] > 100) else 0
             row.append("-" if f is None else _pct(f.obj.get(key), digits))
@@ -789,9 +789,9 @@ def _retrieval_rows(task: str, cells: dict[tuple, tuple[Found, str]], lengths: l
     return rows
 
 
-def _drift_rows(cells: dict[tuple, tuple[Found, str]]) -> list[list[str]]:
+def _drift_rows(cells: dict[tuple, Found]) -> list[list[str]]:
     rows = []
-    for (label, _), (f, _command) in cells.items():
+    for (label, _), f in cells.items():
         kl = f.obj["kl_at"]
         at = [f"{kl[p]:.1e}" if p in kl else "-" for p in DRIFT_AT]
         rows.append([label, *at, f"{f.obj['kl_mean']:.1e}", _pct(f.obj["top1"])])

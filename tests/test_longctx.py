@@ -293,7 +293,7 @@ def test_paired_p_value_is_the_exact_two_sided_mcnemar_test(lost, gained, p):
 
 
 def test_summary_pairs_each_run_with_the_exact_model():
-    from kvarn.eval.longctx import plan_runs, summarize
+    from kvarn.eval.longctx import paired_p_value, plan_runs, summarize
     from kvarn.eval.longctx_report import retrieval_table
 
     (run,) = plan_runs(["kivi_k4v2_g128"], ["tail"])
@@ -316,9 +316,9 @@ def test_summary_pairs_each_run_with_the_exact_model():
     table = retrieval_table({"lengths": [512], "summary": [exact, got], "runs": [info]})
     assert "| 60% |" in table and "| 40% (20%; -2 +1, p=1.00) |" in table
     assert "recall" not in table
-    lopsided = {**got, "lost": 12, "gained": 2}
+    lopsided = {**got, "lost": 12, "gained": 2, "p_value": paired_p_value(12, 2)}
     assert "-12 +2, p=0.01)" in retrieval_table({"lengths": [512], "summary": [exact, lopsided], "runs": [info]})
-    lopsided = {**got, "lost": 8, "gained": 0}
+    lopsided = {**got, "lost": 8, "gained": 0, "p_value": paired_p_value(8, 0)}
     assert "-8 +0, p<0.01)" in retrieval_table({"lengths": [512], "summary": [exact, lopsided], "runs": [info]})
     with_recall = [{**exact, "recall": 0.8}, {**got, "recall": 0.55}]
     table = retrieval_table({"lengths": [512], "summary": with_recall, "runs": [info]})

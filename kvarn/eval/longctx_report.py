@@ -36,7 +36,6 @@ from kvarn.eval.longctx import (
     RecordLog,
     check_chunk,
     default_methods,
-    paired_p_value,
     plan_runs,
     retrieval,
 )
@@ -81,7 +80,7 @@ def retrieval_table(result: dict) -> str:
             if info["label"] != "exact":
                 cell += f" ({100 * e['agreement']:.0f}%; -{e['lost']} +{e['gained']}"
                 if e["lost"] + e["gained"]:
-                    p = paired_p_value(e["lost"], e["gained"])
+                    p = e["p_value"]
                     cell += f", p={p:.2f}" if p >= 0.01 else ", p<0.01"
                 cell += ")"
             cells.append(cell)
