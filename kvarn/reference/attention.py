@@ -41,6 +41,7 @@ so a head may attend to "nothing". ``z_h = -inf`` is no sink logit; ``+inf`` is 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -50,7 +51,11 @@ from kvarn.reference.hadamard import rotate
 from kvarn.reference.quantize import from_pool, prepare
 
 BLOCK = 64
-"""Queries and keys are taken in blocks of this many positions (see :func:`attend`)."""
+"""Keys are taken in blocks of this many positions (see :func:`attend`)."""
+QUERY_BLOCK = 16
+"""Queries are taken in blocks of this many positions (see :func:`attend`): a decode step computes
+one block per sequence, so fewer rows cost less there, and more rows share each gathered key block
+in a prompt."""
 
 
 def check_window(window) -> None:
@@ -85,57 +90,69 @@ def attend(
 
     Length-invariant: a query's output depends only on its own position and the keys it sees,
     bit for bit, not on how many queries or keys surround it. Queries go in blocks of
-    :data:`BLOCK` aligned to absolute positions (padded to full blocks, so every matrix product
-    has the same shape), keys in blocks of :data:`BLOCK` aligned to absolute positions, in order
-    with an online softmax, from the block of the first key the query block's window reaches (a
-    function of the block's position and ``window`` only); a key block wholly outside a query's
-    window or in its future adds exact zeros. A prompt's attention, and so the K/V of the layers
-    after it, then come out the same whether the prompt is computed alone or as the prefix of a
-    longer one: prefix caching changes no stored byte.
+    :data:`QUERY_BLOCK` aligned to absolute positions (padded to full blocks, so every matrix
+    product has the same shape, whichever blocks it is batched with), keys in blocks of
+    :data:`BLOCK` aligned to absolute positions, in order with an online softmax, from the block
+    of the first key the query block's window reaches (a function of the block's position and
+    ``window`` only); a key block wholly outside a query's window or in its future adds exact
+    zeros. A prompt's attention, and so the K/V of the layers after it, then come out the same
+    whether the prompt is computed alone or as the prefix of a longer one: prefix caching changes
+    no stored byte.
     """
     check_window(window)
     check_sink_logits(sink_logits, q.shape[1])
     return attend_own_tile(q, (k, v), (k, v), 0, BLOCK, scale, window=window, sink_logits=sink_logits)
 
 
-def _attend_block(
+def _attend_blocks(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    start: int,
-    end: int,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    blocks: torch.Tensor,
     scale: float,
-    key0: int = 0,
     window: int | None = None,
     sink_logits: torch.Tensor | None = None,
-):
-    """Queries at positions ``start .. start + BLOCK`` (``q: [BLOCK, Hkv, group, D]``) over keys ``key0 .. end``
-    (``k, v`` hold those positions; ``key0`` a multiple of :data:`BLOCK`), each query within its ``window``;
-    ``sink_logits: [Hkv, group]`` join the denominator last."""
-    pos_q = torch.arange(start, start + BLOCK, device=q.device)[:, None]
-    m = torch.full((BLOCK, *q.shape[1:3], 1), float("-inf"), device=q.device)
+) -> torch.Tensor:
+    """``W`` blocks of queries, each over its own keys: ``q: [W, QUERY_BLOCK, Hkv, group, D]`` -> that shape.
+
+    Block ``w`` holds the queries at positions ``start .. start + QUERY_BLOCK`` and reads its keys
+    from the rows of ``keys, values: [R, Hkv, D]`` (row 0 zeros): the key at position ``p`` is row
+    ``tiles_row + p`` for ``p < own`` and ``exact_row + p`` from ``own`` on, for ``lo <= p < end``
+    (zeros elsewhere). ``blocks: [W, 7]`` int64 holds ``start, own, end, key0, lo, tiles_row,
+    exact_row``; ``key0`` is a multiple of :data:`BLOCK`. Keys go in blocks of :data:`BLOCK` from
+    ``key0``, in order, with an online softmax; ``sink_logits: [Hkv, group]`` join the denominator
+    last. The blocks come in ascending order of their key-block counts, so that each step takes
+    those still reading keys as one slice. A block's result depends on its own queries and keys
+    only, bit for bit.
+    """
+    start, own, end, key0, lo, tiles_row, exact_row = blocks.T[:, :, None]  # each [W, 1]
+    pos_q = start + torch.arange(q.shape[1], device=q.device)  # [W, QUERY_BLOCK]
+    steps = ((end - key0 + BLOCK - 1) // BLOCK)[:, 0]  # key blocks each query block reads
+    if bool((steps[1:] < steps[:-1]).any()):
+        raise ValueError("query blocks must come in ascending order of their key blocks")
+    m = torch.full((*q.shape[:4], 1), float("-inf"), device=q.device)
     denom = torch.zeros_like(m)
     acc = torch.zeros_like(q)
-    for lo in range(key0, end, BLOCK):
-        kb = q.new_zeros(BLOCK, *k.shape[1:])
-        vb = q.new_zeros(BLOCK, *v.shape[1:])
-        hi = min(lo + BLOCK, end)
-        kb[: hi - lo], vb[: hi - lo] = k[lo - key0 : hi - key0].float(), v[lo - key0 : hi - key0].float()
-        s = torch.einsum("qhgd,khd->qhgk", q, kb) * scale  # [BLOCK, Hkv, group, BLOCK]
-        pos_k = torch.arange(lo, lo + BLOCK, device=q.device)[None, :]
-        hidden = pos_k > pos_q  # also hides the block's padding
+    for j in range(int(steps[-1]) if len(steps) else 0):
+        a = int(torch.searchsorted(steps, j, right=True))  # blocks a.. still read keys
+        pos_k = key0[a:] + j * BLOCK + torch.arange(BLOCK, device=q.device)  # [W - a, BLOCK]
+        row = torch.where(pos_k < own[a:], tiles_row[a:], exact_row[a:]) + pos_k
+        row = torch.where((pos_k >= lo[a:]) & (pos_k < end[a:]), row, 0)
+        kb, vb = keys[row], values[row]  # [W - a, BLOCK, Hkv, D]
+        s = torch.einsum("wqhgd,wkhd->wqhgk", q[a:], kb) * scale  # [W - a, QUERY_BLOCK, Hkv, group, BLOCK]
+        hidden = pos_k[:, None, :] > pos_q[a:, :, None]  # also hides the block's padding
         if window is not None:
-            hidden |= pos_k <= pos_q - window
-        s = s.masked_fill(hidden[:, None, None, :], float("-inf"))
-        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+            hidden |= pos_k[:, None, :] <= pos_q[a:, :, None] - window
+        s = s.masked_fill(hidden[:, :, None, None, :], float("-inf"))
+        m_new = torch.maximum(m[a:], s.amax(-1, keepdim=True))
         seen = torch.isfinite(m_new)  # rows that have met a key
-        alpha = torch.where(seen, torch.exp(m - m_new), 1.0)
+        alpha = torch.where(seen, torch.exp(m[a:] - m_new), 1.0)
         p = torch.where(seen, torch.exp(s - m_new), 0.0)
-        denom = denom * alpha + p.sum(-1, keepdim=True)
-        acc = acc * alpha + torch.einsum("qhgk,khd->qhgd", p, vb)
-        m = m_new
+        denom[a:] = denom[a:] * alpha + p.sum(-1, keepdim=True)
+        acc[a:] = acc[a:] * alpha + torch.einsum("wqhgk,wkhd->wqhgd", p, vb)
+        m[a:] = m_new
     if sink_logits is not None:  # a key of value 0 and score z: the denominator only
-        z = sink_logits[None, :, :, None]
+        z = sink_logits[None, None, :, :, None]
         m_new = torch.maximum(m, z)
         seen = torch.isfinite(m_new)
         alpha = torch.where(seen, torch.exp(m - m_new), 1.0)
@@ -144,17 +161,72 @@ def _attend_block(
     return acc / denom.clamp(min=torch.finfo(torch.float32).tiny)
 
 
-def _positions(
-    x_tiles: torch.Tensor, x_exact: torch.Tensor, lo: int, own: int, end: int, tiles_from: int, exact_from: int
-) -> torch.Tensor:
-    """Keys (or values) at positions ``lo .. end``: those before ``own`` from ``x_tiles`` (positions
-    ``tiles_from ..``; zeros before it, which no real query sees), the rest from ``x_exact`` (``exact_from ..``)."""
-    parts = []
-    if lo < own:
-        a = max(lo, tiles_from)
-        parts += [x_tiles.new_zeros(a - lo, *x_tiles.shape[1:]), x_tiles[a - tiles_from : own - tiles_from]]
-    parts.append(x_exact[max(own, lo) - exact_from : end - exact_from])
-    return torch.cat(parts)
+MAX_BLOCKS = 64
+"""Query blocks attended at once (bounds the scores' memory; the result does not depend on it)."""
+
+
+class _Sequence(NamedTuple):
+    """Where a sequence's keys lie in the rows given to :func:`_attend_sequences`.
+
+    Positions ``tiles_from .. exact_from`` as attention reads them from the records are rows
+    ``tiles_row + p``; positions ``exact_from .. length`` in full precision are rows ``exact_row + p``.
+    """
+
+    length: int
+    tiles_from: int
+    tiles_row: int
+    exact_from: int
+    exact_row: int
+
+
+def _attend_sequences(
+    qs: list[torch.Tensor],
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    seqs: list[_Sequence],
+    group_size: int,
+    scale: float,
+    window: int | None,
+    sink_logits: torch.Tensor | None,
+) -> list[torch.Tensor]:
+    """:func:`attend_own_tile` of several sequences in one pass over their query blocks.
+
+    ``qs[i]: [n_i, Hq, D]`` are the last ``n_i`` positions of ``seqs[i]``; ``keys, values: [R, Hkv, D]``
+    fp32 hold every sequence's keys as rows, row 0 zeros.
+    """
+    hq, d = qs[0].shape[1:]
+    hkv = keys.shape[1]
+    z = None if sink_logits is None else sink_logits.float().to(keys.device).reshape(hkv, hq // hkv)
+    blocks, q_blocks, spans = [], [], []
+    for q, seq in zip(qs, seqs, strict=True):
+        n = q.shape[0]
+        first = seq.length - n
+        seen_from = 0 if window is None else max(0, first - window + 1)  # the first key any query sees
+        if seq.tiles_from > seen_from:
+            raise ValueError(f"the tiles start at position {seq.tiles_from}, after the first key seen ({seen_from})")
+        lo = first // QUERY_BLOCK * QUERY_BLOCK
+        nb = math.ceil((seq.length - lo) / QUERY_BLOCK)
+        start = lo + QUERY_BLOCK * torch.arange(nb)
+        key0 = torch.zeros_like(start) if window is None else (start - window + 1).clamp(min=0) // BLOCK * BLOCK
+        own = start // group_size * group_size  # each block's tile
+        end = (start + QUERY_BLOCK).clamp(max=seq.length)
+        fixed = torch.tensor([seq.tiles_from, seq.tiles_row, seq.exact_row]).expand(nb, 3)
+        blocks.append(torch.cat([torch.stack([start, own, end, key0], 1), fixed], 1))
+        qp = q.new_zeros(nb * QUERY_BLOCK, hq, d, dtype=torch.float32)
+        qp[first - lo : first - lo + n] = q.float()
+        q_blocks.append(qp.view(nb, QUERY_BLOCK, hkv, hq // hkv, d))
+        spans.append((nb, first - lo, n))
+    blocks = torch.cat(blocks).to(keys.device)
+    q_all = torch.cat(q_blocks)
+    out = torch.empty_like(q_all)
+    order = torch.argsort(blocks[:, 2] - blocks[:, 3], stable=True)  # ascending key counts
+    for part in order.split(MAX_BLOCKS):
+        out[part] = _attend_blocks(q_all[part], keys, values, blocks[part], scale, window, z)
+    results, at = [], 0
+    for nb, skip, n in spans:
+        results.append(out[at : at + nb].view(nb * QUERY_BLOCK, hq, d)[skip : skip + n])
+        at += nb
+    return results
 
 
 def attend_own_tile(
@@ -176,33 +248,15 @@ def attend_own_tile(
     attention reads them from the records; ``exact = (k, v)``: positions ``exact_from ..`` in full
     precision (``exact_from`` a multiple of ``G``). A query in tile ``t`` sees tiles ``< t`` from
     ``tiles`` and the rest of its keys from ``exact``, within its ``window``; ``sink_logits: [Hq]``
-    as in :func:`attend`. Length-invariant as :func:`attend` (its blocks of :data:`BLOCK` queries
-    never straddle a tile, since ``G`` is a multiple of it); :func:`attend` is the case of one set
-    of keys.
+    as in :func:`attend`. Length-invariant as :func:`attend` (its blocks of :data:`QUERY_BLOCK`
+    queries never straddle a tile, since ``G`` is a multiple of it); :func:`attend` is the case of
+    one set of keys.
     """
-    n, hq, d = q.shape
-    hkv = tiles[0].shape[1]
-    g = group_size
-    length = exact_from + exact[0].shape[0]
-    first = length - n
-    seen_from = 0 if window is None else max(0, first - window + 1)  # the first key any query sees
-    if tiles_from > seen_from:
-        raise ValueError(f"the tiles start at position {tiles_from}, after the first key seen ({seen_from})")
-    z = None if sink_logits is None else sink_logits.float().to(q.device).reshape(hkv, hq // hkv)
-    lo = first // BLOCK * BLOCK
-    rows = math.ceil((length - lo) / BLOCK) * BLOCK
-    qp = q.new_zeros(rows, hq, d, dtype=torch.float32)
-    qp[first - lo : first - lo + n] = q.float()
-    qp = qp.view(rows // BLOCK, BLOCK, hkv, hq // hkv, d)
-    out = torch.empty(rows // BLOCK, BLOCK, hkv, hq // hkv, d, device=q.device)
-    for i in range(rows // BLOCK):
-        start = lo + i * BLOCK
-        own = start // g * g  # the block's tile
-        end = min(start + BLOCK, length)
-        key0 = 0 if window is None else max(0, start - window + 1) // BLOCK * BLOCK
-        k, v = (_positions(t, x, key0, own, end, tiles_from, exact_from) for t, x in zip(tiles, exact, strict=True))
-        out[i] = _attend_block(qp[i], k, v, start, end, scale, key0, window, z)
-    return out.view(rows, hq, d)[first - lo : first - lo + n]
+    n_tiles = tiles[0].shape[0]
+    keys, values = (torch.cat([t.new_zeros(1, *t.shape[1:]), t, x]).float() for t, x in zip(tiles, exact, strict=True))
+    seq = _Sequence(exact_from + exact[0].shape[0], tiles_from, 1 - tiles_from, exact_from, 1 + n_tiles - exact_from)
+    (out,) = _attend_sequences([q], keys, values, [seq], group_size, scale, window, sink_logits)
+    return out
 
 
 def paged_attention(
@@ -272,7 +326,11 @@ def paged_attention(
         query_start_loc = torch.arange(batch + 1, device=query.device)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     q = rotate(query) if cfg.rotate else query.float()
-    out = torch.empty(nq, hq, d, dtype=torch.float32, device=query.device)
+    if key is not None:  # the step's tokens as a tail slot would hold them
+        key, value = (from_pool(prepare(x, pool.dtype, cfg.rotate)) for pool, x in ((tail_k, key), (tail_v, value)))
+    out = torch.zeros(nq, hq, d, dtype=torch.float32, device=query.device)
+    spans, where, ids, sinks, exact_k, exact_v = [], [], [], [], [], []
+    n_tiles = 0
     for b in range(batch):
         q0, q1 = int(query_start_loc[b]), int(query_start_loc[b + 1])
         if q1 == q0:
@@ -281,22 +339,39 @@ def paged_attention(
         start = length - (q1 - q0)
         own, last = start // g, (length - 1) // g  # tiles of the first and last query
         seen = 0 if window is None else max(0, start - window + 1) // g  # the first tile in a window
-        sink = -1 if sink_slots is None else int(sink_slots[b])
-        tiles = gather_tiles(cache, block_table[b], last, tail_k, tail_v, cfg, sink, first_tile=seen)
         slot = int(tail_slots[b])
         if key is None:
             if last != own:
                 raise ValueError(f"sequence {b}'s queries span tiles {own}..{last}: pass the step's key and value")
-            exact = tuple(from_pool(pool[slot, : length - own * g]) for pool in (tail_k, tail_v))
+            xk, xv = (from_pool(pool[slot, : length - own * g]) for pool in (tail_k, tail_v))
         else:
             held = start - own * g  # the own tile's tokens before the step, in the slot
-            exact = tuple(
-                torch.cat([from_pool(pool[slot, :held]), from_pool(prepare(x[q0:q1], pool.dtype, cfg.rotate))])
-                for pool, x in ((tail_k, key), (tail_v, value))
+            xk, xv = (
+                torch.cat([from_pool(pool[slot, :held]), x[q0:q1]]) for pool, x in ((tail_k, key), (tail_v, value))
             )
-        out[q0:q1] = attend_own_tile(
-            q[q0:q1], tiles, exact, own * g, g, scale, window=window, sink_logits=sink_logits, tiles_from=seen * g
-        )
+        ids.append(block_table[b, seen:last])
+        sink = -1 if sink_slots is None else int(sink_slots[b])
+        if sink >= 0 and seen == 0 and last > 0:
+            sinks.append((n_tiles, sink))
+        where.append((length, seen * g, 1 + (n_tiles - seen) * g, own * g))
+        n_tiles += last - seen
+        exact_k.append(xk)
+        exact_v.append(xv)
+        spans.append((q0, q1))
+    if spans:
+        # every sequence's tiles in one pass, as gather_tiles reads them; then the exact tokens
+        tk, tv = gather_tiles(cache, torch.cat(ids), n_tiles, tail_k, tail_v, cfg)
+        for at, sink in sinks:
+            tk[at * g : (at + 1) * g], tv[at * g : (at + 1) * g] = (from_pool(pool[sink]) for pool in (tail_k, tail_v))
+        zero = tk.new_zeros(1, hkv, d)
+        keys, values = torch.cat([zero, tk, *exact_k]).float(), torch.cat([zero, tv, *exact_v]).float()
+        seqs, row = [], 1 + n_tiles * g  # rows: zeros, the tiles, then each sequence's exact tokens
+        for (length, tiles_from, tiles_row, exact_from), x in zip(where, exact_k, strict=True):
+            seqs.append(_Sequence(length, tiles_from, tiles_row, exact_from, row - exact_from))
+            row += x.shape[0]
+        outs = _attend_sequences([q[q0:q1] for q0, q1 in spans], keys, values, seqs, g, scale, window, sink_logits)
+        for (q0, q1), o in zip(spans, outs, strict=True):
+            out[q0:q1] = o
     if cfg.rotate:
         out = rotate(out)
     return out.to(query.dtype)
