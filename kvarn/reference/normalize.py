@@ -38,8 +38,11 @@ IMBALANCE_EPS = 1e-8
 
 def imbalance(x: torch.Tensor) -> torch.Tensor:
     """Imbalance of tiles ``x: [..., R, C]`` -> ``[...]``: max/min column std plus max/min row std."""
-    col = x.std(dim=-2)
-    row = x.std(dim=-1)
+    return _imbalance(x.std(dim=-2), x.std(dim=-1))
+
+
+def _imbalance(col: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """:func:`imbalance` from the column and row stds."""
     col_term = col.amax(-1) / col.amin(-1).clamp_min(IMBALANCE_EPS)
     row_term = row.amax(-1) / row.amin(-1).clamp_min(IMBALANCE_EPS)
     return col_term + row_term
@@ -64,14 +67,15 @@ def sinkhorn(m: torch.Tensor, iters: int = 8) -> tuple[torch.Tensor, torch.Tenso
     lr = m.new_zeros(m.shape[:-1])
     lc = m.new_zeros(m.shape[:-2] + m.shape[-1:])
     best_lr, best_lc = lr, lc
-    best_imb = imbalance(m)
-    x = m
+    col = m.std(dim=-2)  # of the current iterate, shared by its imbalance and the next column step
+    best_imb = _imbalance(col, m.std(dim=-1))
     for _ in range(iters):
-        lc = _log_std_step(lc, x.std(dim=-2))
+        lc = _log_std_step(lc, col)
         x = _divide(m, lr, lc)
         lr = _log_std_step(lr, x.std(dim=-1))
         x = _divide(m, lr, lc)
-        imb = imbalance(x)
+        col = x.std(dim=-2)
+        imb = _imbalance(col, x.std(dim=-1))
         take = imb <= best_imb
         best_imb = torch.where(take, imb, best_imb)
         best_lr = torch.where(take[..., None], lr, best_lr)
