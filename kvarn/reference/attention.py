@@ -168,8 +168,9 @@ MAX_BLOCKS = 64
 class _Sequence(NamedTuple):
     """Where a sequence's keys lie in the rows given to :func:`_attend_sequences`.
 
-    Positions ``tiles_from .. exact_from`` as attention reads them from the records are rows
-    ``tiles_row + p``; positions ``exact_from .. length`` in full precision are rows ``exact_row + p``.
+    Position ``p`` as attention reads it from the records (``p >= tiles_from``, up to the last
+    query's tile) is row ``tiles_row + p``; in full precision (``exact_from <= p < length``), row
+    ``exact_row + p``. A query block reads the first form before its own tile, the second from it on.
     """
 
     length: int
