@@ -40,6 +40,7 @@ so a head may attend to "nothing". ``z_h = -inf`` is no sink logit; ``+inf`` is 
 
 from __future__ import annotations
 
+import bisect
 import math
 from typing import NamedTuple
 
@@ -123,42 +124,52 @@ def _attend_blocks(
     ``key0``, in order, with an online softmax; ``sink_logits: [Hkv, group]`` join the denominator
     last. The blocks come in ascending order of their key-block counts, so that each step takes
     those still reading keys as one slice. A block's result depends on its own queries and keys
-    only, bit for bit.
+    only, bit for bit: every product is one ``[QUERY_BLOCK * group, D]`` matrix of one block and
+    head against one key block, whatever the batch.
     """
+    w, qb, hkv, group, d = q.shape
     start, own, end, key0, lo, tiles_row, exact_row = blocks.T[:, :, None]  # each [W, 1]
-    pos_q = start + torch.arange(q.shape[1], device=q.device)  # [W, QUERY_BLOCK]
-    steps = ((end - key0 + BLOCK - 1) // BLOCK)[:, 0]  # key blocks each query block reads
-    if bool((steps[1:] < steps[:-1]).any()):
+    pos_q = start + torch.arange(qb, device=q.device)  # [W, QUERY_BLOCK]
+    steps = ((end - key0 + BLOCK - 1) // BLOCK)[:, 0].tolist()  # key blocks each query block reads
+    if steps != sorted(steps):
         raise ValueError("query blocks must come in ascending order of their key blocks")
-    m = torch.full((*q.shape[:4], 1), float("-inf"), device=q.device)
+    # one matrix per (block, KV head), blocks outermost so that the blocks still reading keys are a
+    # leading slice; rows of a key block are gathered as (block, head, key) rows of D values
+    qm = q.permute(0, 2, 1, 3, 4).reshape(w * hkv, qb * group, d)
+    flat_k, flat_v = keys.reshape(-1, d), values.reshape(-1, d)
+    heads = torch.arange(hkv, device=q.device)[None, :, None]
+    m = torch.full((w * hkv, qb * group, 1), float("-inf"), device=q.device)
     denom = torch.zeros_like(m)
-    acc = torch.zeros_like(q)
-    for j in range(int(steps[-1]) if len(steps) else 0):
-        a = int(torch.searchsorted(steps, j, right=True))  # blocks a.. still read keys
+    acc = torch.zeros_like(qm)
+    for j in range(steps[-1] if steps else 0):
+        a = bisect.bisect_right(steps, j)  # blocks a.. still read keys
         pos_k = key0[a:] + j * BLOCK + torch.arange(BLOCK, device=q.device)  # [W - a, BLOCK]
         row = torch.where(pos_k < own[a:], tiles_row[a:], exact_row[a:]) + pos_k
         row = torch.where((pos_k >= lo[a:]) & (pos_k < end[a:]), row, 0)
-        kb, vb = keys[row], values[row]  # [W - a, BLOCK, Hkv, D]
-        s = torch.einsum("wqhgd,wkhd->wqhgk", q[a:], kb) * scale  # [W - a, QUERY_BLOCK, Hkv, group, BLOCK]
+        at = (row[:, None, :] * hkv + heads).flatten()  # [(W - a) * Hkv * BLOCK]
+        kb, vb = (x.index_select(0, at).view(-1, BLOCK, d) for x in (flat_k, flat_v))
+        s = torch.bmm(qm[a * hkv :], kb.transpose(1, 2)) * scale  # [(W - a) * Hkv, QUERY_BLOCK * group, BLOCK]
         hidden = pos_k[:, None, :] > pos_q[a:, :, None]  # also hides the block's padding
         if window is not None:
             hidden |= pos_k[:, None, :] <= pos_q[a:, :, None] - window
-        s = s.masked_fill(hidden[:, :, None, None, :], float("-inf"))
-        m_new = torch.maximum(m[a:], s.amax(-1, keepdim=True))
+        s = s.view(w - a, hkv, qb, group, BLOCK).masked_fill(hidden[:, None, :, None, :], float("-inf"))
+        s = s.view(-1, qb * group, BLOCK)
+        m_new = torch.maximum(m[a * hkv :], s.amax(-1, keepdim=True))
         seen = torch.isfinite(m_new)  # rows that have met a key
-        alpha = torch.where(seen, torch.exp(m[a:] - m_new), 1.0)
+        alpha = torch.where(seen, torch.exp(m[a * hkv :] - m_new), 1.0)
         p = torch.where(seen, torch.exp(s - m_new), 0.0)
-        denom[a:] = denom[a:] * alpha + p.sum(-1, keepdim=True)
-        acc[a:] = acc[a:] * alpha + torch.einsum("wqhgk,wkhd->wqhgd", p, vb)
-        m[a:] = m_new
+        denom[a * hkv :] = denom[a * hkv :] * alpha + p.sum(-1, keepdim=True)
+        acc[a * hkv :] = acc[a * hkv :] * alpha + torch.bmm(p, vb)
+        m[a * hkv :] = m_new
     if sink_logits is not None:  # a key of value 0 and score z: the denominator only
-        z = sink_logits[None, None, :, :, None]
+        z = sink_logits[None, :, None, :, None].expand(w, hkv, qb, group, 1).reshape(m.shape)
         m_new = torch.maximum(m, z)
         seen = torch.isfinite(m_new)
         alpha = torch.where(seen, torch.exp(m - m_new), 1.0)
         denom = denom * alpha + torch.where(seen, torch.exp(z - m_new), 0.0)
         acc = acc * alpha
-    return acc / denom.clamp(min=torch.finfo(torch.float32).tiny)
+    out = acc / denom.clamp(min=torch.finfo(torch.float32).tiny)
+    return out.view(w, hkv, qb, group, d).permute(0, 2, 1, 3, 4)
 
 
 MAX_BLOCKS = 64
