@@ -47,7 +47,7 @@ from typing import NamedTuple
 import torch
 
 from kvarn.config import KVarNConfig
-from kvarn.reference.cache import gather_tiles, tail_tiles
+from kvarn.reference.cache import gather_sequences_tiles, tail_tiles
 from kvarn.reference.hadamard import rotate
 from kvarn.reference.quantize import from_pool, prepare
 
@@ -341,7 +341,7 @@ def paged_attention(
     if key is not None:  # the step's tokens as a tail slot would hold them
         key, value = (from_pool(prepare(x, pool.dtype, cfg.rotate)) for pool, x in ((tail_k, key), (tail_v, value)))
     out = torch.zeros(nq, hq, d, dtype=torch.float32, device=query.device)
-    spans, where, ids, sinks, exact_k, exact_v = [], [], [], [], [], []
+    spans, where, tiles, exact_k, exact_v = [], [], [], [], []
     n_tiles = 0
     for b in range(batch):
         q0, q1 = int(query_start_loc[b]), int(query_start_loc[b + 1])
@@ -361,20 +361,14 @@ def paged_attention(
             xk, xv = (
                 torch.cat([from_pool(pool[slot, :held]), x[q0:q1]]) for pool, x in ((tail_k, key), (tail_v, value))
             )
-        ids.append(block_table[b, seen:last])
-        sink = -1 if sink_slots is None else int(sink_slots[b])
-        if sink >= 0 and seen == 0 and last > 0:
-            sinks.append((n_tiles, sink))
+        tiles.append((block_table[b], last, -1 if sink_slots is None else int(sink_slots[b]), seen))
         where.append((length, seen * g, 1 + (n_tiles - seen) * g, own * g))
         n_tiles += last - seen
         exact_k.append(xk)
         exact_v.append(xv)
         spans.append((q0, q1))
     if spans:
-        # every sequence's tiles in one pass, as gather_tiles reads them; then the exact tokens
-        tk, tv = gather_tiles(cache, torch.cat(ids), n_tiles, tail_k, tail_v, cfg)
-        for at, sink in sinks:
-            tk[at * g : (at + 1) * g], tv[at * g : (at + 1) * g] = (from_pool(pool[sink]) for pool in (tail_k, tail_v))
+        tk, tv = gather_sequences_tiles(cache, tiles, tail_k, tail_v, cfg)
         zero = tk.new_zeros(1, hkv, d)
         keys, values = torch.cat([zero, tk, *exact_k]).float(), torch.cat([zero, tv, *exact_v]).float()
         seqs, row = [], 1 + n_tiles * g  # rows: zeros, the tiles, then each sequence's exact tokens

@@ -198,12 +198,34 @@ def gather_tiles(
     not read: a sliding window has left them); with ``sink_slot >= 0`` tile 0, where gathered, is
     read from that pool slot in full precision instead of its record.
     """
+    return gather_sequences_tiles(cache, [(block_ids, n_tiles, sink_slot, first_tile)], tail_k, tail_v, cfg)
+
+
+def gather_sequences_tiles(
+    cache: torch.Tensor,
+    sequences: list[tuple[torch.Tensor, int, int, int]],
+    tail_k: torch.Tensor,
+    tail_v: torch.Tensor,
+    cfg: KVarNConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gather_tiles` of several sequences, one after another, in one decode of their records.
+
+    ``sequences`` holds each sequence's ``(block_ids, n_tiles, sink_slot, first_tile)``, the
+    arguments of :func:`gather_tiles`.
+    """
     g = cfg.group_size
-    n = max(n_tiles - first_tile, 0)
-    k, v = decode_records(cache[block_ids[first_tile : first_tile + n].long()], cfg)  # [n, Hkv, G, D]
-    k = k.transpose(1, 2).reshape(n * g, *k.shape[1:2], cfg.head_dim)
-    v = v.transpose(1, 2).reshape(n * g, *v.shape[1:2], cfg.head_dim)
-    if sink_slot >= 0 and n > 0 and first_tile == 0:
-        k[:g] = from_pool(tail_k[sink_slot])
-        v[:g] = from_pool(tail_v[sink_slot])
+    ids, sinks, at = [], [], 0
+    for block_ids, n_tiles, sink_slot, first_tile in sequences:
+        n = max(n_tiles - first_tile, 0)
+        ids.append(block_ids[first_tile : first_tile + n].long())
+        if sink_slot >= 0 and n > 0 and first_tile == 0:
+            sinks.append((at, sink_slot))
+        at += n
+    ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long, device=cache.device)
+    k, v = decode_records(cache[ids], cfg)  # [n, Hkv, G, D]
+    k = k.transpose(1, 2).reshape(at * g, *k.shape[1:2], cfg.head_dim)
+    v = v.transpose(1, 2).reshape(at * g, *v.shape[1:2], cfg.head_dim)
+    for tile, slot in sinks:
+        k[tile * g : (tile + 1) * g] = from_pool(tail_k[slot])
+        v[tile * g : (tile + 1) * g] = from_pool(tail_v[slot])
     return k, v
