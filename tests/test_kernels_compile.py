@@ -151,7 +151,7 @@ PAGE_PTRS |= {"slots": "*i64", "dst": "*i64", "mapping": "*i64", "tables": "*i32
     n: "*bf16" for n in ("k", "v", "k_pages", "v_pages", "tail_k", "tail_v", "rows_k", "rows_v")
 }
 
-pytestmark = pytest.mark.slow  # ~45 s on 2 cores: each compile runs ptxas
+pytestmark = pytest.mark.slow  # about 2 minutes on 2 cores, 4 on one: each compile runs ptxas
 
 
 def _cfg(preset, d: int):
@@ -197,33 +197,49 @@ def _compile_edge(kernel_name: str, preset, d: int, extra: dict):
     return triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
-def _compile_all() -> dict[str, str]:
-    """Each case's outcome: ``"ok"`` (a cubin came out) or the error."""
+NAMES = (
+    [f"decode/{n}" for n in DECODE]
+    + [f"store/{n}" for n in STORE]
+    + [f"pages/{n}" for n in PAGES]
+    + [f"edge/{n}" for n in EDGE]
+)
+
+
+def _compile(name: str):
+    """The compile of case ``name`` (``family/id``)."""
     from benchmarks.sass_decode import compile_decode
     from benchmarks.sass_store import compile_encode
 
-    jobs = {}
-    for name, (preset, d, tokens_m, fold, fused_q, extra) in DECODE.items():
+    family, case = name.split("/")
+    if family == "decode":
+        preset, d, tokens_m, fold, fused_q, extra = DECODE[case]
         extra = dict(extra)
         warps = extra.pop("num_warps", 4)
-        jobs[f"decode/{name}"] = lambda p=preset, d=d, t=tokens_m, f=fold, q=fused_q, e=extra, w=warps: compile_decode(
-            _cfg(p, d), d, t, f, q, pair=False, extra=e, num_warps=w
-        )
-    for name, (preset, phase) in STORE.items():
+        return compile_decode(_cfg(preset, d), d, tokens_m, fold, fused_q, pair=False, extra=extra, num_warps=warps)
+    if family == "store":
+        preset, phase = STORE[case]
         cfg = _cfg(preset, 64)
         extra = {} if phase is None else {"HAS_SMOOTH_SRC": True, "SMOOTH_PHASE": phase}
-        jobs[f"store/{name}"] = lambda c=cfg, e=extra: compile_encode(c, 8 if c.smooth_keys else 4, extra=e)
-    for name, args in PAGES.items():
-        jobs[f"pages/{name}"] = lambda a=args: _compile_pages(*a)
-    for name, args in EDGE.items():
-        jobs[f"edge/{name}"] = lambda a=args: _compile_edge(*a)
-    out = {}
-    for name, job in jobs.items():
-        try:
-            out[name] = "ok" if len(job().asm["cubin"]) > 0 else "empty cubin"
-        except Exception as exc:  # reported per case by the tests
-            out[name] = f"{type(exc).__name__}: {exc}"[-3000:]
-    return out
+        return compile_encode(cfg, 8 if cfg.smooth_keys else 4, extra=extra)
+    if family == "pages":
+        return _compile_pages(*PAGES[case])
+    return _compile_edge(*EDGE[case])
+
+
+def _outcome(name: str) -> str:
+    """``"ok"`` (a cubin came out) or the error."""
+    try:
+        return "ok" if len(_compile(name).asm["cubin"]) > 0 else "empty cubin"
+    except Exception as exc:  # reported per case by the tests
+        return f"{type(exc).__name__}: {exc}"[-3000:]
+
+
+def _compile_all() -> dict[str, str]:
+    """Each case's outcome, compiled in one process per core (each compile is one thread and a ptxas run)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return dict(zip(NAMES, pool.map(_outcome, NAMES), strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -236,13 +252,7 @@ def compiled() -> dict[str, str]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize(
-    "name",
-    [f"decode/{n}" for n in DECODE]
-    + [f"store/{n}" for n in STORE]
-    + [f"pages/{n}" for n in PAGES]
-    + [f"edge/{n}" for n in EDGE],
-)
+@pytest.mark.parametrize("name", NAMES)
 def test_kernel_compiles_for_sm90(compiled, name):
     assert compiled[name] == "ok", compiled[name]
 
