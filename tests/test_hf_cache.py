@@ -126,6 +126,30 @@ def test_paged_attention_mode_matches_dequantize_mode(tiny, smoothing):
     assert torch.equal(plain, paged)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_forward_with_autograd_on_gives_the_logits_of_one_without(tiny, paged):
+    """An evaluation that forgets ``torch.no_grad()``: K/V and queries that require grad are stored and attended
+    as without it (a reference op writing into a buffer with ``out=`` would refuse them)."""
+    ids = prompt_ids(130)
+
+    def next_logits():
+        cache = KVarNCache(PRESET, paged=paged)
+        tiny(ids[:, :129], past_key_values=cache, use_cache=True)
+        return tiny(ids[:, 129:], past_key_values=cache, use_cache=True).logits
+
+    if paged:
+        register_kvarn_attention()
+        tiny.set_attn_implementation("kvarn")
+    try:
+        with torch.no_grad():
+            want = next_logits()
+        got = next_logits()
+    finally:
+        tiny.set_attn_implementation("sdpa")
+    assert got.requires_grad
+    assert torch.equal(got.detach(), want)
+
+
 def test_generate_crosses_tiles_and_reports_memory(tiny):
     ids = prompt_ids(60)
     cache = KVarNCache(PRESET)
