@@ -700,7 +700,7 @@ def _capacity(llm, res: dict, prompt, plen: int, out: int, save, jit: JitLog | N
 
     A request takes ``cdiv(plen + out, block_size)`` blocks, plus kvarn's tail blocks where its tails live
     in vLLM's blocks (the KV spec's ``tail_blocks``): sized from tokens alone, the run overcommits the
-    cache and measures preemptions (2026-12-02: 252 requests where 241 fit). ``cap_preemptions``:
+    cache and measures preemptions (252 requests where 241 fit, on Qwen3-8B shapes). ``cap_preemptions``:
     vLLM's count over the run (0 when the sizing is right). ``cap_jit``: Triton's compiles during the
     end-to-end run (count, seconds, kernels), which an engine whose kernels were compiled would not pay.
     """

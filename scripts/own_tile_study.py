@@ -3,10 +3,10 @@
 ``kvarn report``'s protocol (and ``generate()`` with :class:`~kvarn.integration.hf.KVarNCache`) lets a
 token see the tile it belongs to in full precision: earlier tiles come from the records, the own tile
 from the chunk's exact K/V or the tail. vLLM's prefill attends through
-``kvarn.reference.paged_attention`` with several queries per sequence; until 2026-12-01 that read
-every *complete* tile from its record, the query's own included (2.6x the report's KL at k4v2 on
-SmolLM2); since then it follows the own-tile rule (the tiles before a query's own from the records,
-its own tile in full precision). This script measures the three ways on SmolLM2-135M with the sink
+``kvarn.reference.paged_attention`` with several queries per sequence, under the own-tile rule (the
+tiles before a query's own from the records, its own tile in full precision); reading every *complete*
+tile from its record instead, the query's own included, gives 2.6x the report's KL at k4v2 on SmolLM2.
+This script measures the three ways on SmolLM2-135M with the sink
 (tile 0 in full precision either way), KL of the next-token distributions over ``CONT`` positions
 after a ``PREFIX``-token prefix, against the exact run (fp32, ``DynamicCache``):
 

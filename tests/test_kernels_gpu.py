@@ -203,7 +203,7 @@ def test_paged_attention_fold_gpu(preset, d, dtype, hq, hkv, sink, splits, token
     out = attention.paged_attention(
         *args, num_splits=splits, tokens_m=tokens_m, fold_offsets=fold, empty=poisoned_empty
     )
-    # conditioned: with unseeded queries the flat 1% failed here twice on the H200 (1.02e-2, 2026-11-30)
+    # conditioned: with unseeded queries a flat 1% bound failed twice on an H200 (1.02e-2)
     err = check_attention(out, args, conditioned=True)
     print(f"STATS attention {preset} d={d} {dtype} tokens_m={tokens_m} fold={fold} rel_err={err:.2e}")
 
@@ -226,7 +226,7 @@ def test_paged_attention_block_rows_gpu(preset, d, dtype, hq, hkv, splits):
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    # conditioned: unseeded queries; the flat 1% failed here at 1.01-1.21e-2 with queries * 3 (H200, 2026-12-02)
+    # conditioned: unseeded queries; a flat 1% bound failed at 1.01-1.21e-2 with queries * 3 on an H200
     err = max(err, check_attention(out, args, conditioned=True))
     print(f"STATS attention block_rows {preset} d={d} {dtype} hq={hq} hkv={hkv} rel_err={err:.2e}")
 

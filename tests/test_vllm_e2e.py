@@ -607,9 +607,8 @@ def _check_presets(rows, num_prompts, max_tokens, head_dim, num_layers, num_kv_h
 def test_a_cache_block_of_several_tiles_and_a_skipped_layer(results):
     row = results["tiny"]["big_blocks_and_skipped_layer"]
     assert row["finished"] == 4
-    # 4 requests, then 16 at once in chunks of 96 tokens on a pool of 16 tail slots: before departures freed
-    # the kernel blocks their cache blocks split into, the 4 departed tails stayed and a running one was
-    # evicted (TailLostError, 2026-12-03)
+    # 4 requests, then 16 at once in chunks of 96 tokens on a pool of 16 tail slots: a departure must free the
+    # tails of every kernel block its cache blocks split into, or a running request's tail is evicted
     assert row["many_finished"] == 16
     assert row["stats"]["released_tails"] >= 4 and row["stats"].get("evicted_tails", 0) == 0
     assert row["block_size"] == 256
@@ -632,8 +631,8 @@ def test_quantized_presets_agree_with_the_unquantized_cache_on_smollm2(results):
     assert min(smol["prompt_tokens"]) > 128, "prompts must reach past the first tile"
     assert any(n < 256 < n + SMOL_MAX_TOKENS for n in smol["prompt_tokens"]), "decode must complete a tile"
     rows = smol["presets"]
-    # measured under the own-tile rule (2026-12-01): k4v4 0.944-0.965, k4v2 0.868-0.896, k2v2 0.833
-    # (before it, when a prompt read its own complete tiles from the records: 0.924-0.938, 0.812-0.854, 0.694)
+    # bounds a few points under the measured agreement (k4v4 0.944-0.965, k4v2 0.868-0.896, k2v2 0.833); a prompt
+    # that read its own complete tiles from the records measured 0.924-0.938, 0.812-0.854, 0.694
     _check_presets(rows, SMOL_PROMPTS, SMOL_MAX_TOKENS, 64, 30, 3, {(4, 4): 0.92, (4, 2): 0.83, (2, 2): 0.78})
     inside = rows[TINY_PRESET]["inside_first_tile"]
     assert inside["agreement"] >= 0.95, f"sequences that never leave the full-precision tail: {inside}"
@@ -691,7 +690,7 @@ def test_per_sequence_key_smoothing_serves_and_is_exact_under_prefix_caching_on_
     assert on["tokens"] == off["tokens"]
     assert on["teacher_forced_top1"] == off["teacher_forced_top1"]
     # no collapse: measured 0.792 (114 of 144 positions) against 0.813 for kvarn_k4v2_g128 in the same
-    # two engines (2026-12-01); a model whose keys the smoothing broke would be far below
+    # two engines; a model whose keys the smoothing broke would be far below
     plain = results["smollm2"]["presets"][TINY_PRESET]["teacher_forced_top1"]
     assert on["teacher_forced_top1"] >= plain - 0.1, (on["teacher_forced_top1"], plain)
 

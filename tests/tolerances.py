@@ -82,5 +82,5 @@ one unit roundoff of the query dtype (:func:`kernel_oracle.query_sensitivity`). 
 the rotated query, the dequantized scales and the probabilities to fp16 at least once each, so its
 error is a few such perturbations. Used by the smoothed-key cases, whose queries have a 10x channel
 on the keys' outlier channel: there the reference alone moves by 0.2-0.8% under a one-ulp query
-perturbation (CPU, fp16, D 64/128). On the H200 (2026-11-30, 23 cases) the kernels' error was at
+perturbation (CPU, fp16, D 64/128). On an H200 (23 cases) the kernels' error was at
 most 1.25x that sensitivity (1.2e-2 at 1.55e-2 in the worst case), so 2.5 leaves 2x headroom."""
