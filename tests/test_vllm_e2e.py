@@ -434,24 +434,30 @@ def run_children(jobs: list[tuple[list[str], pathlib.Path, pathlib.Path]], timeo
     """Run engine scenarios' child processes at once, each ``(cmd, out, log)`` writing its results as JSON to
     ``out`` and its output to ``log``; returns each one's results with its output under ``"log"``. Each engine
     runs one OpenMP thread, so a 2-core machine runs two children side by side. A failed child fails the test
-    with its output's end."""
+    with its output's end at once (the others are stopped); one past ``timeout`` fails it too."""
     deadline = time.time() + timeout
     procs = []
     for cmd, _, log in jobs:
         with open(log, "w") as f:
             procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env or _engine_env()))
+    failed = []
     try:
-        for proc in procs:
-            proc.wait(timeout=max(deadline - time.time(), 1))
+        while not failed and any(proc.poll() is None for proc in procs):
+            if time.time() > deadline:
+                raise subprocess.TimeoutExpired(jobs[0][0], timeout)
+            time.sleep(1)
+            failed = [i for i, proc in enumerate(procs) if proc.poll()]  # nonzero: stop the rest, report it
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+    for i in failed or [i for i, proc in enumerate(procs) if proc.returncode]:
+        log = jobs[i][2]
+        raise AssertionError(f"engine run failed, log at {log}:\n{log.read_text()[-6000:]}")
     results = []
-    for proc, (_, out, log) in zip(procs, jobs, strict=True):
+    for _, out, log in jobs:
         text = log.read_text()
-        assert proc.returncode == 0, f"engine run failed, log at {log}:\n{text[-6000:]}"
         data = json.loads(out.read_text())
         data["log"] = text
         print(json.dumps({k: v for k, v in data.items() if k != "log"}, indent=1))
