@@ -14,9 +14,16 @@ PY="$VENV/bin/python"
 PROGRESS=(-o console_output_style=times --durations=15)
 
 # Triton kernels on tiny shapes through TRITON_INTERPRET=1 (it must be set before triton imports,
-# hence a separate process). Exit code 5 means no such test was collected.
+# hence a separate process), spread over pytest-xdist workers: each interpreted kernel runs on one core.
+# KVARN_TEST_WORKERS overrides the count (default: the usable cores, at most 4; 1 runs them in this process).
+# Exit code 5 means no such test was collected.
+WORKERS=${KVARN_TEST_WORKERS:-$("$PY" -c "import os; print(min(len(os.sched_getaffinity(0)), 4))")}
+SPREAD=()
+if [ "$WORKERS" -gt 1 ]; then
+  SPREAD=(-n "$WORKERS")
+fi
 set +e
-TRITON_INTERPRET=1 "$PY" -m pytest -m "interpreter and not gpu" "${PROGRESS[@]}" "$@"
+TRITON_INTERPRET=1 "$PY" -m pytest -m "interpreter and not gpu" "${SPREAD[@]}" "${PROGRESS[@]}" "$@"
 rc=$?
 set -e
 if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then
