@@ -17,7 +17,7 @@ PROGRESS=(-o console_output_style=times --durations=15)
 # hence a separate process), spread over pytest-xdist workers: each interpreted kernel runs on one core.
 # KVARN_TEST_WORKERS overrides the count (default: the usable cores, at most 4; 1 runs them in this process).
 # Exit code 5 means no such test was collected.
-WORKERS=${KVARN_TEST_WORKERS:-$("$PY" -c "import os; print(min(len(os.sched_getaffinity(0)), 4))")}
+WORKERS=${KVARN_TEST_WORKERS:-$("$PY" -c "import os; a = getattr(os, 'sched_getaffinity', None); print(min(len(a(0)) if a else os.cpu_count() or 1, 4))")}
 SPREAD=()
 if [ "$WORKERS" -gt 1 ]; then
   SPREAD=(-n "$WORKERS")
